@@ -1,0 +1,313 @@
+//! Layered settings: defaults, then an optional TOML file, then environment variables,
+//! then flags, validated once at start-up.
+//!
+//! Every flag `--some-flag` also reads `<PREFIX>_SOME_FLAG` from the environment, so that
+//! Kubernetes manifests and shells can set anything a flag can.
+
+use std::{net::SocketAddr, path::Path, time::Duration};
+
+use clap::{ArgMatches, CommandFactory, FromArgMatches};
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+/// Why settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The config file is not valid TOML for these settings.
+    #[error("invalid config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What the parser said, with the line.
+        message: String,
+    },
+    /// A setting is out of range.
+    #[error("invalid setting `{field}`: {message}")]
+    Invalid {
+        /// The setting, as named in the config file.
+        field: &'static str,
+        /// What is accepted.
+        message: String,
+    },
+}
+
+/// Parses the command line of `C`, reading each flag that is not given from the
+/// environment variable `<env_prefix>_<FLAG_NAME>`. Exits with usage on a bad command line.
+pub fn parse_cli<C: CommandFactory + FromArgMatches>(env_prefix: &str) -> C {
+    let command = C::command().mut_args(|arg| {
+        let id = arg.get_id().as_str();
+        if arg.get_long().is_none() || matches!(id, "help" | "version" | "print_config") {
+            return arg;
+        }
+        let name = format!("{env_prefix}_{}", id.to_uppercase().replace('-', "_"));
+        arg.env(name)
+    });
+    let matches: ArgMatches = command.get_matches();
+    C::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
+/// Reads settings of type `T` from a TOML file; fields it leaves out keep their defaults
+/// and unknown fields are refused, so that a typo does not pass silently.
+pub fn load_file<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// Renders effective settings as TOML for `--print-config`. Secrets are masked by their
+/// own `Serialize` implementation (see `agentrt_core::Secret`).
+pub fn to_toml<T: Serialize>(settings: &T) -> String {
+    toml::to_string_pretty(settings).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+}
+
+/// Settings every gRPC server has.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerSettings {
+    /// Address to listen on; port 0 picks a free port (the bound address is logged).
+    pub listen: SocketAddr,
+    /// How long running calls may take to finish after a shutdown signal.
+    #[serde(with = "duration")]
+    pub drain_grace: Duration,
+    /// Largest request or response message, in bytes.
+    pub max_message_bytes: usize,
+    /// Most concurrent calls (HTTP/2 streams) on one connection.
+    pub max_concurrent_streams: u32,
+    /// Whether gRPC reflection (v1 and v1alpha) is served.
+    pub reflection: bool,
+}
+
+impl ServerSettings {
+    /// Defaults, listening on `listen`.
+    pub fn listening_on(listen: SocketAddr) -> Self {
+        Self {
+            listen,
+            ..Self::default()
+        }
+    }
+
+    /// Checks ranges once at start-up.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.drain_grace > Duration::from_secs(3600) {
+            return Err(ConfigError::Invalid {
+                field: "server.drain_grace",
+                message: "must be at most 1h".into(),
+            });
+        }
+        if !(1024..=256 * 1024 * 1024).contains(&self.max_message_bytes) {
+            return Err(ConfigError::Invalid {
+                field: "server.max_message_bytes",
+                message: "must be between 1024 and 268435456".into(),
+            });
+        }
+        if self.max_concurrent_streams == 0 {
+            return Err(ConfigError::Invalid {
+                field: "server.max_concurrent_streams",
+                message: "must be positive".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            drain_grace: Duration::from_secs(10),
+            max_message_bytes: 4 * 1024 * 1024,
+            max_concurrent_streams: 1024,
+            reflection: true,
+        }
+    }
+}
+
+/// Flags for [`ServerSettings`]; each overrides the file and defaults when given.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServerArgs {
+    /// Address to listen on, HOST:PORT (port 0 picks a free port).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub listen: Option<SocketAddr>,
+    /// Grace period for running calls after SIGTERM, e.g. `10s`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub drain_grace: Option<Duration>,
+    /// Largest request or response message, in bytes.
+    #[arg(long, value_name = "BYTES")]
+    pub max_message_bytes: Option<usize>,
+    /// Most concurrent calls on one connection.
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_streams: Option<u32>,
+    /// Serve gRPC reflection (`true` or `false`).
+    #[arg(long, value_name = "BOOL")]
+    pub reflection: Option<bool>,
+}
+
+impl ServerArgs {
+    /// Overrides `settings` with the flags (or their environment variables) that were given.
+    pub fn apply(&self, settings: &mut ServerSettings) {
+        override_with(&mut settings.listen, self.listen);
+        override_with(&mut settings.drain_grace, self.drain_grace);
+        override_with(&mut settings.max_message_bytes, self.max_message_bytes);
+        override_with(
+            &mut settings.max_concurrent_streams,
+            self.max_concurrent_streams,
+        );
+        override_with(&mut settings.reflection, self.reflection);
+    }
+}
+
+/// Sets `slot` when a value was given.
+pub fn override_with<T>(slot: &mut T, value: Option<T>) {
+    if let Some(value) = value {
+        *slot = value;
+    }
+}
+
+/// Parses `1h`, `2m`, `10s`, `250ms`, `1m30s` or plain seconds (`15`, `0.5`).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let invalid = || format!("invalid duration {text:?}: use e.g. 500ms, 10s, 2m or 1h");
+    if text.is_empty() {
+        return Err(invalid());
+    }
+    if let Ok(seconds) = text.parse::<f64>() {
+        return Duration::try_from_secs_f64(seconds).map_err(|_| invalid());
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(invalid)?;
+        let (number, tail) = rest.split_at(split);
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, next) = tail.split_at(unit_len);
+        let value: f64 = number.parse().map_err(|_| invalid())?;
+        let seconds = match unit {
+            "ms" => value / 1000.0,
+            "s" => value,
+            "m" => value * 60.0,
+            "h" => value * 3600.0,
+            _ => return Err(invalid()),
+        };
+        total += Duration::try_from_secs_f64(seconds).map_err(|_| invalid())?;
+        rest = next;
+    }
+    Ok(total)
+}
+
+/// Renders a duration the way [`parse_duration`] reads it.
+pub fn format_duration(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        format!("{}s", d.as_secs())
+    } else if d.subsec_nanos() % 1_000_000 == 0 {
+        format!("{}ms", d.as_millis())
+    } else {
+        format!("{}s", d.as_secs_f64())
+    }
+}
+
+/// Serde helpers for durations written as `10s`, `500ms`, ... in config files.
+pub mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Serializes as text.
+    pub fn serialize<S: Serializer>(d: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&super::format_duration(*d))
+    }
+
+    /// Deserializes from text or a number of seconds.
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Text(String),
+            Seconds(f64),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Text(text) => super::parse_duration(&text).map_err(serde::de::Error::custom),
+            Raw::Seconds(s) => Duration::try_from_secs_f64(s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_and_format() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
+        for bad in ["", "s", "10x", "-1", "ten seconds", "1s2"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+        for d in [Duration::from_secs(10), Duration::from_millis(1500)] {
+            assert_eq!(parse_duration(&format_duration(d)), Ok(d));
+        }
+    }
+
+    #[test]
+    fn secrets_are_masked() {
+        use agentrt_core::Secret;
+        let secret = Secret::new("sk-very-secret");
+        assert_eq!(format!("{secret:?}"), "\"****\"");
+        #[derive(Serialize)]
+        struct S {
+            key: Secret,
+        }
+        assert_eq!(to_toml(&S { key: secret }).trim(), "key = \"****\"");
+    }
+
+    #[test]
+    fn files_layer_over_defaults_and_refuse_typos() {
+        let dir = std::env::temp_dir().join(format!("agentrt-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.toml");
+        std::fs::write(&good, "listen = \"0.0.0.0:9000\"\ndrain_grace = \"3s\"\n").unwrap();
+        let settings: ServerSettings = load_file(&good).unwrap();
+        assert_eq!(settings.listen, "0.0.0.0:9000".parse().unwrap());
+        assert_eq!(settings.drain_grace, Duration::from_secs(3));
+        assert_eq!(
+            settings.max_message_bytes,
+            ServerSettings::default().max_message_bytes
+        );
+
+        let typo = dir.join("typo.toml");
+        std::fs::write(&typo, "lissen = \"0.0.0.0:9000\"\n").unwrap();
+        let err = load_file::<ServerSettings>(&typo).unwrap_err().to_string();
+        assert!(err.contains("lissen"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let mut settings = ServerSettings::default();
+        let args = ServerArgs {
+            drain_grace: Some(Duration::from_secs(1)),
+            ..ServerArgs::default()
+        };
+        args.apply(&mut settings);
+        assert_eq!(settings.drain_grace, Duration::from_secs(1));
+        assert_eq!(settings.listen, ServerSettings::default().listen);
+    }
+}

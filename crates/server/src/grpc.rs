@@ -1,0 +1,133 @@
+use std::{future::Future, time::Duration};
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::{
+    service::Routes,
+    transport::{Server, server::TcpIncoming},
+};
+use tonic_health::ServingStatus;
+use tracing::{info, warn};
+
+use crate::config::ServerSettings;
+
+/// Why a server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The listener failed.
+    #[error("listener error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The gRPC transport failed.
+    #[error("grpc transport error: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The reflection service could not be built from the descriptors.
+    #[error("cannot build the reflection service: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+}
+
+/// A gRPC server around a binary's own services, adding what every server here has:
+/// `grpc.health.v1` for `""` and each service, reflection v1 and v1alpha, HTTP/2 limits,
+/// and a drain with a grace period on shutdown.
+pub struct GrpcServer {
+    name: &'static str,
+    settings: ServerSettings,
+    services: Vec<&'static str>,
+}
+
+impl GrpcServer {
+    /// A server called `name` in logs, with the given settings.
+    pub fn new(name: &'static str, settings: ServerSettings) -> Self {
+        Self {
+            name,
+            settings,
+            services: Vec::new(),
+        }
+    }
+
+    /// Names a service served by the routes, so that health reports it.
+    pub fn reporting(mut self, service_name: &'static str) -> Self {
+        self.services.push(service_name);
+        self
+    }
+
+    /// Serves `routes` on `listener` until `shutdown` resolves, then drains:
+    /// health turns NOT_SERVING, `drain` is cancelled (so that long-running streams can end
+    /// themselves properly), new connections are refused, and running calls get
+    /// `drain_grace` to finish before the remaining connections are closed.
+    pub async fn serve(
+        self,
+        routes: Routes,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()>,
+        drain: CancellationToken,
+    ) -> Result<(), ServerError> {
+        let addr = listener.local_addr()?;
+        let (health, health_service) = tonic_health::server::health_reporter();
+        for service in &self.services {
+            health
+                .set_service_status(*service, ServingStatus::Serving)
+                .await;
+        }
+
+        let mut routes = routes.add_service(health_service);
+        if self.settings.reflection {
+            let descriptors = || {
+                tonic_reflection::server::Builder::configure()
+                    .register_encoded_file_descriptor_set(agentrt::FILE_DESCRIPTOR_SET)
+                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            };
+            routes = routes
+                .add_service(descriptors().build_v1()?)
+                .add_service(descriptors().build_v1alpha()?);
+        }
+
+        let stop_accepting = CancellationToken::new();
+        let server = Server::builder()
+            .tcp_nodelay(true)
+            .max_concurrent_streams(self.settings.max_concurrent_streams)
+            // Thousands of streams opening at once on one connection exhaust h2's default
+            // 1 MiB connection window and make it send GOAWAY; give it room.
+            .initial_connection_window_size(16 * 1024 * 1024)
+            .initial_stream_window_size(1024 * 1024)
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(
+                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                stop_accepting.clone().cancelled_owned(),
+            );
+        tokio::pin!(server);
+        info!(service = self.name, %addr, "listening");
+
+        tokio::select! {
+            result = &mut server => return result.map_err(Into::into),
+            () = shutdown => {}
+        }
+
+        let grace = self.settings.drain_grace;
+        info!(service = self.name, grace = ?grace, "draining");
+        health
+            .set_service_status("", ServingStatus::NotServing)
+            .await;
+        for service in &self.services {
+            health
+                .set_service_status(*service, ServingStatus::NotServing)
+                .await;
+        }
+        drain.cancel();
+        stop_accepting.cancel();
+        match tokio::time::timeout(grace, &mut server).await {
+            Ok(result) => {
+                info!(service = self.name, "drained");
+                result.map_err(Into::into)
+            }
+            Err(_) => {
+                warn!(
+                    service = self.name,
+                    "drain grace elapsed; closing the remaining calls"
+                );
+                Ok(())
+            }
+        }
+    }
+}

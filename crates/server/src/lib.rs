@@ -1,0 +1,14 @@
+//! The gRPC serving plumbing both services share.
+//!
+//! - [`config`]: layered settings (defaults, file, environment, flags) and durations.
+//! - [`shutdown`]: the drain signal (SIGTERM/SIGINT; a second one exits at once).
+//! - [`GrpcServer`]: health, reflection v1 and v1alpha, limits, and a drain with a grace
+//!   period around the services a binary registers.
+
+pub mod config;
+pub mod shutdown;
+
+mod grpc;
+
+pub use grpc::{GrpcServer, ServerError};
+pub mod status;

@@ -1,0 +1,231 @@
+//! Fixtures for the end-to-end tests: the real binaries, started on `127.0.0.1:0`, with
+//! the bound address read from their log, and stopped by signal or on drop.
+//!
+//! This crate knows nothing of the contract, so that tests use the contract crate's own
+//! generated clients.
+// Fixtures fail loudly: a panic with the process log is the most useful test failure.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{ExitStatus, Stdio},
+    sync::{Arc, Mutex, OnceLock},
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt, BufReader},
+    process::{Child, Command},
+    sync::oneshot,
+};
+
+/// How long a binary may take to log its address.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The path of a binary of this workspace, built once per test process if needed.
+///
+/// Test executables live in `target/<profile>/deps`; the binaries sit one level up. The
+/// build runs `cargo build --bins` with the same profile, which is a no-op when they are
+/// fresh, so that `cargo test` alone is enough.
+pub fn binary(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let dir = BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let deps = exe.parent().ok_or("test executable has no directory")?;
+            let profile_dir = deps.parent().ok_or("deps has no parent")?.to_path_buf();
+            let release = profile_dir.file_name().is_some_and(|n| n == "release");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut build = std::process::Command::new(cargo);
+            build.args(["build", "--quiet", "--bins", "--workspace"]);
+            if release {
+                build.arg("--release");
+            }
+            let status = build
+                .status()
+                .map_err(|e| format!("cannot run cargo: {e}"))?;
+            if !status.success() {
+                return Err(format!("cargo build --bins failed: {status}"));
+            }
+            Ok(profile_dir)
+        })
+        .as_ref()
+        .unwrap_or_else(|e| panic!("cannot build the workspace binaries: {e}"));
+    dir.join(name)
+}
+
+/// A running binary of the workspace.
+pub struct Server {
+    child: Child,
+    /// The address it logged as bound.
+    pub addr: SocketAddr,
+    logs: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `binary` with `args` (which should include `--listen 127.0.0.1:0`) and
+    /// extra environment variables, and waits until it logs `listening ... addr=`.
+    /// Panics with the log when it does not come up.
+    pub async fn start(binary_name: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let path = binary(binary_name);
+        let mut command = Command::new(&path);
+        command
+            .args(args)
+            .env("LOG_FORMAT", "text")
+            .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", path.display()));
+        let logs = Arc::new(Mutex::new(String::new()));
+        let (addr_tx, addr_rx) = oneshot::channel();
+        let mut addr_tx = Some(addr_tx);
+        if let Some(stdout) = child.stdout.take() {
+            tokio::spawn(collect(BufReader::new(stdout), logs.clone(), None));
+        }
+        if let Some(stderr) = child.stderr.take() {
+            tokio::spawn(collect(
+                BufReader::new(stderr),
+                logs.clone(),
+                addr_tx.take(),
+            ));
+        }
+        let addr = match tokio::time::timeout(START_TIMEOUT, addr_rx).await {
+            Ok(Ok(addr)) => addr,
+            _ => {
+                let status = child.try_wait().ok().flatten();
+                panic!(
+                    "{binary_name} did not log its address (exit status {status:?}); log:\n{}",
+                    logs.lock().map(|l| l.clone()).unwrap_or_default()
+                );
+            }
+        };
+        Self { child, addr, logs }
+    }
+
+    /// `http://ADDR`, for gRPC clients.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Everything the process printed so far.
+    pub fn logs(&self) -> String {
+        self.logs.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        if let Some(pid) = self.child.id() {
+            let sent = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+            assert!(
+                sent.is_ok_and(|s| s.success()),
+                "cannot send SIGTERM to {pid}"
+            );
+        }
+    }
+
+    /// Waits for the process to exit, at most `limit`; panics with the log otherwise.
+    pub async fn wait(&mut self, limit: Duration) -> ExitStatus {
+        match tokio::time::timeout(limit, self.child.wait()).await {
+            Ok(Ok(status)) => status,
+            _ => panic!(
+                "process did not exit within {limit:?}; log:\n{}",
+                self.logs()
+            ),
+        }
+    }
+}
+
+async fn collect<R: tokio::io::AsyncBufRead + Unpin>(
+    reader: R,
+    logs: Arc<Mutex<String>>,
+    mut addr_tx: Option<oneshot::Sender<SocketAddr>>,
+) {
+    let mut lines = reader.lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if let Some(addr) = addr_tx.as_ref().and(listening_addr(&line))
+            && let Some(tx) = addr_tx.take()
+        {
+            let _ = tx.send(addr);
+        }
+        if let Ok(mut logs) = logs.lock() {
+            logs.push_str(&line);
+            logs.push('\n');
+        }
+    }
+}
+
+/// The address in a `listening` log line, e.g. `... listening service="x" addr=127.0.0.1:4000`.
+fn listening_addr(line: &str) -> Option<SocketAddr> {
+    if !line.contains("listening") {
+        return None;
+    }
+    let rest = &line[line.find("addr=")? + "addr=".len()..];
+    rest.split_whitespace()
+        .next()?
+        .trim_matches('"')
+        .parse()
+        .ok()
+}
+
+/// Starts a tool executor on a free port.
+pub async fn tool_executor(extra_args: &[&str]) -> Server {
+    let mut args = vec!["--listen", "127.0.0.1:0"];
+    args.extend_from_slice(extra_args);
+    Server::start("tool-executor", &args, &[]).await
+}
+
+/// Starts an agent server on a free port, talking to the tool executor at `tools_url`,
+/// with an `openai` provider registered through the environment (never contacted by the
+/// calls these tests make).
+pub async fn agent_server(tools_url: &str, extra_args: &[&str]) -> Server {
+    let mut args = vec!["--listen", "127.0.0.1:0", "--tool-executor", tools_url];
+    args.extend_from_slice(extra_args);
+    Server::start(
+        "agent-server",
+        &args,
+        &[
+            ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1"),
+            ("OPENAI_API_KEY", "test-key"),
+        ],
+    )
+    .await
+}
+
+/// An address nothing listens on: bound, then released.
+pub fn unused_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_are_read_from_log_lines() {
+        let line = "2026-11-22T08:00:00Z  INFO agentrt_server::grpc: listening service=\"tool-executor\" addr=127.0.0.1:41234";
+        assert_eq!(
+            listening_addr(line),
+            Some("127.0.0.1:41234".parse().unwrap())
+        );
+        assert_eq!(listening_addr("draining addr=1.2.3.4:5"), None);
+    }
+}
+
+/// A gRPC channel to `url`, connected now.
+pub async fn connect(url: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(url.to_owned())
+        .expect("valid URL")
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"))
+}

@@ -1,0 +1,172 @@
+//! `agent.v1.AgentService`: config validation and the engine registry.
+
+use std::{sync::Arc, time::SystemTime};
+
+use agentrt::v1::{self, agent_service_server::AgentService};
+use agentrt_core::Violation;
+use tonic::{Request, Response, Status};
+use tracing::info;
+
+use crate::{
+    convert,
+    engines::{Engine, EngineStore},
+    error::{Error, Result},
+    validate::ConfigValidator,
+};
+
+/// Longest client-chosen session id.
+const SESSION_ID_MAX_CHARS: usize = 128;
+
+/// `agent.v1.AgentService` over a validator and an engine store.
+pub struct AgentServiceImpl {
+    validator: ConfigValidator,
+    engines: Arc<dyn EngineStore>,
+}
+
+impl AgentServiceImpl {
+    pub fn new(validator: ConfigValidator, engines: Arc<dyn EngineStore>) -> Self {
+        Self { validator, engines }
+    }
+
+    async fn create(&self, request: v1::CreateAgentEngineRequest) -> Result<Engine> {
+        let checked = self.validator.check(request.config.as_ref()).await?;
+        let mut violations = checked.violations;
+        let session_id = if request.session_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            if let Err(v) = check_session_id(&request.session_id) {
+                violations.push(v);
+            }
+            request.session_id
+        };
+        if !violations.is_empty() {
+            return Err(Error::InvalidConfig(violations));
+        }
+        let config = convert::config_from_wire(&checked.effective);
+        let now = SystemTime::now();
+        let engine = self
+            .engines
+            .insert(Engine {
+                id: uuid::Uuid::new_v4().to_string(),
+                session_id,
+                config: Arc::new(config),
+                create_time: now,
+                expire_time: now,
+            })
+            .await;
+        info!(engine_id = %engine.id, session_id = %engine.session_id, agent = %engine.config.name, "engine created");
+        Ok(engine)
+    }
+
+    async fn engine(&self, engine_id: &str) -> Result<Engine> {
+        if engine_id.is_empty() {
+            return Err(Error::InvalidRequest(vec![Violation::new(
+                "engine_id",
+                "required",
+            )]));
+        }
+        self.engines
+            .get(engine_id)
+            .await
+            .ok_or_else(|| Error::EngineNotFound(engine_id.to_owned()))
+    }
+}
+
+fn check_session_id(id: &str) -> std::result::Result<(), Violation> {
+    let ok = id.len() <= SESSION_ID_MAX_CHARS
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Violation::new(
+            "session_id",
+            "must be at most 128 characters of letters, digits, '_', '-', '.' or ':'",
+        ))
+    }
+}
+
+#[tonic::async_trait]
+impl AgentService for AgentServiceImpl {
+    async fn validate_config(
+        &self,
+        request: Request<v1::ValidateConfigRequest>,
+    ) -> std::result::Result<Response<v1::ValidateConfigResponse>, Status> {
+        let request = request.into_inner();
+        let checked = self
+            .validator
+            .check(request.config.as_ref())
+            .await
+            .map_err(Error::from)?;
+        Ok(Response::new(v1::ValidateConfigResponse {
+            valid: checked.violations.is_empty(),
+            violations: checked
+                .violations
+                .into_iter()
+                .map(|v| v1::ConfigViolation {
+                    field: v.field,
+                    description: v.description,
+                })
+                .collect(),
+            effective_config: Some(checked.effective),
+        }))
+    }
+
+    async fn create_agent_engine(
+        &self,
+        request: Request<v1::CreateAgentEngineRequest>,
+    ) -> std::result::Result<Response<v1::CreateAgentEngineResponse>, Status> {
+        let engine = self.create(request.into_inner()).await?;
+        Ok(Response::new(v1::CreateAgentEngineResponse {
+            engine_id: engine.id,
+            session_id: engine.session_id,
+            config: Some(convert::config_to_wire(&engine.config)),
+            create_time: Some(convert::timestamp(engine.create_time)),
+            expire_time: Some(convert::timestamp(engine.expire_time)),
+        }))
+    }
+
+    async fn get_agent_engine(
+        &self,
+        request: Request<v1::GetAgentEngineRequest>,
+    ) -> std::result::Result<Response<v1::GetAgentEngineResponse>, Status> {
+        let engine = self.engine(&request.into_inner().engine_id).await?;
+        Ok(Response::new(v1::GetAgentEngineResponse {
+            engine_id: engine.id,
+            session_id: engine.session_id,
+            config: Some(convert::config_to_wire(&engine.config)),
+            create_time: Some(convert::timestamp(engine.create_time)),
+            expire_time: Some(convert::timestamp(engine.expire_time)),
+        }))
+    }
+
+    async fn delete_agent_engine(
+        &self,
+        request: Request<v1::DeleteAgentEngineRequest>,
+    ) -> std::result::Result<Response<v1::DeleteAgentEngineResponse>, Status> {
+        let engine_id = request.into_inner().engine_id;
+        if engine_id.is_empty() {
+            return Err(
+                Error::InvalidRequest(vec![Violation::new("engine_id", "required")]).into(),
+            );
+        }
+        if !self.engines.remove(&engine_id).await {
+            return Err(Error::EngineNotFound(engine_id).into());
+        }
+        info!(%engine_id, "engine deleted");
+        Ok(Response::new(v1::DeleteAgentEngineResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_ids_are_checked() {
+        assert!(check_session_id("user-42:chat.7_a").is_ok());
+        assert!(check_session_id("has space").is_err());
+        assert!(check_session_id(&"x".repeat(129)).is_err());
+    }
+}

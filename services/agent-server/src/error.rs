@@ -1,0 +1,46 @@
+//! The agent server's errors and their one mapping to gRPC statuses.
+
+use std::time::Duration;
+
+use agentrt_core::{ToolServiceError, Violation};
+use agentrt_server::status;
+use tonic::Status;
+
+/// What can go wrong in a call to the agent server.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The config has problems; every one is listed.
+    #[error("invalid agent config")]
+    InvalidConfig(Vec<Violation>),
+    /// A request field other than the config is wrong.
+    #[error("invalid request")]
+    InvalidRequest(Vec<Violation>),
+    /// No engine has this id (or it expired).
+    #[error("engine {0:?} not found")]
+    EngineNotFound(String),
+    /// The tool executor could not be asked.
+    #[error(transparent)]
+    ToolService(#[from] ToolServiceError),
+}
+
+/// A `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<Error> for Status {
+    fn from(error: Error) -> Self {
+        match error {
+            Error::InvalidConfig(violations) => {
+                status::invalid_argument("invalid agent config", &violations)
+            }
+            Error::InvalidRequest(violations) => {
+                status::invalid_argument("invalid request", &violations)
+            }
+            Error::EngineNotFound(id) => status::not_found("ENGINE_NOT_FOUND", "engine", &id),
+            Error::ToolService(e) => status::unavailable(
+                "TOOL_EXECUTOR_UNAVAILABLE",
+                format!("cannot check the config's tools: {e}"),
+                Duration::from_secs(1),
+            ),
+        }
+    }
+}

@@ -1,0 +1,91 @@
+//! The agent-server service: `agent.v1.AgentService` (validate configs, manage engines)
+//! and `agent.v1.AgentEngine` (run user turns).
+//!
+//! [`serve`] is the whole server; `main.rs` only parses settings, starts logging, binds
+//! and calls it, so tests and the local stack run exactly what production runs.
+
+mod agent_engine;
+mod agent_service;
+mod convert;
+mod engines;
+mod error;
+mod settings;
+mod tool_client;
+mod validate;
+
+use std::{future::Future, sync::Arc};
+
+use agentrt::{
+    service_names,
+    v1::{agent_engine_server::AgentEngineServer, agent_service_server::AgentServiceServer},
+};
+use agentrt_models::{ProviderError, ProviderRegistry};
+use agentrt_server::{GrpcServer, ServerError};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+
+pub use engines::{Engine, EngineStore, InMemoryEngineStore};
+pub use error::{Error, Result};
+pub use settings::{Cli, EngineSettings, Settings};
+
+/// Why the server could not start or stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The provider settings are wrong.
+    #[error(transparent)]
+    Providers(#[from] ProviderError),
+    /// The tool executor URL is wrong.
+    #[error("{0}")]
+    ToolExecutor(String),
+    /// The gRPC server failed.
+    #[error(transparent)]
+    Server(#[from] ServerError),
+}
+
+/// The providers the settings and the environment configure.
+pub fn providers(settings: &Settings) -> std::result::Result<ProviderRegistry, ProviderError> {
+    ProviderRegistry::new(
+        settings.providers.clone(),
+        settings.default_provider.clone(),
+        |name| std::env::var(name).ok(),
+    )
+}
+
+/// Serves `AgentService` and `AgentEngine` on `listener` until `shutdown` resolves, then
+/// drains.
+pub async fn serve(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> std::result::Result<(), StartError> {
+    let providers = Arc::new(providers(&settings)?);
+    let tools = tool_client::GrpcToolClient::new(
+        &settings.tool_executor,
+        settings.tool_executor_timeout,
+        settings.server.max_message_bytes,
+    )
+    .map_err(StartError::ToolExecutor)?;
+    let validator = validate::ConfigValidator::new(providers, Arc::new(tools));
+    let engines: Arc<dyn EngineStore> = Arc::new(InMemoryEngineStore::new(
+        settings.engines.ttl,
+        settings.engines.max_engines,
+    ));
+    let max = settings.server.max_message_bytes;
+    let routes = Routes::new(
+        AgentServiceServer::new(agent_service::AgentServiceImpl::new(validator, engines))
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max),
+    )
+    .add_service(
+        AgentEngineServer::new(agent_engine::AgentEngineImpl)
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max),
+    );
+    GrpcServer::new("agent-server", settings.server)
+        .reporting(service_names::AGENT_SERVICE)
+        .reporting(service_names::AGENT_ENGINE)
+        .serve(routes, listener, shutdown, CancellationToken::new())
+        .await?;
+    Ok(())
+}

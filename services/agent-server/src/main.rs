@@ -1,0 +1,24 @@
+//! `agent-server`: parses settings, starts logging, binds and serves.
+
+use agentrt_agent_server::Cli;
+use anyhow::Context;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
+    let mut settings = cli.settings()?;
+    if cli.print_config {
+        // Show the providers the environment registers too, with keys masked.
+        settings.providers = agentrt_agent_server::providers(&settings)?
+            .settings()
+            .clone();
+        print!("{}", agentrt_server::config::to_toml(&settings));
+        return Ok(());
+    }
+    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind(settings.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.server.listen))?;
+    agentrt_agent_server::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    Ok(())
+}

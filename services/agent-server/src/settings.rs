@@ -1,0 +1,160 @@
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
+
+use agentrt_models::ProviderSettings;
+use agentrt_server::config::{self, ConfigError, ServerArgs, ServerSettings, parse_duration};
+use serde::{Deserialize, Serialize};
+
+/// The agent server's settings, as a config file writes them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Listening, limits and drain.
+    pub server: ServerSettings,
+    /// URL of the tool executor, e.g. `http://127.0.0.1:50052`.
+    pub tool_executor: String,
+    /// How long a call to the tool executor may take to connect and answer `ListTools`.
+    #[serde(with = "config::duration")]
+    pub tool_executor_timeout: Duration,
+    /// The engine registry's bounds.
+    pub engines: EngineSettings,
+    /// The provider used when a config names none; the only provider when unset and
+    /// exactly one is configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_provider: Option<String>,
+    /// Model providers by name. When empty, `OPENAI_BASE_URL`/`OPENAI_API_KEY` register
+    /// `openai`.
+    pub providers: BTreeMap<String, ProviderSettings>,
+}
+
+/// Bounds of the engine registry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSettings {
+    /// An engine unused for this long expires.
+    #[serde(with = "config::duration")]
+    pub ttl: Duration,
+    /// Most engines kept; beyond, the least recently used one is dropped.
+    pub max_engines: usize,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(3600),
+            max_engines: 10_000,
+        }
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50051))),
+            tool_executor: "http://127.0.0.1:50052".into(),
+            tool_executor_timeout: Duration::from_secs(5),
+            engines: EngineSettings::default(),
+            default_provider: None,
+            providers: BTreeMap::new(),
+        }
+    }
+}
+
+impl Settings {
+    /// Checks ranges once at start-up.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.server.validate()?;
+        if !(self.tool_executor.starts_with("http://")
+            || self.tool_executor.starts_with("https://"))
+        {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor",
+                message: format!(
+                    "{:?} must be an http:// or https:// URL",
+                    self.tool_executor
+                ),
+            });
+        }
+        if self.tool_executor_timeout.is_zero()
+            || self.tool_executor_timeout > Duration::from_secs(300)
+        {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_timeout",
+                message: "must be between 1ms and 5m".into(),
+            });
+        }
+        if self.engines.ttl.is_zero() {
+            return Err(ConfigError::Invalid {
+                field: "engines.ttl",
+                message: "must be positive".into(),
+            });
+        }
+        if self.engines.max_engines == 0 {
+            return Err(ConfigError::Invalid {
+                field: "engines.max_engines",
+                message: "must be positive".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The agent server's command line. Every flag also reads `AGENT_SERVER_<FLAG>` from the
+/// environment, e.g. `AGENT_SERVER_TOOL_EXECUTOR`.
+#[derive(Debug, Clone, Default, clap::Parser)]
+#[command(
+    name = "agent-server",
+    version,
+    about = "Runs LLM agents for any gRPC client."
+)]
+pub struct Cli {
+    /// TOML config file; flags and environment variables override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the effective settings (secrets masked) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub server: ServerArgs,
+    /// URL of the tool executor.
+    #[arg(long, value_name = "URL")]
+    pub tool_executor: Option<String>,
+    /// Time limit for reaching the tool executor, e.g. `5s`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub tool_executor_timeout: Option<Duration>,
+    /// Unused engines expire after this long, e.g. `1h`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub engine_ttl: Option<Duration>,
+    /// Most engines kept at once.
+    #[arg(long, value_name = "N")]
+    pub max_engines: Option<usize>,
+    /// Provider used when a config names none.
+    #[arg(long, value_name = "NAME")]
+    pub default_provider: Option<String>,
+}
+
+impl Cli {
+    /// The prefix of the environment variables that stand for flags.
+    pub const ENV_PREFIX: &'static str = "AGENT_SERVER";
+
+    /// Layers defaults, the config file, then environment and flags, and validates.
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        let mut settings = match &self.config {
+            Some(path) => config::load_file(path)?,
+            None => Settings::default(),
+        };
+        self.server.apply(&mut settings.server);
+        config::override_with(&mut settings.tool_executor, self.tool_executor.clone());
+        config::override_with(
+            &mut settings.tool_executor_timeout,
+            self.tool_executor_timeout,
+        );
+        config::override_with(&mut settings.engines.ttl, self.engine_ttl);
+        config::override_with(&mut settings.engines.max_engines, self.max_engines);
+        if self.default_provider.is_some() {
+            settings.default_provider.clone_from(&self.default_provider);
+        }
+        settings.validate()?;
+        Ok(settings)
+    }
+}

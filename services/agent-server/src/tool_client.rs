@@ -1,0 +1,80 @@
+//! The tool executor as seen from the agent server: a gRPC client behind [`ToolCatalog`].
+
+use std::time::Duration;
+
+use agentrt::v1::{self, tool_executor_client::ToolExecutorClient};
+use agentrt_core::{ToolCatalog, ToolServiceError, ToolSource, ToolSpec};
+use async_trait::async_trait;
+use tonic::transport::{Channel, Endpoint};
+
+/// A lazily connected gRPC client of `agent.v1.ToolExecutor`.
+#[derive(Clone)]
+pub struct GrpcToolClient {
+    endpoint: String,
+    client: ToolExecutorClient<Channel>,
+    timeout: Duration,
+}
+
+impl GrpcToolClient {
+    /// A client of the tool executor at `url`; nothing is dialled until the first call,
+    /// and each call gives up after `timeout` (connecting included).
+    pub fn new(url: &str, timeout: Duration, max_message_bytes: usize) -> Result<Self, String> {
+        let channel = Endpoint::from_shared(url.to_owned())
+            .map_err(|e| format!("invalid tool executor URL {url:?}: {e}"))?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        Ok(Self {
+            endpoint: url.to_owned(),
+            client: ToolExecutorClient::new(channel)
+                .max_decoding_message_size(max_message_bytes)
+                .max_encoding_message_size(max_message_bytes),
+            timeout,
+        })
+    }
+
+    fn unavailable(&self, reason: String) -> ToolServiceError {
+        ToolServiceError::Unavailable {
+            endpoint: self.endpoint.clone(),
+            reason,
+        }
+    }
+}
+
+#[async_trait]
+impl ToolCatalog for GrpcToolClient {
+    async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
+        let mut request = tonic::Request::new(v1::ListToolsRequest {});
+        request.set_timeout(self.timeout);
+        let mut client = self.client.clone();
+        let call = client.list_tools(request);
+        // The client enforces the limit itself too: a server that accepts the connection
+        // but never answers must not hang validation.
+        let response = tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| self.unavailable(format!("no answer within {:?}", self.timeout)))?
+            .map_err(|status| {
+                self.unavailable(format!("{:?}: {}", status.code(), status.message()))
+            })?;
+        Ok(response
+            .into_inner()
+            .tools
+            .into_iter()
+            .map(|tool| ToolSpec {
+                input_schema: tool
+                    .input_schema
+                    .as_ref()
+                    .map_or(serde_json::Value::Null, agentrt::json::struct_to_json),
+                source: match v1::ToolSource::try_from(tool.source) {
+                    Ok(v1::ToolSource::Http) => ToolSource::Http,
+                    Ok(v1::ToolSource::Mcp) => ToolSource::Mcp,
+                    _ => ToolSource::Builtin,
+                },
+                name: tool.name,
+                description: tool.description,
+            })
+            .collect())
+    }
+}

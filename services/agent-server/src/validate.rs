@@ -1,0 +1,546 @@
+//! Checks an `AgentConfig` from the wire: applies defaults, then collects every violation
+//! with the path of its field, asking the tool executor live for the tools it offers.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use agentrt::v1;
+use agentrt_core::{ToolCatalog, ToolServiceError, Violation, limits};
+use agentrt_models::ProviderRegistry;
+
+/// The outcome of a check.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checked {
+    /// The config with defaults applied, as far as they could be.
+    pub effective: v1::AgentConfig,
+    /// Every problem, in field order.
+    pub violations: Vec<Violation>,
+}
+
+/// Checks configs against this server's providers and the tool executor's tools.
+#[derive(Clone)]
+pub struct ConfigValidator {
+    providers: Arc<ProviderRegistry>,
+    tools: Arc<dyn ToolCatalog>,
+}
+
+impl ConfigValidator {
+    /// A validator for this server.
+    pub fn new(providers: Arc<ProviderRegistry>, tools: Arc<dyn ToolCatalog>) -> Self {
+        Self { providers, tools }
+    }
+
+    /// Checks `config`; `None` is reported as a missing config. Fails only when the tool
+    /// executor must be asked and cannot answer.
+    pub async fn check(
+        &self,
+        config: Option<&v1::AgentConfig>,
+    ) -> Result<Checked, ToolServiceError> {
+        let Some(config) = config else {
+            return Ok(Checked {
+                effective: v1::AgentConfig::default(),
+                violations: vec![Violation::new("config", "required")],
+            });
+        };
+        let mut effective = config.clone();
+        let mut check = Check::default();
+        check.name(&effective.name);
+        check.system_prompt(&effective.system_prompt);
+        self.model(&mut check, &mut effective);
+        self.rerank_model(&mut check, &mut effective);
+        check.strategy(&mut effective.strategy);
+        check.max_iterations(&mut effective.max_iterations);
+        let (wanted, mut tool_violations) = check.tool_names(&effective.tools);
+        if !wanted.is_empty() {
+            let offered = self.tools.list_tools().await?;
+            let names: Vec<&str> = offered.iter().map(|t| t.name.as_str()).collect();
+            for (index, name) in wanted {
+                if !names.contains(&name.as_str()) {
+                    tool_violations.push((
+                        index,
+                        Violation::new(
+                            format!("tools[{index}].name"),
+                            format!(
+                                "tool {name:?} is not offered by the tool executor (offered: {})",
+                                list_or_none(&names)
+                            ),
+                        ),
+                    ));
+                }
+            }
+        }
+        tool_violations.sort_by_key(|(index, _)| *index);
+        check
+            .violations
+            .extend(tool_violations.into_iter().map(|(_, v)| v));
+        check.parallel(&mut effective.max_parallel_tool_calls);
+        check.context(effective.context.get_or_insert_default());
+        check.timeouts(effective.timeouts.get_or_insert_default());
+        Ok(Checked {
+            effective,
+            violations: check.violations,
+        })
+    }
+
+    fn model(&self, check: &mut Check, config: &mut v1::AgentConfig) {
+        let Some(model) = config.model.as_mut() else {
+            check.violation(
+                "model",
+                "required: name a provider configured on this server and a model",
+            );
+            return;
+        };
+        self.provider(check, "model.provider", &mut model.provider);
+        if model.name.is_empty() {
+            check.violation(
+                "model.name",
+                "required: the provider's model id, e.g. \"gpt-4o-mini\"",
+            );
+        } else if model.name.chars().count() > limits::MODEL_NAME_MAX_CHARS
+            || model
+                .name
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            check.violation(
+                "model.name",
+                format!(
+                    "must be at most {} characters without spaces or control characters",
+                    limits::MODEL_NAME_MAX_CHARS
+                ),
+            );
+        }
+        if let Some(t) = model.temperature
+            && !limits::TEMPERATURE.contains(&t)
+        {
+            check.violation(
+                "model.temperature",
+                format!("must be between 0 and 2, got {t}"),
+            );
+        }
+        if !limits::MAX_TOKENS.contains(&model.max_tokens) {
+            check.violation(
+                "model.max_tokens",
+                format!(
+                    "must be between 0 (provider default) and 1000000, got {}",
+                    model.max_tokens
+                ),
+            );
+        }
+    }
+
+    fn rerank_model(&self, check: &mut Check, config: &mut v1::AgentConfig) {
+        let Some(rerank) = config.rerank_model.as_mut() else {
+            return;
+        };
+        self.provider(check, "rerank_model.provider", &mut rerank.provider);
+        if rerank.name.is_empty() {
+            check.violation("rerank_model.name", "required when a rerank model is given");
+        }
+        if rerank.top_n == 0 {
+            rerank.top_n = limits::DEFAULT_RERANK_TOP_N;
+        }
+        if !limits::RERANK_TOP_N.contains(&rerank.top_n) {
+            check.violation(
+                "rerank_model.top_n",
+                format!("must be between 1 and 100, got {}", rerank.top_n),
+            );
+        }
+        if !limits::RERANK_MIN_SCORE.contains(&rerank.min_score) {
+            check.violation(
+                "rerank_model.min_score",
+                format!("must be between 0 and 1, got {}", rerank.min_score),
+            );
+        }
+    }
+
+    fn provider(&self, check: &mut Check, field: &str, provider: &mut String) {
+        if provider.is_empty() {
+            match self.providers.default_provider() {
+                Some(default) => default.clone_into(provider),
+                None => {
+                    let configured: Vec<&str> = self.providers.names().collect();
+                    check.violation(
+                        field,
+                        format!(
+                            "required: this server has no default provider (configured: {})",
+                            list_or_none(&configured)
+                        ),
+                    );
+                }
+            }
+        } else if self.providers.get(provider).is_none() {
+            let configured: Vec<&str> = self.providers.names().collect();
+            check.violation(
+                field,
+                format!(
+                    "provider {provider:?} is not configured on this server (configured: {})",
+                    list_or_none(&configured)
+                ),
+            );
+        }
+    }
+}
+
+fn list_or_none(names: &[&str]) -> String {
+    if names.is_empty() {
+        "none".into()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// Whether `name` is a well-formed agent or tool name.
+fn well_formed(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && name.len() <= limits::NAME_MAX_CHARS
+}
+
+const NAME_RULE: &str =
+    "must start with a letter, then letters, digits, '_', '-' or '.', at most 64 characters";
+
+#[derive(Default)]
+struct Check {
+    violations: Vec<Violation>,
+}
+
+impl Check {
+    fn violation(&mut self, field: impl Into<String>, description: impl Into<String>) {
+        self.violations.push(Violation::new(field, description));
+    }
+
+    fn name(&mut self, name: &str) {
+        if name.is_empty() {
+            self.violation("name", "required");
+        } else if !well_formed(name) {
+            self.violation("name", format!("{name:?} {NAME_RULE}"));
+        }
+    }
+
+    fn system_prompt(&mut self, prompt: &str) {
+        let chars = prompt.chars().count();
+        if chars > limits::SYSTEM_PROMPT_MAX_CHARS {
+            self.violation(
+                "system_prompt",
+                format!(
+                    "must be at most {} characters, got {chars}",
+                    limits::SYSTEM_PROMPT_MAX_CHARS
+                ),
+            );
+        }
+    }
+
+    fn strategy(&mut self, strategy: &mut i32) {
+        match v1::Strategy::try_from(*strategy) {
+            Ok(v1::Strategy::Unspecified) => *strategy = v1::Strategy::FunctionCall as i32,
+            Ok(_) => {}
+            Err(_) => self.violation(
+                "strategy",
+                format!("unknown value {strategy}; use STRATEGY_FUNCTION_CALL or STRATEGY_REACT"),
+            ),
+        }
+    }
+
+    fn max_iterations(&mut self, max: &mut i32) {
+        if *max == 0 {
+            *max = limits::DEFAULT_MAX_ITERATIONS;
+        }
+        if !limits::MAX_ITERATIONS.contains(max) {
+            self.violation(
+                "max_iterations",
+                format!("must be between 1 and 99, got {max}"),
+            );
+        }
+    }
+
+    /// Checks the form of the tool names. Returns the well-formed, distinct ones with their
+    /// index, to be looked up on the tool executor, and the violations by index, so that
+    /// the caller can merge the look-up's own in field order.
+    fn tool_names(
+        &mut self,
+        tools: &[v1::ToolRef],
+    ) -> (Vec<(usize, String)>, Vec<(usize, Violation)>) {
+        if tools.len() > limits::MAX_TOOLS {
+            self.violation(
+                "tools",
+                format!("at most {} tools, got {}", limits::MAX_TOOLS, tools.len()),
+            );
+        }
+        let mut first_index: HashMap<&str, usize> = HashMap::new();
+        let mut wanted = Vec::new();
+        let mut violations = Vec::new();
+        for (index, tool) in tools.iter().enumerate() {
+            let field = format!("tools[{index}].name");
+            if tool.name.is_empty() {
+                violations.push((index, Violation::new(field, "required")));
+            } else if !well_formed(&tool.name) {
+                violations.push((
+                    index,
+                    Violation::new(field, format!("{:?} {NAME_RULE}", tool.name)),
+                ));
+            } else if let Some(first) = first_index.get(tool.name.as_str()) {
+                let description = format!("duplicate of tools[{first}] ({:?})", tool.name);
+                violations.push((index, Violation::new(field, description)));
+            } else {
+                first_index.insert(&tool.name, index);
+                wanted.push((index, tool.name.clone()));
+            }
+        }
+        (wanted, violations)
+    }
+
+    fn parallel(&mut self, cap: &mut i32) {
+        if *cap == 0 {
+            *cap = limits::DEFAULT_PARALLEL_TOOL_CALLS;
+        }
+        if !limits::PARALLEL_TOOL_CALLS.contains(cap) {
+            self.violation(
+                "max_parallel_tool_calls",
+                format!("must be between 1 and 64, got {cap}"),
+            );
+        }
+    }
+
+    fn context(&mut self, context: &mut v1::ContextConfig) {
+        if context.max_prompt_tokens == 0 {
+            context.max_prompt_tokens = limits::DEFAULT_PROMPT_TOKENS;
+        }
+        if !limits::PROMPT_TOKENS.contains(&context.max_prompt_tokens) {
+            self.violation(
+                "context.max_prompt_tokens",
+                format!(
+                    "must be between 256 and 2000000, got {}",
+                    context.max_prompt_tokens
+                ),
+            );
+        }
+    }
+
+    fn timeouts(&mut self, timeouts: &mut v1::Timeouts) {
+        let run = self.timeout(
+            "timeouts.run",
+            &mut timeouts.run,
+            limits::DEFAULT_RUN_TIMEOUT,
+        );
+        let model = self.timeout(
+            "timeouts.model_call",
+            &mut timeouts.model_call,
+            limits::DEFAULT_MODEL_CALL_TIMEOUT,
+        );
+        let tool = self.timeout(
+            "timeouts.tool_call",
+            &mut timeouts.tool_call,
+            limits::DEFAULT_TOOL_CALL_TIMEOUT,
+        );
+        if let Some(run) = run {
+            if run > limits::MAX_RUN_TIMEOUT {
+                self.violation(
+                    "timeouts.run",
+                    format!("must be at most 3600s, got {run:?}"),
+                );
+            }
+            if model.is_some_and(|m| m > run) {
+                self.violation("timeouts.model_call", "must not exceed timeouts.run");
+            }
+            if tool.is_some_and(|t| t > run) {
+                self.violation("timeouts.tool_call", "must not exceed timeouts.run");
+            }
+        }
+    }
+
+    /// Fills in `default` when unset; reports a set duration that is malformed or not
+    /// positive. Returns the effective duration when it is usable.
+    fn timeout(
+        &mut self,
+        field: &str,
+        slot: &mut Option<prost_types::Duration>,
+        default: Duration,
+    ) -> Option<Duration> {
+        let wire = slot
+            .get_or_insert_with(|| prost_types::Duration::try_from(default).unwrap_or_default());
+        let valid_nanos = (0..1_000_000_000).contains(&wire.nanos);
+        match Duration::try_from(*wire) {
+            Ok(d) if valid_nanos && !d.is_zero() => Some(d),
+            _ => {
+                self.violation(
+                    field,
+                    format!(
+                        "must be a positive duration, got {}s {}ns",
+                        wire.seconds, wire.nanos
+                    ),
+                );
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use agentrt_core::{ToolSource, ToolSpec};
+    use std::collections::BTreeMap;
+
+    struct FixedTools(Result<Vec<ToolSpec>, ToolServiceError>);
+
+    #[async_trait::async_trait]
+    impl ToolCatalog for FixedTools {
+        async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
+            self.0.clone()
+        }
+    }
+
+    fn validator(tools: Result<Vec<ToolSpec>, ToolServiceError>) -> ConfigValidator {
+        let providers = ProviderRegistry::new(BTreeMap::new(), None, |name| {
+            (name == "OPENAI_BASE_URL").then(|| "http://127.0.0.1:1/v1".to_owned())
+        })
+        .unwrap();
+        ConfigValidator::new(Arc::new(providers), Arc::new(FixedTools(tools)))
+    }
+
+    fn calculator() -> ToolSpec {
+        ToolSpec {
+            name: "calculator".into(),
+            description: String::new(),
+            input_schema: serde_json::json!({}),
+            source: ToolSource::Builtin,
+        }
+    }
+
+    fn minimal() -> v1::AgentConfig {
+        v1::AgentConfig {
+            name: "helper".into(),
+            model: Some(v1::ModelConfig {
+                name: "m".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn defaults_are_applied_without_touching_the_input() {
+        let input = minimal();
+        let checked = validator(Ok(vec![])).check(Some(&input)).await.unwrap();
+        assert_eq!(checked.violations, vec![]);
+        assert_eq!(input, minimal());
+        let e = checked.effective;
+        assert_eq!(e.model.unwrap().provider, "openai");
+        assert_eq!(e.strategy, v1::Strategy::FunctionCall as i32);
+        assert_eq!(e.max_iterations, 10);
+        assert_eq!(e.max_parallel_tool_calls, 4);
+        assert_eq!(e.context.unwrap().max_prompt_tokens, 8192);
+        assert_eq!(e.timeouts.unwrap().run.unwrap().seconds, 300);
+    }
+
+    #[tokio::test]
+    async fn every_violation_is_reported() {
+        let config = v1::AgentConfig {
+            name: "9lives".into(),
+            model: Some(v1::ModelConfig {
+                provider: "anthropic".into(),
+                name: "has space".into(),
+                temperature: Some(3.0),
+                max_tokens: -1,
+            }),
+            strategy: 9,
+            max_iterations: 100,
+            tools: vec![
+                v1::ToolRef {
+                    name: "calculator".into(),
+                },
+                v1::ToolRef {
+                    name: "calculator".into(),
+                },
+                v1::ToolRef {
+                    name: "nope".into(),
+                },
+                v1::ToolRef {
+                    name: String::new(),
+                },
+            ],
+            max_parallel_tool_calls: 65,
+            context: Some(v1::ContextConfig {
+                max_prompt_tokens: 10,
+            }),
+            timeouts: Some(v1::Timeouts {
+                run: Some(prost_types::Duration {
+                    seconds: 10,
+                    nanos: 0,
+                }),
+                model_call: Some(prost_types::Duration {
+                    seconds: 0,
+                    nanos: 0,
+                }),
+                tool_call: Some(prost_types::Duration {
+                    seconds: 20,
+                    nanos: 0,
+                }),
+            }),
+            ..Default::default()
+        };
+        let checked = validator(Ok(vec![calculator()]))
+            .check(Some(&config))
+            .await
+            .unwrap();
+        let fields: Vec<&str> = checked
+            .violations
+            .iter()
+            .map(|v| v.field.as_str())
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "name",
+                "model.provider",
+                "model.name",
+                "model.temperature",
+                "model.max_tokens",
+                "strategy",
+                "max_iterations",
+                "tools[1].name",
+                "tools[2].name",
+                "tools[3].name",
+                "max_parallel_tool_calls",
+                "context.max_prompt_tokens",
+                "timeouts.model_call",
+                "timeouts.tool_call",
+            ]
+        );
+        assert!(
+            checked.violations[7]
+                .description
+                .contains("duplicate of tools[0]")
+        );
+        assert!(
+            checked.violations[8]
+                .description
+                .contains("offered: calculator")
+        );
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_tool_executor_is_an_error_only_when_tools_are_asked_for() {
+        let down = Err(ToolServiceError::Unavailable {
+            endpoint: "http://x".into(),
+            reason: "connection refused".into(),
+        });
+        let v = validator(down);
+        assert!(v.check(Some(&minimal())).await.is_ok());
+        let mut with_tools = minimal();
+        with_tools.tools.push(v1::ToolRef {
+            name: "calculator".into(),
+        });
+        assert!(v.check(Some(&with_tools)).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_missing_config_is_a_violation() {
+        let checked = validator(Ok(vec![])).check(None).await.unwrap();
+        assert_eq!(
+            checked.violations,
+            vec![Violation::new("config", "required")]
+        );
+    }
+}

@@ -1,0 +1,20 @@
+//! `tool-executor`: parses settings, starts logging, binds and serves.
+
+use agentrt_tool_executor::Cli;
+use anyhow::Context;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
+    let settings = cli.settings()?;
+    if cli.print_config {
+        print!("{}", agentrt_server::config::to_toml(&settings));
+        return Ok(());
+    }
+    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind(settings.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.server.listen))?;
+    agentrt_tool_executor::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    Ok(())
+}

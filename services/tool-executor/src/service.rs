@@ -1,0 +1,232 @@
+use std::{sync::Arc, time::Duration};
+
+use agentrt::{
+    json,
+    v1::{self, tool_executor_server::ToolExecutor},
+};
+use agentrt_core::{ToolSource, ToolSpec, Violation};
+use agentrt_server::status;
+use agentrt_tools::{ExecuteError, ToolContext, ToolOutput, ToolRegistry};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, metadata::MetadataMap};
+use tracing::{Instrument, debug, info_span};
+
+/// Tonic answers CANCELLED itself when the `grpc-timeout` it read passes. Finishing this
+/// much earlier lets the handler answer DEADLINE_EXCEEDED, as gRPC clients expect.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(5);
+
+/// `agent.v1.ToolExecutor` over a registry.
+pub struct ToolExecutorService {
+    registry: Arc<ToolRegistry>,
+    /// Cancelled when the server drains: running tools are told to stop.
+    drain: CancellationToken,
+}
+
+impl ToolExecutorService {
+    pub fn new(registry: Arc<ToolRegistry>, drain: CancellationToken) -> Self {
+        Self { registry, drain }
+    }
+}
+
+#[tonic::async_trait]
+impl ToolExecutor for ToolExecutorService {
+    async fn list_tools(
+        &self,
+        _request: Request<v1::ListToolsRequest>,
+    ) -> Result<Response<v1::ListToolsResponse>, Status> {
+        let tools = self.registry.specs().map(tool_to_wire).collect();
+        Ok(Response::new(v1::ListToolsResponse { tools }))
+    }
+
+    async fn execute_tool(
+        &self,
+        request: Request<v1::ExecuteToolRequest>,
+    ) -> Result<Response<v1::ExecuteToolResponse>, Status> {
+        let deadline = grpc_timeout(request.metadata());
+        let request = request.into_inner();
+        if request.tool_name.is_empty() {
+            return Err(status::invalid_argument(
+                "invalid tool call",
+                &[Violation::new("tool_name", "required")],
+            ));
+        }
+        let arguments = request
+            .arguments
+            .as_ref()
+            .map_or_else(|| serde_json::json!({}), json::struct_to_json);
+        let ctx = ToolContext {
+            call_id: request.call_id.clone(),
+            run_id: request.run_id.clone(),
+            session_id: request.session_id.clone(),
+            cancel: self.drain.child_token(),
+        };
+        // When the caller cancels or the deadline passes, tonic drops this future: the
+        // guard then tells work running outside it to stop too.
+        let _stop_on_drop = ctx.cancel.clone().drop_guard();
+        let span = info_span!(
+            "execute_tool",
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %request.tool_name,
+            gen_ai.tool.call.id = %request.call_id,
+            run_id = %request.run_id,
+        );
+        let started = Instant::now();
+        let execution = self
+            .registry
+            .execute(&request.tool_name, arguments, &ctx)
+            .instrument(span);
+        let outcome = match deadline {
+            Some(limit) => tokio::time::timeout(limit.saturating_sub(DEADLINE_MARGIN), execution)
+                .await
+                .map_err(|_| {
+                    ctx.cancel.cancel();
+                    Status::deadline_exceeded(format!(
+                        "tool {:?} did not finish within the call's deadline of {limit:?}",
+                        request.tool_name
+                    ))
+                })?,
+            None => execution.await,
+        };
+        let duration = started.elapsed();
+        let output = outcome.map_err(|e| execute_error_to_status(&e))?;
+        debug!(tool = %request.tool_name, ?duration, is_error = output.is_error, "tool call finished");
+        Ok(Response::new(output_to_wire(
+            request.call_id,
+            output,
+            duration,
+        )))
+    }
+}
+
+fn execute_error_to_status(error: &ExecuteError) -> Status {
+    match error {
+        ExecuteError::NotFound(name) => status::not_found("TOOL_NOT_FOUND", "tool", name),
+        ExecuteError::InvalidArguments { tool, violations } => status::invalid_argument(
+            &format!("arguments do not match the input schema of tool {tool:?}"),
+            violations,
+        ),
+    }
+}
+
+fn tool_to_wire(spec: &ToolSpec) -> v1::Tool {
+    v1::Tool {
+        name: spec.name.clone(),
+        description: spec.description.clone(),
+        input_schema: json::json_to_struct(&spec.input_schema),
+        source: match spec.source {
+            ToolSource::Builtin => v1::ToolSource::Builtin,
+            ToolSource::Http => v1::ToolSource::Http,
+            ToolSource::Mcp => v1::ToolSource::Mcp,
+        } as i32,
+    }
+}
+
+fn output_to_wire(
+    call_id: String,
+    output: ToolOutput,
+    duration: Duration,
+) -> v1::ExecuteToolResponse {
+    v1::ExecuteToolResponse {
+        call_id,
+        output: output.text,
+        is_error: output.is_error,
+        structured_output: output.structured.as_ref().map(json::json_to_value),
+        references: output
+            .references
+            .into_iter()
+            .map(|r| v1::Reference {
+                title: r.title,
+                url: r.url,
+                snippet: r.snippet,
+                score: r.score,
+                source: r.source,
+            })
+            .collect(),
+        duration: prost_types::Duration::try_from(duration).ok(),
+    }
+}
+
+/// Reads the `grpc-timeout` header: digits followed by a unit (H, M, S, m, u, n).
+fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata(timeout: &str) -> MetadataMap {
+        let mut map = MetadataMap::new();
+        map.insert("grpc-timeout", timeout.parse().unwrap());
+        map
+    }
+
+    #[test]
+    fn grpc_timeouts_parse_every_unit() {
+        assert_eq!(
+            grpc_timeout(&metadata("2H")),
+            Some(Duration::from_secs(7200))
+        );
+        assert_eq!(
+            grpc_timeout(&metadata("3M")),
+            Some(Duration::from_secs(180))
+        );
+        assert_eq!(grpc_timeout(&metadata("5S")), Some(Duration::from_secs(5)));
+        assert_eq!(
+            grpc_timeout(&metadata("250m")),
+            Some(Duration::from_millis(250))
+        );
+        assert_eq!(
+            grpc_timeout(&metadata("7u")),
+            Some(Duration::from_micros(7))
+        );
+        assert_eq!(grpc_timeout(&metadata("9n")), Some(Duration::from_nanos(9)));
+        assert_eq!(grpc_timeout(&metadata("5x")), None);
+        assert_eq!(grpc_timeout(&metadata("S")), None);
+        assert_eq!(grpc_timeout(&MetadataMap::new()), None);
+    }
+
+    #[tokio::test]
+    async fn tool_errors_are_results_and_unknown_tools_not_found() {
+        let mut registry = ToolRegistry::new();
+        for tool in agentrt_tools::builtin::all() {
+            registry.register(tool).unwrap();
+        }
+        let service = ToolExecutorService::new(Arc::new(registry), CancellationToken::new());
+        let call = |name: &str, args: serde_json::Value| {
+            Request::new(v1::ExecuteToolRequest {
+                call_id: "c1".into(),
+                tool_name: name.into(),
+                arguments: json::json_to_struct(&args),
+                ..Default::default()
+            })
+        };
+        let out = service
+            .execute_tool(call(
+                "calculator",
+                serde_json::json!({"expression": "7 % 0"}),
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(out.is_error);
+        assert_eq!(out.call_id, "c1");
+        let err = service
+            .execute_tool(call("missing", serde_json::json!({})))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), tonic::Code::NotFound);
+    }
+}

@@ -1,0 +1,77 @@
+use std::{net::SocketAddr, path::PathBuf};
+
+use agentrt_server::config::{self, ConfigError, ServerArgs, ServerSettings};
+use agentrt_tools::builtin;
+use serde::{Deserialize, Serialize};
+
+/// The tool executor's settings, as a config file writes them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Listening, limits and drain.
+    pub server: ServerSettings,
+    /// Built-in tools to serve, by name.
+    pub builtin_tools: Vec<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50052))),
+            builtin_tools: builtin::NAMES.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+}
+
+/// The tool executor's command line. Every flag also reads `TOOL_EXECUTOR_<FLAG>` from
+/// the environment, e.g. `TOOL_EXECUTOR_LISTEN`.
+#[derive(Debug, Clone, Default, clap::Parser)]
+#[command(
+    name = "tool-executor",
+    version,
+    about = "Lists and runs the tools agents call, over gRPC."
+)]
+pub struct Cli {
+    /// TOML config file; flags and environment variables override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Print the effective settings (secrets masked) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub server: ServerArgs,
+    /// Built-in tools to serve, comma-separated (default: all).
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub builtin_tools: Option<Vec<String>>,
+}
+
+impl Cli {
+    /// The prefix of the environment variables that stand for flags.
+    pub const ENV_PREFIX: &'static str = "TOOL_EXECUTOR";
+
+    /// Layers defaults, the config file, then environment and flags, and validates.
+    pub fn settings(&self) -> Result<Settings, ConfigError> {
+        let mut settings = match &self.config {
+            Some(path) => config::load_file(path)?,
+            None => Settings::default(),
+        };
+        self.server.apply(&mut settings.server);
+        config::override_with(&mut settings.builtin_tools, self.builtin_tools.clone());
+        settings.server.validate()?;
+        if let Some(unknown) = settings
+            .builtin_tools
+            .iter()
+            .find(|name| builtin::by_name(name).is_none())
+        {
+            return Err(ConfigError::Invalid {
+                field: "builtin_tools",
+                message: format!(
+                    "unknown tool {unknown:?}; known: {}",
+                    builtin::NAMES.join(", ")
+                ),
+            });
+        }
+        Ok(settings)
+    }
+}
