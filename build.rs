@@ -5,7 +5,9 @@ use std::{env, fs, path::PathBuf};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_dir = PathBuf::from("proto");
+    let deps_dir = PathBuf::from("proto-deps");
     println!("cargo:rerun-if-changed={}", proto_dir.display());
+    println!("cargo:rerun-if-changed={}", deps_dir.display());
 
     let mut files: Vec<PathBuf> = fs::read_dir(proto_dir.join("agent/v1"))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
@@ -21,6 +23,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     fs::write(
         out_dir.join("agent_v1_descriptor.bin"),
         prost::Message::encode_to_vec(&fds),
+    )?;
+
+    // The standard error details our statuses carry, for reflection clients only.
+    let details = protox::compile(
+        [deps_dir.join("google/rpc/error_details.proto")],
+        [&deps_dir],
+    )?;
+    fs::write(
+        out_dir.join("error_details_descriptor.bin"),
+        prost::Message::encode_to_vec(&details),
     )?;
 
     tonic_prost_build::configure()

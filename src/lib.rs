@@ -17,6 +17,12 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/agent_v1_descriptor.bin"));
 
+/// The encoded `FileDescriptorSet` of the `google.rpc` error details the servers attach to
+/// statuses (`BadRequest`, `ErrorInfo`, `RetryInfo`), so that reflection clients can
+/// decode them.
+pub const ERROR_DETAILS_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/error_details_descriptor.bin"));
+
 /// Fully-qualified gRPC service names, as health checks and reflection report them.
 pub mod service_names {
     /// `agent.v1.AgentService`.

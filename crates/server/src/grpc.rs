@@ -71,10 +71,33 @@ impl GrpcServer {
 
         let mut routes = routes.add_service(health_service);
         if self.settings.reflection {
+            // Advertise exactly what this server serves: the descriptors of the whole
+            // `agent.v1` package would otherwise list services another binary serves.
+            let advertised: Vec<&'static str> = self
+                .services
+                .iter()
+                .copied()
+                .chain([
+                    "grpc.health.v1.Health",
+                    "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection",
+                ])
+                .collect();
             let descriptors = || {
-                tonic_reflection::server::Builder::configure()
-                    .register_encoded_file_descriptor_set(agentrt::FILE_DESCRIPTOR_SET)
-                    .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                advertised.iter().fold(
+                    tonic_reflection::server::Builder::configure()
+                        .include_reflection_service(false)
+                        .register_encoded_file_descriptor_set(agentrt::FILE_DESCRIPTOR_SET)
+                        .register_encoded_file_descriptor_set(agentrt::ERROR_DETAILS_DESCRIPTOR_SET)
+                        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+                        .register_encoded_file_descriptor_set(
+                            tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+                        )
+                        .register_encoded_file_descriptor_set(
+                            tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+                        ),
+                    |builder, name| builder.with_service_name(*name),
+                )
             };
             routes = routes
                 .add_service(descriptors().build_v1()?)

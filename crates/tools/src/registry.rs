@@ -89,12 +89,7 @@ impl ToolRegistry {
         let violations: Vec<Violation> = registered
             .validator
             .iter_errors(&arguments)
-            .map(|error| {
-                Violation::new(
-                    argument_path(error.instance_path().as_str()),
-                    error.to_string(),
-                )
-            })
+            .flat_map(|error| violations_of(&error))
             .collect();
         if !violations.is_empty() {
             return Err(ExecuteError::InvalidArguments {
@@ -103,6 +98,36 @@ impl ToolRegistry {
             });
         }
         Ok(registered.tool.call(arguments, ctx).await)
+    }
+}
+
+/// The violations one schema error stands for, each naming the field a client should fix:
+/// a missing or unexpected property is named itself, not the object that holds it.
+fn violations_of(error: &jsonschema::ValidationError<'_>) -> Vec<Violation> {
+    use jsonschema::error::ValidationErrorKind as Kind;
+    let at = argument_path(error.instance_path().as_str());
+    match error.kind() {
+        Kind::Required { property } => {
+            let name = property
+                .as_str()
+                .map_or_else(|| property.to_string(), str::to_owned);
+            vec![Violation::new(
+                format!("{at}.{name}"),
+                "required property is missing",
+            )]
+        }
+        Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
+            unexpected
+                .iter()
+                .map(|name| {
+                    Violation::new(
+                        format!("{at}.{name}"),
+                        "unexpected property: the tool's input schema does not allow it",
+                    )
+                })
+                .collect()
+        }
+        _ => vec![Violation::new(at, error.to_string())],
     }
 }
 
@@ -161,8 +186,23 @@ mod tests {
         let fields: Vec<_> = violations.iter().map(|v| v.field.as_str()).collect();
         assert!(fields.contains(&"arguments.expression"), "{violations:?}");
         assert!(
-            fields.contains(&"arguments"),
-            "additionalProperties is reported on the root: {violations:?}"
+            fields.contains(&"arguments.extra"),
+            "the unexpected property is named: {violations:?}"
+        );
+
+        let err = registry()
+            .execute("calculator", json!({}), &ToolContext::default())
+            .await
+            .unwrap_err();
+        let ExecuteError::InvalidArguments { violations, .. } = err else {
+            panic!("expected invalid arguments, got {err:?}");
+        };
+        assert_eq!(
+            violations,
+            [Violation::new(
+                "arguments.expression",
+                "required property is missing"
+            )]
         );
     }
 

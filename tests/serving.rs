@@ -1,0 +1,217 @@
+//! What both binaries share: health per service, reflection v1 and v1alpha, settings from
+//! flags, environment and files, and a clean exit on SIGTERM.
+
+use std::time::Duration;
+
+use agentrt_test_support::{Server, agent_server, binary, connect, tool_executor};
+use tokio_stream::StreamExt;
+use tonic_health::pb::{
+    HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+};
+
+async fn health(url: &str, service: &str) -> Result<i32, tonic::Status> {
+    let mut client = HealthClient::new(connect(url).await);
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await?;
+    Ok(response.into_inner().status)
+}
+
+#[tokio::test]
+async fn health_reports_the_server_and_each_service() {
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server(&tools.url(), &[]).await;
+    for (server, service) in [
+        (&tools, ""),
+        (&tools, "agent.v1.ToolExecutor"),
+        (&agents, ""),
+        (&agents, "agent.v1.AgentService"),
+        (&agents, "agent.v1.AgentEngine"),
+    ] {
+        assert_eq!(
+            health(&server.url(), service).await.unwrap(),
+            ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
+    let status = health(&tools.url(), "agent.v1.AgentService")
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound);
+}
+
+async fn reflected_services(url: &str) -> Vec<String> {
+    use tonic_reflection::pb::v1alpha::{
+        ServerReflectionRequest, server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+    };
+    let mut client = ServerReflectionClient::new(connect(url).await);
+    let request = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut responses = client
+        .server_reflection_info(tokio_stream::once(request))
+        .await
+        .unwrap()
+        .into_inner();
+    let response = responses.next().await.unwrap().unwrap();
+    let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
+        panic!("unexpected reflection response {response:?}");
+    };
+    let mut names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn reflection_v1alpha_lists_the_services() {
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server(&tools.url(), &[]).await;
+    let reflection = [
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ];
+    let mut expected = vec![
+        "agent.v1.AgentEngine",
+        "agent.v1.AgentService",
+        "grpc.health.v1.Health",
+    ];
+    expected.extend(reflection);
+    assert_eq!(
+        reflected_services(&agents.url()).await,
+        expected,
+        "exactly what agent-server serves"
+    );
+    let mut expected = vec!["agent.v1.ToolExecutor", "grpc.health.v1.Health"];
+    expected.extend(reflection);
+    assert_eq!(
+        reflected_services(&tools.url()).await,
+        expected,
+        "exactly what tool-executor serves"
+    );
+}
+
+#[tokio::test]
+async fn reflection_can_be_switched_off() {
+    let tools = tool_executor(&["--reflection", "false"]).await;
+    use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient;
+    let mut client = ServerReflectionClient::new(connect(&tools.url()).await);
+    let status = client
+        .server_reflection_info(tokio_stream::empty())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unimplemented);
+}
+
+#[tokio::test]
+async fn sigterm_drains_and_exits_zero() {
+    let mut tools = tool_executor(&[]).await;
+    let mut agents = agent_server(&tools.url(), &[]).await;
+    for server in [&mut agents, &mut tools] {
+        server.terminate();
+        let status = server.wait(Duration::from_secs(15)).await;
+        assert_eq!(status.code(), Some(0), "log:\n{}", server.logs());
+        assert!(server.logs().contains("draining"), "{}", server.logs());
+    }
+}
+
+#[tokio::test]
+async fn settings_come_from_environment_and_files_with_flags_on_top() {
+    let dir = std::env::temp_dir().join(format!("agentrt-serving-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tool-executor.toml");
+    std::fs::write(
+        &file,
+        "builtin_tools = [\"calculator\"]\n[server]\nlisten = \"127.0.0.1:1\"\n",
+    )
+    .unwrap();
+    let file_arg = file.to_str().unwrap();
+
+    // The file says port 1; the environment overrides it with port 0.
+    let server = Server::start(
+        "tool-executor",
+        &["--config", file_arg],
+        &[("TOOL_EXECUTOR_LISTEN", "127.0.0.1:0")],
+    )
+    .await;
+    let mut client =
+        agentrt::v1::tool_executor_client::ToolExecutorClient::new(connect(&server.url()).await);
+    let tools = client
+        .list_tools(agentrt::v1::ListToolsRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .tools;
+    assert_eq!(tools.len(), 1, "the file limits the built-ins");
+
+    // A flag beats the environment.
+    let out = tokio::process::Command::new(binary("tool-executor"))
+        .args([
+            "--config",
+            file_arg,
+            "--print-config",
+            "--builtin-tools",
+            "sleep",
+        ])
+        .env("TOOL_EXECUTOR_BUILTIN_TOOLS", "current_time")
+        .output()
+        .await
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{printed}");
+    assert!(printed.contains("builtin_tools = [\"sleep\"]"), "{printed}");
+    assert!(printed.contains("listen = \"127.0.0.1:1\""), "{printed}");
+
+    // Mistakes are refused at start-up with the setting's name.
+    std::fs::write(&file, "bultin_tools = []\n").unwrap();
+    let out = tokio::process::Command::new(binary("tool-executor"))
+        .args(["--config", file_arg])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bultin_tools"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn print_config_masks_secrets() {
+    let out = tokio::process::Command::new(binary("agent-server"))
+        .args(["--print-config", "--tool-executor", "http://tools:50052"])
+        .env("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+        .env("OPENAI_API_KEY", "very-secret-value")
+        .output()
+        .await
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        printed.contains("tool_executor = \"http://tools:50052\""),
+        "{printed}"
+    );
+    assert!(printed.contains("[providers.openai]"), "{printed}");
+    assert!(printed.contains("api_key = \"****\""), "{printed}");
+    assert!(!printed.contains("very-secret-value"), "{printed}");
+}
+
+#[tokio::test]
+async fn bad_settings_fail_fast_with_a_clear_message() {
+    let out = tokio::process::Command::new(binary("agent-server"))
+        .args(["--tool-executor", "tools:50052"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("tool_executor") && stderr.contains("http://"),
+        "{stderr}"
+    );
+}
