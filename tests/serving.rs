@@ -1,6 +1,9 @@
 //! What both binaries share: health per service, reflection v1 and v1alpha, settings from
 //! flags, environment and files, and a clean exit on SIGTERM.
 
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use agentrt_test_support::{Server, agent_server, binary, connect, tool_executor};

@@ -214,7 +214,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 pub fn format_duration(d: Duration) -> String {
     if d.subsec_nanos() == 0 {
         format!("{}s", d.as_secs())
-    } else if d.subsec_nanos() % 1_000_000 == 0 {
+    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
         format!("{}ms", d.as_millis())
     } else {
         format!("{}s", d.as_secs_f64())

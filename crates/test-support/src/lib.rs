@@ -205,6 +205,16 @@ pub fn unused_addr() -> SocketAddr {
     listener.local_addr().expect("local address")
 }
 
+/// A gRPC channel to `url`, connected now.
+pub async fn connect(url: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(url.to_owned())
+        .expect("valid URL")
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,14 +228,4 @@ mod tests {
         );
         assert_eq!(listening_addr("draining addr=1.2.3.4:5"), None);
     }
-}
-
-/// A gRPC channel to `url`, connected now.
-pub async fn connect(url: &str) -> tonic::transport::Channel {
-    tonic::transport::Endpoint::from_shared(url.to_owned())
-        .expect("valid URL")
-        .connect_timeout(Duration::from_secs(10))
-        .connect()
-        .await
-        .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}"))
 }

@@ -200,6 +200,9 @@ fn well_formed(name: &str) -> bool {
 const NAME_RULE: &str =
     "must start with a letter, then letters, digits, '_', '-' or '.', at most 64 characters";
 
+/// Violations of list items, with the item's index, to be merged in field order.
+type IndexedViolations = Vec<(usize, Violation)>;
+
 #[derive(Default)]
 struct Check {
     violations: Vec<Violation>,
@@ -257,10 +260,7 @@ impl Check {
     /// Checks the form of the tool names. Returns the well-formed, distinct ones with their
     /// index, to be looked up on the tool executor, and the violations by index, so that
     /// the caller can merge the look-up's own in field order.
-    fn tool_names(
-        &mut self,
-        tools: &[v1::ToolRef],
-    ) -> (Vec<(usize, String)>, Vec<(usize, Violation)>) {
+    fn tool_names(&mut self, tools: &[v1::ToolRef]) -> (Vec<(usize, String)>, IndexedViolations) {
         if tools.len() > limits::MAX_TOOLS {
             self.violation(
                 "tools",
