@@ -1,0 +1,594 @@
+//! OpenAI-compatible chat completions, streamed over SSE.
+
+use std::{collections::BTreeMap, collections::VecDeque, time::Duration};
+
+use eventsource_stream::Eventsource;
+use futures_util::{Stream, StreamExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::{
+    ChatDelta, ChatMessage, ChatModel, ChatRequest, ChatStream, FinishReason, ModelError,
+    ModelToolCall, ProviderSettings, Usage,
+    think::{Piece, ThinkSplitter},
+};
+
+/// Largest error body read from a failed response.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// How transient failures before the first delta are retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Retries after the first attempt.
+    pub max_retries: u32,
+    /// Backoff of the first retry; doubled each time, with full jitter.
+    pub base_delay: Duration,
+    /// Longest wait between attempts, `Retry-After` included.
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_retries: 3,
+            base_delay: Duration::from_millis(250),
+            max_delay: Duration::from_secs(20),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The wait before retry number `attempt` (0-based): the provider's `Retry-After` when
+    /// given, otherwise exponential backoff with full jitter; never above `max_delay`.
+    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
+        let delay = retry_after.unwrap_or_else(|| {
+            let ceiling = self.base_delay.saturating_mul(1 << attempt.min(16));
+            ceiling.mul_f64(fastrand::f64())
+        });
+        delay.min(self.max_delay)
+    }
+}
+
+/// A client of one OpenAI-compatible provider.
+#[derive(Clone)]
+pub struct OpenAiChat {
+    http: reqwest::Client,
+    url: String,
+    api_key: String,
+    retry: RetryPolicy,
+}
+
+impl OpenAiChat {
+    /// A client for `settings`, retrying as `retry` says.
+    pub fn new(settings: &ProviderSettings, retry: RetryPolicy) -> Result<Self, ModelError> {
+        // TLS uses ring; installing it twice is harmless, so ignore "already installed".
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build()
+            .map_err(|e| ModelError::Connect(format!("cannot build the HTTP client: {e}")))?;
+        Ok(Self {
+            http,
+            url: format!(
+                "{}/chat/completions",
+                settings.base_url.trim_end_matches('/')
+            ),
+            api_key: settings.api_key.expose().to_owned(),
+            retry,
+        })
+    }
+
+    async fn send_once(&self, body: &bytes::Bytes) -> Result<reqwest::Response, ModelError> {
+        let mut request = self
+            .http
+            .post(&self.url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(reqwest::header::ACCEPT, "text/event-stream")
+            .body(body.clone());
+        if !self.api_key.is_empty() {
+            request = request.bearer_auth(&self.api_key);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| ModelError::Connect(error_chain(&e)))?;
+        if response.status().is_success() {
+            return Ok(response);
+        }
+        Err(http_error(response).await)
+    }
+}
+
+#[async_trait::async_trait]
+impl ChatModel for OpenAiChat {
+    async fn stream(
+        &self,
+        request: ChatRequest,
+        cancel: CancellationToken,
+    ) -> Result<ChatStream, ModelError> {
+        let body = bytes::Bytes::from(request_body(&request).to_string());
+        let mut attempt = 0;
+        loop {
+            let outcome = tokio::select! {
+                outcome = self.send_once(&body) => outcome,
+                () = cancel.cancelled() => return Err(ModelError::Cancelled),
+            };
+            let error = match outcome {
+                Ok(response) => return Ok(Box::pin(decode(response.bytes_stream()))),
+                Err(error) => error,
+            };
+            if !error.is_retryable() || attempt >= self.retry.max_retries {
+                return Err(error);
+            }
+            let retry_after = match &error {
+                ModelError::Http { retry_after, .. } => *retry_after,
+                _ => None,
+            };
+            let delay = self.retry.delay(attempt, retry_after);
+            warn!(error = %error, attempt = attempt + 1, ?delay, "model call failed, retrying");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = cancel.cancelled() => return Err(ModelError::Cancelled),
+            }
+            attempt += 1;
+        }
+    }
+}
+
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Reads a failed response: the provider's JSON `error.message` when there is one.
+async fn http_error(response: reqwest::Response) -> ModelError {
+    let status = response.status().as_u16();
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .and_then(|s| Duration::try_from_secs_f64(s).ok());
+    let mut body = Vec::new();
+    let mut chunks = response.bytes_stream();
+    while let Some(Ok(chunk)) = chunks.next().await {
+        body.extend_from_slice(&chunk);
+        if body.len() >= MAX_ERROR_BODY {
+            body.truncate(MAX_ERROR_BODY);
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&body);
+    let message = serde_json::from_str::<Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v["error"]["message"]
+                .as_str()
+                .or_else(|| v["error"].as_str())
+                .or_else(|| v["message"].as_str())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| text.trim().chars().take(500).collect());
+    ModelError::Http {
+        status,
+        message,
+        retry_after,
+    }
+}
+
+/// The JSON body of a streaming chat completions request.
+pub(crate) fn request_body(request: &ChatRequest) -> Value {
+    let messages: Vec<Value> = request.messages.iter().map(message_json).collect();
+    let mut body = json!({
+        "model": request.model,
+        "messages": messages,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    if !request.tools.is_empty() {
+        body["tools"] = request
+            .tools
+            .iter()
+            .map(|t| {
+                json!({"type": "function", "function": {
+                    "name": t.name, "description": t.description, "parameters": t.parameters,
+                }})
+            })
+            .collect();
+        body["parallel_tool_calls"] = json!(request.parallel_tool_calls);
+    }
+    if let Some(t) = request.temperature {
+        body["temperature"] = json!(t);
+    }
+    if let Some(n) = request.max_tokens {
+        body["max_tokens"] = json!(n);
+    }
+    if !request.stop.is_empty() {
+        body["stop"] = json!(request.stop);
+    }
+    body
+}
+
+fn message_json(message: &ChatMessage) -> Value {
+    match message {
+        ChatMessage::System(text) => json!({"role": "system", "content": text}),
+        ChatMessage::User(text) => json!({"role": "user", "content": text}),
+        ChatMessage::Assistant {
+            content,
+            tool_calls,
+        } if tool_calls.is_empty() => {
+            json!({"role": "assistant", "content": content})
+        }
+        ChatMessage::Assistant {
+            content,
+            tool_calls,
+        } => json!({
+            "role": "assistant",
+            "content": if content.is_empty() { Value::Null } else { json!(content) },
+            "tool_calls": tool_calls.iter().map(|c| json!({
+                "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            })).collect::<Vec<_>>(),
+        }),
+        ChatMessage::Tool { call_id, content } => {
+            json!({"role": "tool", "tool_call_id": call_id, "content": content})
+        }
+    }
+}
+
+/// Turns an SSE byte stream into deltas.
+fn decode<S, E>(bytes: S) -> impl Stream<Item = Result<ChatDelta, ModelError>> + Send
+where
+    S: Stream<Item = Result<bytes::Bytes, E>> + Send + Unpin + 'static,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let events = bytes.eventsource();
+    let state = (events, Assembler::default(), VecDeque::new(), false);
+    futures_util::stream::unfold(
+        state,
+        |(mut events, mut assembler, mut ready, mut ended)| async move {
+            loop {
+                if let Some(delta) = ready.pop_front() {
+                    return Some((Ok(delta), (events, assembler, ready, ended)));
+                }
+                if ended {
+                    return None;
+                }
+                match events.next().await {
+                    Some(Ok(event)) => {
+                        let data = event.data.trim();
+                        if data.is_empty() {
+                            continue;
+                        }
+                        if data == "[DONE]" {
+                            assembler.finish(&mut ready);
+                            ended = true;
+                            continue;
+                        }
+                        let chunk = match serde_json::from_str::<Value>(data) {
+                            Ok(chunk) => chunk,
+                            Err(e) => {
+                                ended = true;
+                                let shown: String = data.chars().take(200).collect();
+                                let error = ModelError::Stream(format!(
+                                    "invalid JSON in the stream ({e}): {shown}"
+                                ));
+                                return Some((Err(error), (events, assembler, ready, ended)));
+                            }
+                        };
+                        if let Err(error) = assembler.chunk(&chunk, &mut ready) {
+                            ended = true;
+                            return Some((Err(error), (events, assembler, ready, ended)));
+                        }
+                    }
+                    Some(Err(e)) => {
+                        ended = true;
+                        let error = ModelError::Stream(format!("connection lost mid-stream: {e}"));
+                        return Some((Err(error), (events, assembler, ready, ended)));
+                    }
+                    None => {
+                        // No `[DONE]`: some servers just close. What arrived stands.
+                        debug!("model stream ended without [DONE]");
+                        assembler.finish(&mut ready);
+                        ended = true;
+                    }
+                }
+            }
+        },
+    )
+}
+
+#[derive(Default)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// Folds chunks into deltas: text as it comes, tool calls by `index` until the end.
+#[derive(Default)]
+struct Assembler {
+    calls: BTreeMap<u64, PartialCall>,
+    think: ThinkSplitter,
+    finish: Option<FinishReason>,
+    usage: Option<Usage>,
+    saw_content: bool,
+    finished: bool,
+}
+
+impl Assembler {
+    fn chunk(&mut self, chunk: &Value, out: &mut VecDeque<ChatDelta>) -> Result<(), ModelError> {
+        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
+            let message = error["message"]
+                .as_str()
+                .map_or_else(|| error.to_string(), str::to_owned);
+            return Err(ModelError::Stream(format!(
+                "provider reported an error: {message}"
+            )));
+        }
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            self.usage = Some(Usage {
+                prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
+                completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
+            });
+        }
+        let Some(choice) = chunk["choices"].as_array().and_then(|c| c.first()) else {
+            return Ok(());
+        };
+        let delta = &choice["delta"];
+        for key in ["reasoning_content", "reasoning"] {
+            if let Some(text) = delta[key].as_str().filter(|t| !t.is_empty()) {
+                out.push_back(ChatDelta::Reasoning(text.to_owned()));
+            }
+        }
+        if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
+            self.saw_content = true;
+            let mut pieces = Vec::new();
+            self.think.push(text, &mut pieces);
+            out.extend(pieces.into_iter().map(piece_delta));
+        }
+        if let Some(calls) = delta["tool_calls"].as_array() {
+            for (position, call) in calls.iter().enumerate() {
+                let index = call["index"].as_u64().unwrap_or(position as u64);
+                let entry = self.calls.entry(index).or_default();
+                // Some servers repeat the id (or send a new one) on every chunk: the first
+                // one names the call.
+                if entry.id.is_empty()
+                    && let Some(id) = call["id"].as_str()
+                {
+                    id.clone_into(&mut entry.id);
+                }
+                if let Some(name) = call["function"]["name"].as_str().filter(|n| !n.is_empty())
+                    && entry.name.is_empty()
+                {
+                    name.clone_into(&mut entry.name);
+                }
+                if let Some(arguments) = call["function"]["arguments"].as_str() {
+                    entry.arguments.push_str(arguments);
+                }
+            }
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            self.finish = Some(match reason {
+                "stop" => FinishReason::Stop,
+                "tool_calls" | "function_call" => FinishReason::ToolCalls,
+                "length" => FinishReason::Length,
+                "content_filter" => FinishReason::ContentFilter,
+                _ => FinishReason::Unknown,
+            });
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, out: &mut VecDeque<ChatDelta>) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        let mut pieces = Vec::new();
+        self.think.finish(&mut pieces);
+        out.extend(pieces.into_iter().map(piece_delta));
+        let calls = std::mem::take(&mut self.calls);
+        let had_calls = !calls.is_empty();
+        for (index, call) in calls {
+            out.push_back(ChatDelta::ToolCall(ModelToolCall {
+                id: if call.id.is_empty() {
+                    format!("call_{index}")
+                } else {
+                    call.id
+                },
+                name: call.name,
+                arguments: call.arguments,
+            }));
+        }
+        let reason = match self.finish {
+            Some(reason) => reason,
+            None if had_calls => FinishReason::ToolCalls,
+            None if self.saw_content => FinishReason::Stop,
+            None => FinishReason::Unknown,
+        };
+        out.push_back(ChatDelta::Finish {
+            reason,
+            usage: self.usage,
+        });
+    }
+}
+
+fn piece_delta(piece: Piece) -> ChatDelta {
+    match piece {
+        Piece::Reasoning(text) => ChatDelta::Reasoning(text),
+        Piece::Content(text) => ChatDelta::Content(text),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ToolDefinition;
+
+    async fn run(sse: &str) -> Vec<Result<ChatDelta, ModelError>> {
+        let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = sse
+            .as_bytes()
+            .chunks(7) // arbitrary cuts, as the network makes them
+            .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+            .collect();
+        decode(futures_util::stream::iter(chunks)).collect().await
+    }
+
+    fn ok(deltas: Vec<Result<ChatDelta, ModelError>>) -> Vec<ChatDelta> {
+        deltas.into_iter().map(Result::unwrap).collect()
+    }
+
+    #[tokio::test]
+    async fn parallel_tool_calls_interleave_by_index() {
+        let sse = concat!(
+            ": keep-alive\n\n",
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"calculator\",\"arguments\":\"\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"b\",\"function\":{\"name\":\"current_time\",\"arguments\":\"{\\\"time\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"other\",\"function\":{\"arguments\":\"{\\\"expression\\\":\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"function\":{\"arguments\":\"zone\\\":\\\"UTC\\\"}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"1+1\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":7}}\n\n",
+            "data: [DONE]\n\n",
+        );
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::ToolCall(ModelToolCall {
+                    id: "a".into(),
+                    name: "calculator".into(),
+                    arguments: "{\"expression\":\"1+1\"}".into()
+                }),
+                ChatDelta::ToolCall(ModelToolCall {
+                    id: "b".into(),
+                    name: "current_time".into(),
+                    arguments: "{\"timezone\":\"UTC\"}".into()
+                }),
+                ChatDelta::Finish {
+                    reason: FinishReason::ToolCalls,
+                    usage: Some(Usage {
+                        prompt_tokens: 12,
+                        completion_tokens: 7
+                    })
+                },
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn reasoning_and_think_tags_become_reasoning() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hmm\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"<think>more\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"</think>Four.\"},\"finish_reason\":\"stop\"}]}\n\n",
+        );
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Reasoning("hmm".into()),
+                ChatDelta::Reasoning("more".into()),
+                ChatDelta::Content("Four.".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                },
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_finish_chunk_and_done_still_end_the_call() {
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Content("hi".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                }
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn malformed_json_is_an_error_not_a_hang() {
+        let deltas =
+            run("data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {oops\n\n").await;
+        assert_eq!(deltas.len(), 2);
+        assert!(matches!(&deltas[1], Err(ModelError::Stream(m)) if m.contains("invalid JSON")));
+    }
+
+    #[tokio::test]
+    async fn in_stream_errors_are_reported() {
+        let deltas = run("data: {\"error\":{\"message\":\"overloaded\"}}\n\n").await;
+        assert!(matches!(&deltas[0], Err(ModelError::Stream(m)) if m.contains("overloaded")));
+    }
+
+    #[test]
+    fn request_bodies_follow_the_api() {
+        let body = request_body(&ChatRequest {
+            model: "m".into(),
+            messages: vec![
+                ChatMessage::System("s".into()),
+                ChatMessage::User("u".into()),
+                ChatMessage::Assistant {
+                    content: String::new(),
+                    tool_calls: vec![ModelToolCall {
+                        id: "c".into(),
+                        name: "t".into(),
+                        arguments: "{}".into(),
+                    }],
+                },
+                ChatMessage::Tool {
+                    call_id: "c".into(),
+                    content: "42".into(),
+                },
+            ],
+            tools: vec![ToolDefinition {
+                name: "t".into(),
+                description: "d".into(),
+                parameters: json!({"type": "object"}),
+            }],
+            parallel_tool_calls: true,
+            temperature: Some(0.5),
+            max_tokens: Some(10),
+            stop: vec!["Observation:".into()],
+        });
+        assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(body["messages"][2]["content"], Value::Null);
+        assert_eq!(
+            body["messages"][2]["tool_calls"][0]["function"]["name"],
+            "t"
+        );
+        assert_eq!(body["messages"][3]["tool_call_id"], "c");
+        assert_eq!(body["tools"][0]["function"]["parameters"]["type"], "object");
+        assert_eq!(body["stop"][0], "Observation:");
+        assert_eq!(body["max_tokens"], 10);
+    }
+
+    #[test]
+    fn backoff_honours_retry_after_and_the_cap() {
+        let policy = RetryPolicy::default();
+        assert_eq!(
+            policy.delay(0, Some(Duration::from_secs(2))),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            policy.delay(0, Some(Duration::from_secs(600))),
+            policy.max_delay
+        );
+        for attempt in 0..5 {
+            assert!(policy.delay(attempt, None) <= policy.base_delay * (1 << attempt));
+        }
+    }
+}

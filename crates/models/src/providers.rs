@@ -1,0 +1,205 @@
+use std::collections::BTreeMap;
+
+use agentrt_core::Secret;
+use serde::{Deserialize, Serialize};
+
+/// The wire protocol a provider speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// OpenAI-compatible chat completions: OpenAI, vLLM, Ollama, llama.cpp server,
+    /// LiteLLM, DeepSeek, ...
+    #[default]
+    Openai,
+}
+
+/// One provider, as a config file writes it under `[providers.<name>]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProviderSettings {
+    /// The wire protocol.
+    #[serde(default)]
+    pub kind: ProviderKind,
+    /// Base URL of the API, up to and including the version, e.g. `http://host:8000/v1`.
+    pub base_url: String,
+    /// The API key; prefer `api_key_env` so that the key stays out of files.
+    #[serde(default, skip_serializing_if = "Secret::is_empty")]
+    pub api_key: Secret,
+    /// Name of an environment variable holding the API key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_env: Option<String>,
+}
+
+/// Why providers could not be set up.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProviderError {
+    /// A base URL is not an http(s) URL.
+    #[error("provider {name:?}: base_url {url:?} must start with http:// or https://")]
+    BadUrl {
+        /// The provider.
+        name: String,
+        /// The URL given.
+        url: String,
+    },
+    /// The default provider is not among the configured ones.
+    #[error("default provider {0:?} is not configured")]
+    UnknownDefault(String),
+    /// A provider name is empty or malformed.
+    #[error("provider name {0:?} must be non-empty letters, digits, '_' or '-'")]
+    BadName(String),
+}
+
+/// The providers of this server, by name, with the one used when a config names none.
+#[derive(Debug, Clone, Default)]
+pub struct ProviderRegistry {
+    providers: BTreeMap<String, ProviderSettings>,
+    default: Option<String>,
+}
+
+impl ProviderRegistry {
+    /// Builds the registry from settings. With no provider configured, the environment's
+    /// `OPENAI_BASE_URL` and/or `OPENAI_API_KEY` register one named `openai`. The default
+    /// provider is `default`, or the only provider when there is exactly one.
+    pub fn new(
+        mut providers: BTreeMap<String, ProviderSettings>,
+        default: Option<String>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, ProviderError> {
+        if providers.is_empty() {
+            let base_url = env("OPENAI_BASE_URL").filter(|v| !v.is_empty());
+            let api_key = env("OPENAI_API_KEY").filter(|v| !v.is_empty());
+            if base_url.is_some() || api_key.is_some() {
+                providers.insert(
+                    "openai".into(),
+                    ProviderSettings {
+                        kind: ProviderKind::Openai,
+                        base_url: base_url.unwrap_or_else(|| "https://api.openai.com/v1".into()),
+                        api_key: api_key.map(Secret::new).unwrap_or_default(),
+                        api_key_env: None,
+                    },
+                );
+            }
+        }
+        for (name, settings) in &mut providers {
+            if name.is_empty()
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                return Err(ProviderError::BadName(name.clone()));
+            }
+            if !(settings.base_url.starts_with("http://")
+                || settings.base_url.starts_with("https://"))
+            {
+                return Err(ProviderError::BadUrl {
+                    name: name.clone(),
+                    url: settings.base_url.clone(),
+                });
+            }
+            if settings.api_key.is_empty()
+                && let Some(var) = &settings.api_key_env
+                && let Some(key) = env(var)
+            {
+                settings.api_key = Secret::new(key);
+            }
+        }
+        let default = match default.filter(|d| !d.is_empty()) {
+            Some(name) if providers.contains_key(&name) => Some(name),
+            Some(name) => return Err(ProviderError::UnknownDefault(name)),
+            None if providers.len() == 1 => providers.keys().next().cloned(),
+            None => None,
+        };
+        Ok(Self { providers, default })
+    }
+
+    /// The provider called `name`.
+    pub fn get(&self, name: &str) -> Option<&ProviderSettings> {
+        self.providers.get(name)
+    }
+
+    /// The provider used when a config names none.
+    pub fn default_provider(&self) -> Option<&str> {
+        self.default.as_deref()
+    }
+
+    /// Every provider's name, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.providers.keys().map(String::as_str)
+    }
+
+    /// The settings, for `--print-config` (keys are masked when serialized).
+    pub fn settings(&self) -> &BTreeMap<String, ProviderSettings> {
+        &self.providers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of(pairs: &'static [(&'static str, &'static str)]) -> impl Fn(&str) -> Option<String> {
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        }
+    }
+
+    #[test]
+    fn openai_environment_registers_a_default_provider() {
+        let registry = ProviderRegistry::new(
+            BTreeMap::new(),
+            None,
+            env_of(&[
+                ("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
+                ("OPENAI_API_KEY", "k"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(registry.default_provider(), Some("openai"));
+        let openai = registry.get("openai").unwrap();
+        assert_eq!(openai.base_url, "http://127.0.0.1:8000/v1");
+        assert_eq!(openai.api_key.expose(), "k");
+    }
+
+    #[test]
+    fn no_configuration_means_no_provider() {
+        let registry = ProviderRegistry::new(BTreeMap::new(), None, env_of(&[])).unwrap();
+        assert_eq!(registry.names().count(), 0);
+        assert_eq!(registry.default_provider(), None);
+    }
+
+    #[test]
+    fn keys_come_from_the_named_variable_and_bad_settings_are_refused() {
+        let mut providers = BTreeMap::new();
+        let local = ProviderSettings {
+            kind: ProviderKind::Openai,
+            base_url: "http://localhost:11434/v1".into(),
+            api_key: Secret::default(),
+            api_key_env: Some("LOCAL_KEY".into()),
+        };
+        providers.insert("local".to_owned(), local.clone());
+        let registry =
+            ProviderRegistry::new(providers.clone(), None, env_of(&[("LOCAL_KEY", "s3")])).unwrap();
+        assert_eq!(registry.get("local").unwrap().api_key.expose(), "s3");
+
+        let err = ProviderRegistry::new(providers.clone(), Some("other".into()), env_of(&[]));
+        assert_eq!(
+            err.unwrap_err(),
+            ProviderError::UnknownDefault("other".into())
+        );
+
+        providers.insert(
+            "ftp".into(),
+            ProviderSettings {
+                base_url: "ftp://x".into(),
+                ..local
+            },
+        );
+        assert!(matches!(
+            ProviderRegistry::new(providers, None, env_of(&[])),
+            Err(ProviderError::BadUrl { .. })
+        ));
+    }
+}

@@ -1,0 +1,213 @@
+//! The OpenAI-compatible client against the simulator, over real HTTP and SSE.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use agentrt_core::Secret;
+use agentrt_models::{
+    ChatDelta, ChatMessage, ChatModel, ChatRequest, FinishReason, ModelError, OpenAiChat,
+    ProviderKind, ProviderSettings, RetryPolicy, ToolDefinition,
+};
+use futures_util::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+async fn simulator(scenarios: serde_json::Value) -> (String, CancellationToken) {
+    let dir = std::env::temp_dir().join(format!(
+        "agentrt-sim-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("scenarios.json");
+    std::fs::write(&file, scenarios.to_string()).unwrap();
+    let settings = agentrt_simulator::Settings {
+        scenarios: Some(file),
+        ..Default::default()
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    tokio::spawn(agentrt_simulator::serve(
+        settings,
+        listener,
+        stop.clone().cancelled_owned(),
+    ));
+    (url, stop)
+}
+
+fn client(url: &str) -> OpenAiChat {
+    let settings = ProviderSettings {
+        kind: ProviderKind::Openai,
+        base_url: url.into(),
+        api_key: Secret::new("k"),
+        api_key_env: None,
+    };
+    let retry = RetryPolicy {
+        max_retries: 3,
+        base_delay: Duration::from_millis(10),
+        max_delay: Duration::from_secs(2),
+    };
+    OpenAiChat::new(&settings, retry).unwrap()
+}
+
+fn request(model: &str) -> ChatRequest {
+    ChatRequest {
+        model: model.into(),
+        messages: vec![ChatMessage::User("What is 6 * 7?".into())],
+        tools: vec![ToolDefinition {
+            name: "calculator".into(),
+            description: "d".into(),
+            parameters: json!({"type": "object"}),
+        }],
+        ..Default::default()
+    }
+}
+
+async fn collect(
+    model: &OpenAiChat,
+    req: ChatRequest,
+) -> Result<Vec<Result<ChatDelta, ModelError>>, ModelError> {
+    let stream = model.stream(req, CancellationToken::new()).await?;
+    Ok(stream.collect().await)
+}
+
+#[tokio::test]
+async fn demo_streams_reasoning_and_a_fragmented_tool_call() {
+    let (url, _stop) = simulator(json!({})).await;
+    let deltas = collect(&client(&url), request("demo")).await.unwrap();
+    let deltas: Vec<ChatDelta> = deltas.into_iter().map(Result::unwrap).collect();
+    let reasoning: String = deltas
+        .iter()
+        .filter_map(|d| match d {
+            ChatDelta::Reasoning(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reasoning, "I should compute 6 * 7 with the calculator.");
+    assert!(
+        deltas
+            .iter()
+            .filter(|d| matches!(d, ChatDelta::Reasoning(_)))
+            .count()
+            > 1,
+        "reasoning arrives in deltas"
+    );
+    let call = deltas
+        .iter()
+        .find_map(|d| match d {
+            ChatDelta::ToolCall(c) => Some(c.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(call.name, "calculator");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&call.arguments).unwrap(),
+        json!({"expression": "6 * 7"})
+    );
+    let ChatDelta::Finish { reason, usage } = deltas.last().unwrap() else {
+        panic!("no finish")
+    };
+    assert_eq!(*reason, FinishReason::ToolCalls);
+    assert!(usage.unwrap().prompt_tokens > 0);
+}
+
+#[tokio::test]
+async fn transient_errors_are_retried_and_retry_after_is_honoured() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "flaky": {"turns": [{"content": "ok", "error": {"status": 503, "message": "busy", "times": 2}}]},
+        "limited": {"turns": [{"content": "ok", "error": {"status": 429, "message": "slow down", "times": 1, "retry_after": 0.3}}]},
+        "broken": {"turns": [{"error": {"status": 400, "message": "bad request: messages is required"}}]}
+    }})).await;
+    let model = client(&url);
+    let deltas = collect(&model, request("flaky")).await.unwrap();
+    assert_eq!(
+        deltas[0].as_ref().unwrap(),
+        &ChatDelta::Content("ok".into())
+    );
+
+    let started = Instant::now();
+    collect(&model, request("limited")).await.unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "Retry-After was not honoured: {:?}",
+        started.elapsed()
+    );
+
+    let err = collect(&model, request("broken")).await.unwrap_err();
+    assert_eq!(
+        err,
+        ModelError::Http {
+            status: 400,
+            message: "bad request: messages is required".into(),
+            retry_after: None
+        }
+    );
+}
+
+#[tokio::test]
+async fn broken_streams_end_with_an_error() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "dropped": {"turns": [{"content": "a long answer that will not arrive whole", "chunk_chars": 4, "drop_after_chunks": 3}]},
+        "garbage": {"turns": [{"content": "hello", "malformed": true}]},
+        "abrupt": {"turns": [{"content": "no finish chunk", "omit_finish": true}]}
+    }})).await;
+    let model = client(&url);
+    let deltas = collect(&model, request("dropped")).await.unwrap();
+    assert!(
+        matches!(deltas.last().unwrap(), Err(ModelError::Stream(_))),
+        "{deltas:?}"
+    );
+    let deltas = collect(&model, request("garbage")).await.unwrap();
+    assert!(
+        matches!(deltas.last().unwrap(), Err(ModelError::Stream(m)) if m.contains("invalid JSON")),
+        "{deltas:?}"
+    );
+    let deltas = collect(&model, request("abrupt")).await.unwrap();
+    assert!(
+        matches!(
+            deltas.last().unwrap(),
+            Ok(ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                ..
+            })
+        ),
+        "{deltas:?}"
+    );
+}
+
+#[tokio::test]
+async fn cancellation_ends_a_retry_wait_at_once() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "down": {"turns": [{"error": {"status": 503, "message": "down", "retry_after": 30}}]}
+    }}))
+    .await;
+    let model = client(&url);
+    let cancel = CancellationToken::new();
+    let canceller = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        canceller.cancel();
+    });
+    let started = Instant::now();
+    let err = model.stream(request("down"), cancel).await.err().unwrap();
+    assert_eq!(err, ModelError::Cancelled);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn unreachable_providers_fail_with_a_connect_error() {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let err = collect(&client(&format!("http://{addr}/v1")), request("demo"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ModelError::Connect(_)), "{err:?}");
+}

@@ -1,0 +1,371 @@
+//! An OpenAI-compatible chat completions simulator for the demo, the tests and the
+//! benchmarks: `POST /v1/chat/completions` streams scripted turns the way real providers
+//! stream them (role chunk, content and argument fragments, interleaved parallel tool
+//! calls, a finish chunk, a usage chunk, `[DONE]`), with scripted errors, delays and
+//! broken streams. See [`scenario`] for the scripts.
+
+pub mod scenario;
+
+use std::{
+    collections::HashMap,
+    future::Future,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Json, Router,
+    body::Body,
+    extract::State,
+    http::{HeaderValue, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tracing::info;
+
+use scenario::{Conversation, Scenarios, Turn};
+
+/// The simulator's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Latency added before every answer.
+    #[serde(with = "agentrt_server::config::duration")]
+    pub latency: Duration,
+    /// Scenarios file (JSON); the built-in `demo` model is always there.
+    pub scenarios: Option<PathBuf>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 50053)),
+            latency: Duration::ZERO,
+            scenarios: None,
+        }
+    }
+}
+
+/// The simulator's command line; every flag also reads `MODEL_SIMULATOR_<FLAG>`.
+#[derive(Debug, Clone, Default, clap::Parser)]
+#[command(
+    name = "model-simulator",
+    version,
+    about = "An OpenAI-compatible chat completions simulator."
+)]
+pub struct Cli {
+    /// Address to listen on, HOST:PORT (port 0 picks a free port).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub listen: Option<SocketAddr>,
+    /// Latency added before every answer, e.g. `1s`.
+    #[arg(long, value_name = "DURATION", value_parser = agentrt_server::config::parse_duration)]
+    pub latency: Option<Duration>,
+    /// Scenarios file (JSON).
+    #[arg(long, value_name = "FILE")]
+    pub scenarios: Option<PathBuf>,
+}
+
+impl Cli {
+    /// The prefix of the environment variables that stand for flags.
+    pub const ENV_PREFIX: &'static str = "MODEL_SIMULATOR";
+
+    /// Defaults overridden by flags and environment.
+    pub fn settings(&self) -> Settings {
+        let mut settings = Settings::default();
+        agentrt_server::config::override_with(&mut settings.listen, self.listen);
+        agentrt_server::config::override_with(&mut settings.latency, self.latency);
+        if self.scenarios.is_some() {
+            settings.scenarios.clone_from(&self.scenarios);
+        }
+        settings
+    }
+}
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The scenarios file could not be read or parsed.
+    #[error("cannot load scenarios from {path}: {reason}")]
+    Scenarios {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The listener failed.
+    #[error("simulator server error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Loads the scenarios the settings name.
+pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
+    let Some(path) = &settings.scenarios else {
+        return Ok(Scenarios::default());
+    };
+    let failed = |reason: String| Error::Scenarios {
+        path: path.display().to_string(),
+        reason,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
+    serde_json::from_str(&text).map_err(|e| failed(e.to_string()))
+}
+
+struct Simulator {
+    scenarios: Scenarios,
+    latency: Duration,
+    /// Failed attempts per (model, turn, query), for errors scripted to pass after `times`.
+    attempts: Mutex<HashMap<(String, usize, String), u32>>,
+}
+
+/// Serves the simulator on `listener` until `shutdown` resolves.
+pub async fn serve(
+    settings: Settings,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let simulator = Arc::new(Simulator {
+        scenarios: load_scenarios(&settings)?,
+        latency: settings.latency,
+        attempts: Mutex::new(HashMap::new()),
+    });
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .with_state(simulator);
+    info!(service = "model-simulator", addr = %listener.local_addr()?, "listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}
+
+async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
+    let mut names: Vec<&str> = sim.scenarios.scenarios.keys().map(String::as_str).collect();
+    names.push("demo");
+    names.sort_unstable();
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"id": n, "object": "model", "owned_by": "simulator"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+async fn chat_completions(
+    State(sim): State<Arc<Simulator>>,
+    Json(request): Json<Value>,
+) -> Response {
+    let model = request["model"].as_str().unwrap_or_default().to_owned();
+    let conversation = Conversation::of(&request);
+    let turn = match sim.scenarios.scenarios.get(&model) {
+        Some(scenario) => scenario.turn(&conversation),
+        None if model == "demo" => scenario::demo(&conversation),
+        None => {
+            return error_response(
+                404,
+                &format!(
+                    "The model `{model}` does not exist (simulator models: demo and the scenarios file's)"
+                ),
+                None,
+            );
+        }
+    };
+    let latency = sim.latency + Duration::from_millis(turn.latency_ms);
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    if let Some(error) = &turn.error {
+        let key = (model.clone(), conversation.turn, conversation.query.clone());
+        let failures = {
+            let mut attempts = sim
+                .attempts
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let count = attempts.entry(key).or_insert(0);
+            *count += 1;
+            *count
+        };
+        if error.times == 0 || failures <= error.times {
+            return error_response(error.status, &error.message, error.retry_after);
+        }
+    }
+    let stops: Vec<String> = match &request["stop"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let include_usage = request["stream_options"]["include_usage"]
+        .as_bool()
+        .unwrap_or(false);
+    let prompt_chars: usize = request["messages"].to_string().len();
+    let chunks = sse_chunks(&model, turn.clone(), &stops, include_usage, prompt_chars);
+    let delay = Duration::from_millis(turn.chunk_delay_ms);
+    let stream = futures_util::stream::unfold(
+        (chunks.into_iter(), true),
+        move |(mut chunks, first)| async move {
+            let chunk = chunks.next()?;
+            if !first && !delay.is_zero() {
+                tokio::time::sleep(delay).await;
+            }
+            if chunk.is_err() {
+                // Let what came before reach the client, so that the drop is mid-stream.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Some((chunk, (chunks, false)))
+        },
+    );
+    let mut response = Response::new(Body::from_stream(stream));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let body =
+        json!({"error": {"message": message, "type": "simulated_error", "code": status.as_u16()}});
+    let mut response = (status, Json(body)).into_response();
+    if let Some(seconds) = retry_after
+        && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
+    {
+        response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    response
+}
+
+type Chunk = Result<Bytes, std::io::Error>;
+
+/// The SSE events of a turn, as a real provider would send them.
+fn sse_chunks(
+    model: &str,
+    turn: Turn,
+    stops: &[String],
+    include_usage: bool,
+    prompt_chars: usize,
+) -> Vec<Chunk> {
+    let id = format!("chatcmpl-sim-{}", prompt_chars);
+    let event = |delta: Value, finish: Value| -> Chunk {
+        let chunk = json!({
+            "id": id, "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        });
+        Ok(Bytes::from(format!("data: {chunk}\n\n")))
+    };
+    let size = turn.chunk_chars.max(1);
+    let mut events = vec![event(
+        json!({"role": "assistant", "content": ""}),
+        Value::Null,
+    )];
+
+    let mut content = turn.content.clone();
+    if let Some(at) = stops.iter().filter_map(|s| content.find(s.as_str())).min() {
+        content.truncate(at);
+    }
+    let mut completion_chars = content.len() + turn.reasoning.len();
+    if turn.think_tags && !turn.reasoning.is_empty() {
+        content = format!("<think>{}</think>{content}", turn.reasoning);
+    } else {
+        for piece in pieces(&turn.reasoning, size) {
+            events.push(event(
+                json!({"reasoning_content": piece, "content": null}),
+                Value::Null,
+            ));
+        }
+    }
+    for piece in pieces(&content, size) {
+        events.push(event(json!({"content": piece}), Value::Null));
+    }
+
+    // Tool calls: a header chunk per call, then argument fragments, interleaved.
+    let calls: Vec<(String, String, Vec<String>)> = turn
+        .tool_calls
+        .iter()
+        .enumerate()
+        .map(|(index, call)| {
+            let id = if call.id.is_empty() {
+                format!("call_sim_{index}")
+            } else {
+                call.id.clone()
+            };
+            let arguments = call
+                .raw_arguments
+                .clone()
+                .unwrap_or_else(|| call.arguments.to_string());
+            completion_chars += arguments.len();
+            (id, call.name.clone(), pieces(&arguments, size))
+        })
+        .collect();
+    for (index, (id, name, _)) in calls.iter().enumerate() {
+        events.push(event(
+            json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+            Value::Null,
+        ));
+    }
+    let longest = calls.iter().map(|(_, _, p)| p.len()).max().unwrap_or(0);
+    for round in 0..longest {
+        for (index, (_, _, fragments)) in calls.iter().enumerate() {
+            if let Some(fragment) = fragments.get(round) {
+                events.push(event(
+                    json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+                    Value::Null,
+                ));
+            }
+        }
+    }
+
+    if turn.malformed {
+        events.insert(
+            1.min(events.len()),
+            Ok(Bytes::from_static(
+                b"data: {\"choices\": [{\"delta\": {\"content\": \"broken\"\n\n",
+            )),
+        );
+    }
+    if let Some(after) = turn.drop_after_chunks {
+        events.truncate(after);
+        events.push(Err(std::io::Error::other("simulated connection drop")));
+        return events;
+    }
+    if turn.omit_finish {
+        return events;
+    }
+    let finish = turn.finish_reason.clone().unwrap_or_else(|| {
+        if calls.is_empty() {
+            "stop".into()
+        } else {
+            "tool_calls".into()
+        }
+    });
+    events.push(event(json!({}), json!(finish)));
+    if include_usage {
+        let usage = json!({
+            "id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
+            "usage": {"prompt_tokens": prompt_chars / 4, "completion_tokens": completion_chars.div_ceil(4),
+                      "total_tokens": prompt_chars / 4 + completion_chars.div_ceil(4)},
+        });
+        events.push(Ok(Bytes::from(format!("data: {usage}\n\n"))));
+    }
+    events.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+    events
+}
+
+/// `text` cut into pieces of `size` characters.
+fn pieces(text: &str, size: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    chars.chunks(size).map(|c| c.iter().collect()).collect()
+}

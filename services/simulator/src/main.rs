@@ -1,0 +1,16 @@
+//! `model-simulator`: parses settings, starts logging, binds and serves.
+
+use agentrt_simulator::Cli;
+use anyhow::Context;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
+    let settings = cli.settings();
+    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", settings.listen))?;
+    agentrt_simulator::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    Ok(())
+}
