@@ -1,0 +1,476 @@
+//! The event bus: every run publishes its events here, and every reader of a run
+//! (`Execute`, `Subscribe`, any number of them) follows it from here.
+//!
+//! Each run has a log: events get sequence numbers 1, 2, 3, ... as they are published and
+//! stay in the log (up to a bound) so that a reader can attach at any point, replay what
+//! it missed and follow live until the `done` event. Readers read the log at their own
+//! pace: a slow reader never blocks the run or other readers; if it falls further behind
+//! than the log keeps, it is told exactly which events it lost. After a run ends its log
+//! is kept for a time-to-live, then dropped.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    pin::Pin,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, SystemTime},
+};
+
+use futures_util::Stream;
+use tokio::{sync::watch, time::Instant};
+
+/// What an event carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// A reasoning delta.
+    Thought,
+    /// A complete tool call.
+    ToolCall,
+    /// A tool's result.
+    ToolResult,
+    /// An answer delta, or the successful end of a run.
+    FinalAnswer,
+    /// References returned by tools.
+    References,
+    /// An error, or the failed end of a run.
+    Error,
+}
+
+/// One event of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunEvent {
+    /// What it carries.
+    pub kind: EventKind,
+    /// Text delta, or an error message.
+    pub content: String,
+    /// Structured payload; `None` on plain text deltas, which keeps them cheap.
+    pub data: Option<serde_json::Value>,
+    /// Whether this is the run's last event.
+    pub done: bool,
+    /// The model round, from 1.
+    pub iteration: u32,
+    /// Position in the run, from 1; assigned when published.
+    pub sequence: u64,
+    /// When it was made.
+    pub time: SystemTime,
+}
+
+impl RunEvent {
+    /// A new event; its sequence is assigned when it is published.
+    pub fn new(
+        kind: EventKind,
+        iteration: u32,
+        content: String,
+        data: Option<serde_json::Value>,
+    ) -> Self {
+        Self {
+            kind,
+            content,
+            data,
+            done: false,
+            iteration,
+            sequence: 0,
+            time: SystemTime::now(),
+        }
+    }
+}
+
+/// Why a run's events cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BusError {
+    /// No run has this id, or its log expired.
+    #[error("no events for run {0:?}: unknown, or expired after the run ended")]
+    UnknownRun(String),
+    /// A run with this id already publishes.
+    #[error("run {0:?} already exists")]
+    DuplicateRun(String),
+    /// The reader asked for, or fell behind to, events the log no longer keeps.
+    #[error("events {from}..={to} of this run are no longer retained; resume after {to}")]
+    Lagged {
+        /// First event lost.
+        from: u64,
+        /// Last event lost.
+        to: u64,
+    },
+}
+
+/// A reader's stream of a run's events, ending after the `done` event.
+pub type EventStream = Pin<Box<dyn Stream<Item = Result<Arc<RunEvent>, BusError>> + Send>>;
+
+/// Publishes the events of one run.
+pub trait RunPublisher: Send + Sync {
+    /// Appends `event`, assigns and returns its sequence. After an event with `done`,
+    /// later events are dropped (and 0 returned): a run ends exactly once.
+    fn publish(&self, event: RunEvent) -> u64;
+    /// The sequence of the last event published.
+    fn last_sequence(&self) -> u64;
+}
+
+/// Where runs publish their events and readers follow them. A trait so that a shared bus
+/// (NATS JetStream, Redis streams) can replace the in-process one.
+pub trait EventBus: Send + Sync {
+    /// Opens the log of a new run.
+    fn open(&self, run_id: &str) -> Result<Arc<dyn RunPublisher>, BusError>;
+    /// Follows a run from `after_sequence` (0 for the start), replaying what the log keeps.
+    fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError>;
+}
+
+/// Bounds of the in-process bus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BusLimits {
+    /// Events kept per run; older ones are dropped first.
+    pub events_per_run: usize,
+    /// How long a finished run's log stays readable.
+    pub retention: Duration,
+}
+
+impl Default for BusLimits {
+    fn default() -> Self {
+        Self {
+            events_per_run: 10_000,
+            retention: Duration::from_secs(600),
+        }
+    }
+}
+
+/// The in-process bus.
+pub struct InMemoryBus {
+    limits: BusLimits,
+    inner: Arc<Mutex<BusState>>,
+}
+
+#[derive(Default)]
+struct BusState {
+    runs: HashMap<String, Arc<RunLog>>,
+    /// Finished runs in the order they finished, for expiry.
+    finished: VecDeque<(Instant, String)>,
+}
+
+struct RunLog {
+    state: Mutex<LogState>,
+    /// The last published sequence, for readers to wait on.
+    published: watch::Sender<u64>,
+    capacity: usize,
+}
+
+struct LogState {
+    events: VecDeque<Arc<RunEvent>>,
+    /// Sequence of `events[0]`.
+    first: u64,
+    /// Sequence the next event gets.
+    next: u64,
+    done: bool,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section here leaves the state consistent before it can panic.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl InMemoryBus {
+    /// A bus with these bounds.
+    pub fn new(limits: BusLimits) -> Self {
+        Self {
+            limits,
+            inner: Arc::new(Mutex::new(BusState::default())),
+        }
+    }
+
+    /// Runs whose logs are held (running, or finished within the retention).
+    pub fn runs(&self) -> usize {
+        let mut state = lock(&self.inner);
+        expire(&mut state, self.limits.retention);
+        state.runs.len()
+    }
+}
+
+fn expire(state: &mut BusState, retention: Duration) {
+    let now = Instant::now();
+    while let Some((finished, _)) = state.finished.front() {
+        if now.duration_since(*finished) < retention {
+            break;
+        }
+        if let Some((_, run_id)) = state.finished.pop_front() {
+            state.runs.remove(&run_id);
+        }
+    }
+}
+
+impl EventBus for InMemoryBus {
+    fn open(&self, run_id: &str) -> Result<Arc<dyn RunPublisher>, BusError> {
+        let mut state = lock(&self.inner);
+        expire(&mut state, self.limits.retention);
+        if state.runs.contains_key(run_id) {
+            return Err(BusError::DuplicateRun(run_id.to_owned()));
+        }
+        let log = Arc::new(RunLog {
+            state: Mutex::new(LogState {
+                events: VecDeque::new(),
+                first: 1,
+                next: 1,
+                done: false,
+            }),
+            published: watch::Sender::new(0),
+            capacity: self.limits.events_per_run.max(1),
+        });
+        state.runs.insert(run_id.to_owned(), log.clone());
+        Ok(Arc::new(Publisher {
+            run_id: run_id.to_owned(),
+            log,
+            bus: self.inner.clone(),
+        }))
+    }
+
+    fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
+        let log = {
+            let mut state = lock(&self.inner);
+            expire(&mut state, self.limits.retention);
+            state
+                .runs
+                .get(run_id)
+                .cloned()
+                .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?
+        };
+        let reader = Reader {
+            published: log.published.subscribe(),
+            log,
+            cursor: after_sequence,
+            batch: VecDeque::new(),
+            finished: false,
+        };
+        Ok(Box::pin(futures_util::stream::unfold(reader, Reader::next)))
+    }
+}
+
+struct Publisher {
+    run_id: String,
+    log: Arc<RunLog>,
+    bus: Arc<Mutex<BusState>>,
+}
+
+impl RunPublisher for Publisher {
+    fn publish(&self, mut event: RunEvent) -> u64 {
+        let done = event.done;
+        let sequence = {
+            let mut state = lock(&self.log.state);
+            if state.done {
+                return 0;
+            }
+            event.sequence = state.next;
+            state.next += 1;
+            state.done = done;
+            state.events.push_back(Arc::new(event));
+            if state.events.len() > self.log.capacity {
+                state.events.pop_front();
+                state.first += 1;
+            }
+            state.next - 1
+        };
+        self.log.published.send_replace(sequence);
+        if done {
+            lock(&self.bus)
+                .finished
+                .push_back((Instant::now(), self.run_id.clone()));
+        }
+        sequence
+    }
+
+    fn last_sequence(&self) -> u64 {
+        lock(&self.log.state).next - 1
+    }
+}
+
+impl Drop for Publisher {
+    /// A run whose publisher goes away without a `done` event (a bug, or a panic in the
+    /// run) still ends exactly once, so that no reader waits forever.
+    fn drop(&mut self) {
+        if !lock(&self.log.state).done {
+            let data = serde_json::json!({
+                "code": "INTERNAL", "message": "the run ended without a final event",
+                "category": "internal", "retryable": true, "stop_reason": "internal_error",
+            });
+            self.publish(RunEvent {
+                done: true,
+                ..RunEvent::new(
+                    EventKind::Error,
+                    0,
+                    "the run ended without a final event".into(),
+                    Some(data),
+                )
+            });
+        }
+    }
+}
+
+/// Events a reader takes from the log at once, to lock it once per batch, not per event.
+const BATCH: usize = 64;
+
+struct Reader {
+    log: Arc<RunLog>,
+    published: watch::Receiver<u64>,
+    cursor: u64,
+    batch: VecDeque<Arc<RunEvent>>,
+    finished: bool,
+}
+
+impl Reader {
+    async fn next(mut self) -> Option<(Result<Arc<RunEvent>, BusError>, Self)> {
+        loop {
+            if let Some(event) = self.batch.pop_front() {
+                self.cursor = event.sequence;
+                return Some((Ok(event), self));
+            }
+            if self.finished {
+                return None;
+            }
+            let (lost, ended) = {
+                let state = lock(&self.log.state);
+                if self.cursor + 1 < state.first {
+                    (
+                        Some(BusError::Lagged {
+                            from: self.cursor + 1,
+                            to: state.first - 1,
+                        }),
+                        false,
+                    )
+                } else {
+                    let start =
+                        usize::try_from(self.cursor + 1 - state.first).unwrap_or(usize::MAX);
+                    self.batch
+                        .extend(state.events.iter().skip(start).take(BATCH).cloned());
+                    (None, self.batch.is_empty() && state.done)
+                }
+            };
+            if let Some(lost) = lost {
+                self.finished = true;
+                return Some((Err(lost), self));
+            }
+            if ended {
+                return None;
+            }
+            if self.batch.is_empty() {
+                // Nothing new: wait for the publisher. A dropped publisher means the run
+                // is gone without a `done` event; end instead of waiting forever.
+                if self.published.changed().await.is_err() {
+                    self.finished = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::StreamExt;
+
+    fn delta(text: &str) -> RunEvent {
+        RunEvent::new(EventKind::FinalAnswer, 1, text.into(), None)
+    }
+
+    fn done() -> RunEvent {
+        RunEvent {
+            done: true,
+            ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+        }
+    }
+
+    async fn read_all(stream: EventStream) -> Vec<Result<u64, BusError>> {
+        stream.map(|e| e.map(|e| e.sequence)).collect().await
+    }
+
+    #[tokio::test]
+    async fn readers_replay_from_any_offset_then_follow_live() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let publisher = bus.open("r").unwrap();
+        publisher.publish(delta("a"));
+        publisher.publish(delta("b"));
+        let from_start = bus.subscribe("r", 0).unwrap();
+        let from_two = bus.subscribe("r", 2).unwrap();
+        let live = tokio::spawn(read_all(from_start));
+        publisher.publish(delta("c"));
+        publisher.publish(done());
+        assert_eq!(publisher.publish(delta("late")), 0, "nothing after done");
+        assert_eq!(live.await.unwrap(), [Ok(1), Ok(2), Ok(3), Ok(4)]);
+        assert_eq!(read_all(from_two).await, [Ok(3), Ok(4)]);
+        assert_eq!(read_all(bus.subscribe("r", 4).unwrap()).await, []);
+    }
+
+    #[tokio::test]
+    async fn a_reader_behind_the_bound_is_told_what_it_lost() {
+        let bus = InMemoryBus::new(BusLimits {
+            events_per_run: 3,
+            ..BusLimits::default()
+        });
+        let publisher = bus.open("r").unwrap();
+        let slow = bus.subscribe("r", 0).unwrap();
+        for text in ["a", "b", "c", "d", "e"] {
+            publisher.publish(delta(text));
+        }
+        publisher.publish(done());
+        assert_eq!(
+            read_all(slow).await,
+            [Err(BusError::Lagged { from: 1, to: 3 })]
+        );
+        assert_eq!(
+            read_all(bus.subscribe("r", 3).unwrap()).await,
+            [Ok(4), Ok(5), Ok(6)]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn finished_runs_expire_after_the_retention() {
+        let bus = InMemoryBus::new(BusLimits {
+            retention: Duration::from_secs(60),
+            ..BusLimits::default()
+        });
+        let publisher = bus.open("r").unwrap();
+        publisher.publish(done());
+        let running = bus.open("still-running").unwrap();
+        running.publish(delta("x"));
+        tokio::time::advance(Duration::from_secs(59)).await;
+        assert!(bus.subscribe("r", 0).is_ok());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(
+            bus.subscribe("r", 0).err(),
+            Some(BusError::UnknownRun("r".into()))
+        );
+        assert!(
+            bus.subscribe("still-running", 0).is_ok(),
+            "running runs never expire"
+        );
+        assert_eq!(bus.runs(), 1);
+    }
+
+    #[tokio::test]
+    async fn run_ids_are_unique_and_unknown_runs_are_reported() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let _publisher = bus.open("r").unwrap();
+        assert_eq!(
+            bus.open("r").err(),
+            Some(BusError::DuplicateRun("r".into()))
+        );
+        assert_eq!(
+            bus.subscribe("nope", 0).err(),
+            Some(BusError::UnknownRun("nope".into()))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_publisher_still_ends_the_run_once() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let publisher = bus.open("r").unwrap();
+        publisher.publish(delta("a"));
+        let reader = bus.subscribe("r", 0).unwrap();
+        drop(publisher);
+        let events: Vec<Arc<RunEvent>> =
+            tokio::time::timeout(Duration::from_secs(5), reader.collect::<Vec<_>>())
+                .await
+                .unwrap()
+                .into_iter()
+                .map(Result::unwrap)
+                .collect();
+        assert_eq!(events.len(), 2);
+        assert!(events[1].done);
+        assert_eq!(events[1].kind, EventKind::Error);
+    }
+}
