@@ -12,5 +12,8 @@ pub use config::{
     AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, limits,
 };
 pub use secret::Secret;
-pub use tool::{Reference, ToolCatalog, ToolServiceError, ToolSource, ToolSpec};
+pub use tool::{
+    Reference, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError, ToolSource,
+    ToolSpec,
+};
 pub use violation::Violation;

@@ -60,3 +60,49 @@ pub trait ToolCatalog: Send + Sync {
     /// Every tool on offer, asked live.
     async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError>;
 }
+
+/// One tool call the engine asks for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolInvocation {
+    /// The call's id.
+    pub call_id: String,
+    /// The tool.
+    pub name: String,
+    /// The parsed arguments.
+    pub arguments: serde_json::Value,
+    /// The run making the call.
+    pub run_id: String,
+    /// The session of the run.
+    pub session_id: String,
+}
+
+/// What came of a tool call, as the model will read it. Failures of any kind (the tool's
+/// own, bad arguments, timeouts, an unreachable executor) are results with `is_error`, so
+/// that the model can react; they never end a run.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ToolResult {
+    /// The output, or what went wrong.
+    pub output: String,
+    /// Whether it failed.
+    pub is_error: bool,
+    /// Documents the output is drawn from.
+    pub references: Vec<Reference>,
+}
+
+impl ToolResult {
+    /// A failure the model should read.
+    pub fn error(message: impl Into<String>) -> Self {
+        Self {
+            output: message.into(),
+            is_error: true,
+            references: Vec::new(),
+        }
+    }
+}
+
+/// Runs tool calls for the engine. Dropping the future cancels the call.
+#[async_trait::async_trait]
+pub trait ToolRunner: Send + Sync {
+    /// Runs one call within `timeout`.
+    async fn run(&self, call: ToolInvocation, timeout: std::time::Duration) -> ToolResult;
+}

@@ -18,3 +18,38 @@ pub use chat::{
 };
 pub use openai::{OpenAiChat, RetryPolicy};
 pub use providers::{ProviderError, ProviderKind, ProviderRegistry, ProviderSettings};
+
+use std::{collections::HashMap, sync::Arc};
+
+/// The chat model of each configured provider, by provider name.
+#[derive(Clone, Default)]
+pub struct ChatModels {
+    by_provider: HashMap<String, Arc<dyn ChatModel>>,
+}
+
+impl ChatModels {
+    /// A client for every provider of `registry`.
+    pub fn from_providers(
+        registry: &ProviderRegistry,
+        retry: RetryPolicy,
+    ) -> Result<Self, ModelError> {
+        let mut models = Self::default();
+        for (name, settings) in registry.settings() {
+            let model: Arc<dyn ChatModel> = match settings.kind {
+                ProviderKind::Openai => Arc::new(OpenAiChat::new(settings, retry)?),
+            };
+            models.by_provider.insert(name.clone(), model);
+        }
+        Ok(models)
+    }
+
+    /// Adds (or replaces) the model of `provider`.
+    pub fn insert(&mut self, provider: impl Into<String>, model: Arc<dyn ChatModel>) {
+        self.by_provider.insert(provider.into(), model);
+    }
+
+    /// The model of `provider`.
+    pub fn get(&self, provider: &str) -> Option<Arc<dyn ChatModel>> {
+        self.by_provider.get(provider).cloned()
+    }
+}

@@ -1,0 +1,641 @@
+//! The engine loop: runs one user turn of an agent.
+//!
+//! A run alternates model rounds and tool calls until the model answers, publishing every
+//! step on the event bus as it happens (reasoning and answer text as deltas, each tool
+//! call when complete, each result when back) and keeping a [`RunRecord`] for `GetRun`.
+//! It ends with exactly one `done` event, whatever happens: an answer, the iteration cap,
+//! a model failure, the run timeout, a cancellation or a shutdown.
+//!
+//! Cancellation is structural: the loop is a future raced against the run's cancellation
+//! token and timeout, so stopping drops it, and with it the in-flight model request (the
+//! HTTP connection closes) and running tool calls (their gRPC calls are cancelled).
+
+mod emitter;
+pub mod react;
+pub mod record;
+
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use agentrt_context::{Exchange, SessionStore, TokenCounter, fit};
+use agentrt_core::{AgentConfig, Strategy, ToolInvocation, ToolResult, ToolRunner, ToolSpec};
+use agentrt_events::RunPublisher;
+use agentrt_models::{
+    ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
+    ModelToolCall, ToolDefinition,
+};
+use futures_util::StreamExt;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info_span};
+
+use emitter::Emitter;
+pub use record::{
+    RunError, RunRecord, RunState, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
+};
+
+/// What the engine needs from the rest of the server.
+#[derive(Clone)]
+pub struct Engine {
+    models: ChatModels,
+    tools: Arc<dyn ToolRunner>,
+    sessions: Arc<dyn SessionStore>,
+}
+
+/// One run to make.
+#[derive(Debug, Clone)]
+pub struct RunSpec {
+    /// The run's id.
+    pub run_id: String,
+    /// The engine it runs on.
+    pub engine_id: String,
+    /// Its session.
+    pub session_id: String,
+    /// Its message id.
+    pub message_id: String,
+    /// The user's query.
+    pub query: String,
+    /// Explicit prior messages; `None` uses the session's history.
+    pub llm_context: Option<Vec<ChatMessage>>,
+    /// The agent.
+    pub config: Arc<AgentConfig>,
+    /// Specs of the agent's tools.
+    pub tools: Arc<[ToolSpec]>,
+}
+
+/// How a run is stopped from outside.
+#[derive(Debug, Default)]
+pub struct RunControl {
+    cancel: CancellationToken,
+    reason: OnceLock<StopReason>,
+}
+
+impl RunControl {
+    /// Stops the run for `reason` (the first reason given wins). Idempotent.
+    pub fn stop(&self, reason: StopReason) {
+        let _ = self.reason.set(reason);
+        self.cancel.cancel();
+    }
+
+    /// Whether the run was asked to stop.
+    pub fn is_stopped(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+}
+
+/// How a run ended.
+#[derive(Debug)]
+enum Outcome {
+    Answered(StopReason),
+    Failed(StopReason, RunError),
+}
+
+/// What a model round produced.
+enum Round {
+    Answer(String),
+    Tools {
+        content: String,
+        calls: Vec<ModelToolCall>,
+    },
+}
+
+/// Asked after the last allowed round, so that the run still ends with an answer.
+const FINAL_REQUEST: &str = "You have used all the steps you may take. Without calling any tool, \
+    answer the original question now, as well as you can from the information above.";
+
+impl Engine {
+    /// An engine over these parts.
+    pub fn new(
+        models: ChatModels,
+        tools: Arc<dyn ToolRunner>,
+        sessions: Arc<dyn SessionStore>,
+    ) -> Self {
+        Self {
+            models,
+            tools,
+            sessions,
+        }
+    }
+
+    /// Makes the run, publishing its events on `publisher` and keeping `state` up to date,
+    /// until it ends; always publishes exactly one `done` event.
+    pub async fn run(
+        &self,
+        spec: RunSpec,
+        publisher: Arc<dyn RunPublisher>,
+        state: Arc<RunState>,
+        control: Arc<RunControl>,
+    ) {
+        let span = info_span!(
+            "invoke_agent",
+            gen_ai.operation.name = "invoke_agent",
+            gen_ai.agent.name = %spec.config.name,
+            run_id = %spec.run_id,
+            session_id = %spec.session_id,
+        );
+        let mut emitter = Emitter::new(publisher, state);
+        let run_timeout = spec.config.timeouts.run;
+        let outcome = {
+            let drive = self
+                .drive(&spec, &mut emitter, &control.cancel)
+                .instrument(span.clone());
+            tokio::select! {
+                biased;
+                () = control.cancel.cancelled() => {
+                    let reason = control.reason.get().copied().unwrap_or(StopReason::Cancelled);
+                    Outcome::Failed(reason, stopped_error(reason))
+                }
+                () = tokio::time::sleep(run_timeout) => Outcome::Failed(StopReason::Timeout, RunError {
+                    code: "RUN_TIMEOUT".into(),
+                    message: format!("the run did not finish within its timeout of {run_timeout:?}"),
+                    category: "timeout",
+                    retryable: true,
+                }),
+                outcome = drive => outcome,
+            }
+        };
+        let _entered = span.enter();
+        debug!(?outcome, "run ended");
+        match outcome {
+            Outcome::Answered(reason) => emitter.finish_answered(reason),
+            Outcome::Failed(reason, error) => emitter.finish_failed(reason, error),
+        }
+    }
+
+    async fn drive(&self, spec: &RunSpec, em: &mut Emitter, cancel: &CancellationToken) -> Outcome {
+        let config = &spec.config;
+        let Some(model) = self.models.get(&config.model.provider) else {
+            return Outcome::Failed(
+                StopReason::InternalError,
+                RunError {
+                    code: "PROVIDER_NOT_CONFIGURED".into(),
+                    message: format!(
+                        "provider {:?} is not configured on this server",
+                        config.model.provider
+                    ),
+                    category: "internal",
+                    retryable: false,
+                },
+            );
+        };
+        let counter = TokenCounter::shared();
+        let react = config.strategy == Strategy::React;
+        let system = system_message(config, &spec.tools, react).map(|m| {
+            let tokens = counter.message(&m);
+            (m, tokens)
+        });
+        let history = match &spec.llm_context {
+            Some(messages) => Exchange::group(messages.clone(), counter),
+            None => self.sessions.history(&spec.session_id),
+        };
+        let definitions: Vec<ToolDefinition> = if react {
+            Vec::new()
+        } else {
+            spec.tools
+                .iter()
+                .map(|t| ToolDefinition {
+                    name: t.name.clone(),
+                    description: t.description.clone(),
+                    parameters: t.input_schema.clone(),
+                })
+                .collect()
+        };
+        let reserved: u32 = definitions
+            .iter()
+            .map(|d| {
+                counter.text(&d.name)
+                    + counter.text(&d.description)
+                    + counter.text(&d.parameters.to_string())
+            })
+            .sum();
+        let user = ChatMessage::User(spec.query.clone());
+        let mut current = vec![(user.clone(), counter.message(&user))];
+        let mut previous_calls: Option<Vec<(String, String)>> = None;
+        let mut repeats = 0;
+
+        for iteration in 1..=config.max_iterations {
+            em.begin_round(iteration);
+            let fitted = fit(
+                system.as_ref().map(|(m, t)| (m, *t)),
+                &history,
+                &current,
+                reserved,
+                config.context.max_prompt_tokens,
+            );
+            if fitted.dropped > 0 {
+                debug!(
+                    dropped = fitted.dropped,
+                    "history trimmed to the token budget"
+                );
+            }
+            let request = self.request(config, fitted.messages, definitions.clone(), react);
+            let round = match self
+                .model_round(
+                    &model,
+                    request,
+                    em,
+                    react,
+                    config.timeouts.model_call,
+                    cancel,
+                    iteration,
+                )
+                .await
+            {
+                Ok(round) => round,
+                Err(outcome) => return outcome,
+            };
+            let (content, calls) = match round {
+                Round::Answer(answer) => {
+                    self.remember(spec, &current, &answer, counter);
+                    return Outcome::Answered(StopReason::FinalAnswer);
+                }
+                Round::Tools { content, calls } => (content, calls),
+            };
+            // A model that asks for the same calls round after round is stuck: stop
+            // asking it for tools and have it answer.
+            let signature: Vec<(String, String)> = calls
+                .iter()
+                .map(|c| (c.name.clone(), c.arguments.clone()))
+                .collect();
+            if previous_calls.as_ref() == Some(&signature) {
+                repeats += 1;
+            } else {
+                repeats = 0;
+            }
+            previous_calls = Some(signature);
+            if repeats >= 2 {
+                debug!("the model repeats the same tool calls; asking for a final answer");
+                break;
+            }
+            let results = self.run_tools(spec, &calls, em).await;
+            if react {
+                let observation = results
+                    .first()
+                    .map(|r| r.output.clone())
+                    .unwrap_or_default();
+                push(
+                    &mut current,
+                    ChatMessage::Assistant {
+                        content,
+                        tool_calls: Vec::new(),
+                    },
+                    counter,
+                );
+                push(
+                    &mut current,
+                    ChatMessage::User(format!("{} {observation}", react::STOP)),
+                    counter,
+                );
+            } else {
+                push(
+                    &mut current,
+                    ChatMessage::Assistant {
+                        content,
+                        tool_calls: calls.clone(),
+                    },
+                    counter,
+                );
+                for (call, result) in calls.iter().zip(results) {
+                    push(
+                        &mut current,
+                        ChatMessage::Tool {
+                            call_id: call.id.clone(),
+                            content: result.output,
+                        },
+                        counter,
+                    );
+                }
+            }
+        }
+
+        // Out of rounds: one last call without tools, for an answer from what there is.
+        let iteration = em.iteration() + 1;
+        em.begin_round(iteration);
+        let ask = if react {
+            format!("{FINAL_REQUEST} Reply with `Final Answer:` followed by the answer.")
+        } else {
+            FINAL_REQUEST.to_owned()
+        };
+        push(&mut current, ChatMessage::User(ask), counter);
+        let fitted = fit(
+            system.as_ref().map(|(m, t)| (m, *t)),
+            &history,
+            &current,
+            0,
+            config.context.max_prompt_tokens,
+        );
+        let request = self.request(config, fitted.messages, Vec::new(), react);
+        match self
+            .model_round(
+                &model,
+                request,
+                em,
+                react,
+                config.timeouts.model_call,
+                cancel,
+                iteration,
+            )
+            .await
+        {
+            Ok(
+                Round::Answer(answer)
+                | Round::Tools {
+                    content: answer, ..
+                },
+            ) => {
+                current.pop();
+                self.remember(spec, &current, &answer, counter);
+                Outcome::Answered(StopReason::MaxIterations)
+            }
+            Err(outcome) => outcome,
+        }
+    }
+
+    fn request(
+        &self,
+        config: &AgentConfig,
+        messages: Vec<ChatMessage>,
+        tools: Vec<ToolDefinition>,
+        react: bool,
+    ) -> ChatRequest {
+        ChatRequest {
+            model: config.model.name.clone(),
+            messages,
+            parallel_tool_calls: config.parallel_tool_calls && !tools.is_empty(),
+            tools,
+            temperature: config.model.temperature,
+            max_tokens: config.model.max_tokens,
+            stop: if react {
+                vec![react::STOP.to_owned()]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// Keeps the turn in the session's history.
+    fn remember(
+        &self,
+        spec: &RunSpec,
+        current: &[(ChatMessage, u32)],
+        answer: &str,
+        counter: &TokenCounter,
+    ) {
+        let mut messages: Vec<ChatMessage> = current.iter().map(|(m, _)| m.clone()).collect();
+        messages.push(ChatMessage::Assistant {
+            content: answer.to_owned(),
+            tool_calls: Vec::new(),
+        });
+        self.sessions
+            .append(&spec.session_id, Exchange::new(messages, counter));
+    }
+
+    /// One model call, streamed into events.
+    #[allow(clippy::too_many_arguments)]
+    async fn model_round(
+        &self,
+        model: &Arc<dyn ChatModel>,
+        request: ChatRequest,
+        em: &mut Emitter,
+        react: bool,
+        timeout: Duration,
+        cancel: &CancellationToken,
+        iteration: u32,
+    ) -> Result<Round, Outcome> {
+        let span = info_span!(
+            "chat",
+            otel.name = %format!("chat {}", request.model),
+            gen_ai.operation.name = "chat",
+            gen_ai.request.model = %request.model,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+        );
+        let work = async {
+            let mut stream = model
+                .stream(request, cancel.child_token())
+                .await
+                .map_err(model_failure)?;
+            let mut parser = react.then(react::Parser::default);
+            let mut pieces = Vec::new();
+            let mut content = String::new();
+            let mut calls = Vec::new();
+            let mut finish = FinishReason::Unknown;
+            while let Some(delta) = stream.next().await {
+                match delta.map_err(model_failure)? {
+                    ChatDelta::Reasoning(text) => em.thought(text),
+                    ChatDelta::Content(text) => {
+                        content.push_str(&text);
+                        match parser.as_mut() {
+                            Some(parser) => {
+                                parser.push(&text, &mut pieces);
+                                em.pieces(pieces.drain(..));
+                            }
+                            None => em.answer(text),
+                        }
+                    }
+                    ChatDelta::ToolCall(call) => calls.push(call),
+                    ChatDelta::Finish { reason, usage } => {
+                        finish = reason;
+                        if let Some(usage) = usage {
+                            tracing::Span::current()
+                                .record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+                            tracing::Span::current()
+                                .record("gen_ai.usage.output_tokens", usage.completion_tokens);
+                            em.usage(usage);
+                        }
+                    }
+                }
+            }
+            debug!(?finish, calls = calls.len(), "model round finished");
+            let Some(mut parser) = parser else {
+                return Ok(if calls.is_empty() {
+                    Round::Answer(content)
+                } else {
+                    Round::Tools { content, calls }
+                });
+            };
+            parser.finish(&mut pieces);
+            em.pieces(pieces.drain(..));
+            if parser.answered() {
+                return Ok(Round::Answer(parser.answer().to_owned()));
+            }
+            if let Some((name, input)) = parser.action() {
+                let call = ModelToolCall {
+                    id: format!("react_{iteration}"),
+                    name,
+                    arguments: input,
+                };
+                return Ok(Round::Tools {
+                    content,
+                    calls: vec![call],
+                });
+            }
+            // No protocol at all: the text is the answer.
+            em.answer(content.clone());
+            Ok(Round::Answer(content))
+        }
+        .instrument(span);
+        match tokio::time::timeout(timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(Outcome::Failed(
+                StopReason::Timeout,
+                RunError {
+                    code: "MODEL_TIMEOUT".into(),
+                    message: format!("the model call did not finish within {timeout:?}"),
+                    category: "timeout",
+                    retryable: true,
+                },
+            )),
+        }
+    }
+
+    /// Runs a round's calls (concurrently under the cap when the config allows) and
+    /// returns their results in call order.
+    async fn run_tools(
+        &self,
+        spec: &RunSpec,
+        calls: &[ModelToolCall],
+        em: &mut Emitter,
+    ) -> Vec<ToolResult> {
+        let config = &spec.config;
+        let prepared: Vec<Result<ToolInvocation, ToolResult>> = calls
+            .iter()
+            .map(|call| {
+                let arguments = parse_arguments(&call.arguments);
+                em.tool_call(
+                    &call.id,
+                    &call.name,
+                    arguments.as_ref().map_or_else(
+                        |_| serde_json::Value::String(call.arguments.clone()),
+                        Clone::clone,
+                    ),
+                );
+                let arguments = arguments.map_err(ToolResult::error)?;
+                if !config.tools.iter().any(|t| t == &call.name) {
+                    return Err(ToolResult::error(format!(
+                        "tool {:?} is not available to this agent; available tools: {}",
+                        call.name,
+                        if config.tools.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            config.tools.join(", ")
+                        }
+                    )));
+                }
+                Ok(ToolInvocation {
+                    call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    arguments,
+                    run_id: spec.run_id.clone(),
+                    session_id: spec.session_id.clone(),
+                })
+            })
+            .collect();
+        let timeout = config.timeouts.tool_call;
+        let runner = &self.tools;
+        let execute = |index: usize, prepared: Result<ToolInvocation, ToolResult>| async move {
+            let started = Instant::now();
+            let result = match prepared {
+                Ok(invocation) => {
+                    let span = info_span!(
+                        "execute_tool",
+                        otel.name = %format!("execute_tool {}", invocation.name),
+                        gen_ai.operation.name = "execute_tool",
+                        gen_ai.tool.name = %invocation.name,
+                        gen_ai.tool.call.id = %invocation.call_id,
+                    );
+                    runner.run(invocation, timeout).instrument(span).await
+                }
+                Err(refused) => refused,
+            };
+            (index, result, started.elapsed())
+        };
+        let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
+        let concurrency = if config.parallel_tool_calls {
+            config.max_parallel_tool_calls.max(1) as usize
+        } else {
+            1
+        };
+        let mut running = futures_util::stream::iter(
+            prepared.into_iter().enumerate().map(|(i, p)| execute(i, p)),
+        )
+        .buffer_unordered(concurrency);
+        while let Some((index, result, duration)) = running.next().await {
+            let call = &calls[index];
+            em.tool_result(&call.id, &call.name, &result, duration);
+            results[index] = Some(result);
+        }
+        results.into_iter().map(Option::unwrap_or_default).collect()
+    }
+}
+
+fn push(current: &mut Vec<(ChatMessage, u32)>, message: ChatMessage, counter: &TokenCounter) {
+    let tokens = counter.message(&message);
+    current.push((message, tokens));
+}
+
+/// The system message: the agent's prompt, and for ReAct the protocol with the tools.
+fn system_message(config: &AgentConfig, tools: &[ToolSpec], react: bool) -> Option<ChatMessage> {
+    let mut text = config.system_prompt.clone();
+    if react {
+        if !text.is_empty() {
+            text.push_str("\n\n");
+        }
+        text.push_str(&react::instructions(tools));
+    }
+    (!text.is_empty()).then_some(ChatMessage::System(text))
+}
+
+/// Parses a model's argument text: an object, or empty for none; anything else is an
+/// error the model reads.
+fn parse_arguments(text: &str) -> Result<serde_json::Value, String> {
+    if text.trim().is_empty() {
+        return Ok(serde_json::Value::Object(serde_json::Map::new()));
+    }
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(value @ serde_json::Value::Object(_)) => Ok(value),
+        Ok(_) => Err(format!("the arguments must be a JSON object, got: {text}")),
+        Err(e) => Err(format!(
+            "the arguments are not valid JSON ({e}); send a complete JSON object: {text}"
+        )),
+    }
+}
+
+fn model_failure(error: ModelError) -> Outcome {
+    let reason = match error {
+        ModelError::Timeout(_) => StopReason::Timeout,
+        _ => StopReason::ModelError,
+    };
+    Outcome::Failed(
+        reason,
+        RunError {
+            code: error.code(),
+            message: error.to_string(),
+            category: if reason == StopReason::Timeout {
+                "timeout"
+            } else {
+                "model"
+            },
+            retryable: error.is_retryable(),
+        },
+    )
+}
+
+fn stopped_error(reason: StopReason) -> RunError {
+    match reason {
+        StopReason::Shutdown => RunError {
+            code: "SHUTDOWN".into(),
+            message: "the server is shutting down".into(),
+            category: "cancelled",
+            retryable: true,
+        },
+        _ => RunError {
+            code: "CANCELLED".into(),
+            message: "the run was cancelled".into(),
+            category: "cancelled",
+            retryable: false,
+        },
+    }
+}

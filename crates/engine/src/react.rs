@@ -1,0 +1,260 @@
+//! The ReAct text protocol, for models without native tool calling: the prompt that
+//! teaches it, and a parser that reads the model's text while it streams.
+//!
+//! ```text
+//! Thought: what to do next
+//! Action: tool name
+//! Action Input: {"json": "arguments"}
+//! Observation: (written by the engine, never by the model: generation stops here)
+//! ... repeated ...
+//! Thought: I know the answer
+//! Final Answer: the answer
+//! ```
+
+use agentrt_core::ToolSpec;
+
+/// The stop sequence that ends a ReAct round: the engine writes observations.
+pub const STOP: &str = "Observation:";
+
+/// The protocol instructions, with every tool and its input schema.
+pub fn instructions(tools: &[ToolSpec]) -> String {
+    let mut text = String::from("Answer the user's question. You can use these tools:\n\n");
+    for tool in tools {
+        text.push_str(&format!(
+            "- {}: {}\n  Input schema: {}\n",
+            tool.name, tool.description, tool.input_schema
+        ));
+    }
+    let names: Vec<&str> = tools.iter().map(|t| t.name.as_str()).collect();
+    text.push_str(&format!(
+        "\nUse exactly this format:\n\n\
+         Thought: think about what to do next\n\
+         Action: the tool to use, one of [{}]\n\
+         Action Input: the tool's input as a JSON object\n\
+         Observation: the tool's result (provided to you; never write it yourself)\n\
+         ... (Thought/Action/Action Input/Observation can repeat)\n\
+         Thought: I now know the final answer\n\
+         Final Answer: the answer to the user's question\n",
+        names.join(", ")
+    ));
+    text
+}
+
+/// A piece of the model's text, routed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// Reasoning text (Thought, and anything outside the markers).
+    Thought(String),
+    /// Final answer text.
+    Answer(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Section {
+    Thought,
+    Action,
+    ActionInput,
+    Answer,
+}
+
+const MARKERS: [(&str, Section); 4] = [
+    ("Thought:", Section::Thought),
+    ("Action:", Section::Action),
+    ("Action Input:", Section::ActionInput),
+    ("Final Answer:", Section::Answer),
+];
+
+/// Reads ReAct text as it streams. Marker lines are recognised at the start of a line,
+/// even when split across chunks; text is passed on as soon as it cannot be a marker.
+#[derive(Debug)]
+pub struct Parser {
+    section: Section,
+    /// Text at the start of the current line that may still turn out to be a marker.
+    line_start: String,
+    /// Whether `line_start` is still being decided (we are at the start of a line).
+    deciding: bool,
+    action: String,
+    action_input: String,
+    answer: String,
+    saw_marker: bool,
+}
+
+impl Default for Parser {
+    fn default() -> Self {
+        Self {
+            section: Section::Thought,
+            line_start: String::new(),
+            deciding: true,
+            action: String::new(),
+            action_input: String::new(),
+            answer: String::new(),
+            saw_marker: false,
+        }
+    }
+}
+
+impl Parser {
+    /// Routes a chunk of model text.
+    pub fn push(&mut self, chunk: &str, out: &mut Vec<Piece>) {
+        for (i, line) in chunk.split_inclusive('\n').enumerate() {
+            let _ = i;
+            self.push_line_part(line, out);
+        }
+    }
+
+    fn push_line_part(&mut self, part: &str, out: &mut Vec<Piece>) {
+        let ends_line = part.ends_with('\n');
+        if self.section == Section::Answer {
+            // Everything after `Final Answer:` is the answer.
+            self.emit(part.to_owned(), out);
+            return;
+        }
+        if !self.deciding {
+            self.emit(part.to_owned(), out);
+        } else {
+            self.line_start.push_str(part);
+            let trimmed = self.line_start.trim_start();
+            if let Some((marker, section)) = MARKERS
+                .iter()
+                .filter(|(m, _)| trimmed.starts_with(m))
+                .max_by_key(|(m, _)| m.len())
+            {
+                // `Action:` is a prefix of nothing else, but `Action Input:` must win over
+                // a longer line that merely starts with `Action`.
+                let rest = trimmed[marker.len()..].to_owned();
+                self.section = *section;
+                self.saw_marker = true;
+                self.line_start.clear();
+                self.deciding = false;
+                let rest = if matches!(section, Section::Answer | Section::Thought) {
+                    rest.trim_start().to_owned()
+                } else {
+                    rest
+                };
+                self.emit(rest, out);
+            } else if !MARKERS.iter().any(|(m, _)| m.starts_with(trimmed)) || ends_line {
+                let text = std::mem::take(&mut self.line_start);
+                self.deciding = false;
+                self.emit(text, out);
+            }
+        }
+        if ends_line {
+            self.deciding = true;
+        }
+    }
+
+    fn emit(&mut self, text: String, out: &mut Vec<Piece>) {
+        if text.is_empty() {
+            return;
+        }
+        match self.section {
+            Section::Thought => out.push(Piece::Thought(text)),
+            Section::Action => self.action.push_str(&text),
+            Section::ActionInput => self.action_input.push_str(&text),
+            Section::Answer => {
+                self.answer.push_str(&text);
+                out.push(Piece::Answer(text));
+            }
+        }
+    }
+
+    /// Flushes what is held back at the end of the model's output.
+    pub fn finish(&mut self, out: &mut Vec<Piece>) {
+        let rest = std::mem::take(&mut self.line_start);
+        self.deciding = false;
+        self.emit(rest, out);
+    }
+
+    /// Whether the model wrote `Final Answer:`.
+    pub fn answered(&self) -> bool {
+        self.section == Section::Answer
+    }
+
+    /// The final answer text so far.
+    pub fn answer(&self) -> &str {
+        self.answer.trim()
+    }
+
+    /// The action the model asked for, with its raw input text.
+    pub fn action(&self) -> Option<(String, String)> {
+        let name = self.action.trim();
+        (!name.is_empty()).then(|| (name.to_owned(), self.action_input.trim().to_owned()))
+    }
+
+    /// Whether any marker appeared at all.
+    pub fn saw_marker(&self) -> bool {
+        self.saw_marker
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(chunks: &[&str]) -> (Parser, String, String) {
+        let mut parser = Parser::default();
+        let mut out = Vec::new();
+        for chunk in chunks {
+            parser.push(chunk, &mut out);
+        }
+        parser.finish(&mut out);
+        let mut thought = String::new();
+        let mut answer = String::new();
+        for piece in out {
+            match piece {
+                Piece::Thought(t) => thought.push_str(&t),
+                Piece::Answer(a) => answer.push_str(&a),
+            }
+        }
+        (parser, thought, answer)
+    }
+
+    #[test]
+    fn actions_are_read_across_chunk_boundaries() {
+        let (parser, thought, answer) = parse(&[
+            "Thought: I need the calc",
+            "ulator.\nAct",
+            "ion: calculator\nAction In",
+            "put: {\"expression\": \"6 * 7\"}\n",
+        ]);
+        assert_eq!(thought, "I need the calculator.\n");
+        assert_eq!(answer, "");
+        assert_eq!(
+            parser.action(),
+            Some(("calculator".into(), "{\"expression\": \"6 * 7\"}".into()))
+        );
+        assert!(!parser.answered());
+    }
+
+    #[test]
+    fn the_final_answer_streams_as_answer() {
+        let (parser, thought, answer) =
+            parse(&["Thought: done.\nFinal An", "swer: It is", " 42.\nReally."]);
+        assert_eq!(thought, "done.\n");
+        assert_eq!(answer, "It is 42.\nReally.");
+        assert!(parser.answered());
+        assert_eq!(parser.answer(), "It is 42.\nReally.");
+    }
+
+    #[test]
+    fn text_without_markers_is_thought() {
+        let (parser, thought, _) = parse(&["Just some ", "text\nover lines"]);
+        assert_eq!(thought, "Just some text\nover lines");
+        assert!(!parser.saw_marker());
+        assert_eq!(parser.action(), None);
+    }
+
+    #[test]
+    fn the_prompt_lists_tools_with_schemas() {
+        let tools = [ToolSpec {
+            name: "calculator".into(),
+            description: "math".into(),
+            input_schema: serde_json::json!({"type": "object"}),
+            source: agentrt_core::ToolSource::Builtin,
+        }];
+        let text = instructions(&tools);
+        assert!(text.contains("- calculator: math\n  Input schema: {\"type\":\"object\"}"));
+        assert!(text.contains("one of [calculator]"));
+        assert!(text.contains("Final Answer:"));
+    }
+}

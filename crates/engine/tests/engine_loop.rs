@@ -1,0 +1,584 @@
+//! The engine loop against a scripted model and tool runner.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use agentrt_context::{InMemorySessionStore, SessionLimits};
+use agentrt_core::{
+    AgentConfig, ContextBudget, ModelSelection, Strategy, Timeouts, ToolInvocation, ToolResult,
+    ToolRunner, ToolSource, ToolSpec,
+};
+use agentrt_engine::{Engine, RunControl, RunSpec, RunState, RunStatus, StopReason};
+use agentrt_events::{BusLimits, EventBus, EventKind, InMemoryBus, RunEvent};
+use agentrt_models::{
+    ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, ChatStream, FinishReason,
+    ModelError, ModelToolCall, Usage,
+};
+use futures_util::StreamExt;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+/// Plays scripted rounds in order and records the requests.
+#[derive(Default)]
+struct Scripted {
+    rounds: Mutex<VecDeque<Result<Vec<ChatDelta>, ModelError>>>,
+    requests: Mutex<Vec<ChatRequest>>,
+    hang: bool,
+}
+
+#[async_trait::async_trait]
+impl ChatModel for Scripted {
+    async fn stream(
+        &self,
+        request: ChatRequest,
+        _cancel: CancellationToken,
+    ) -> Result<ChatStream, ModelError> {
+        self.requests.lock().unwrap().push(request);
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        let round = self
+            .rounds
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or_else(|| Ok(answer("out of script")));
+        let deltas = round?;
+        Ok(Box::pin(futures_util::stream::iter(
+            deltas.into_iter().map(Ok),
+        )))
+    }
+}
+
+fn answer(text: &str) -> Vec<ChatDelta> {
+    vec![
+        ChatDelta::Content(text[..text.len() / 2].to_owned()),
+        ChatDelta::Content(text[text.len() / 2..].to_owned()),
+        ChatDelta::Finish {
+            reason: FinishReason::Stop,
+            usage: Some(Usage {
+                prompt_tokens: 10,
+                completion_tokens: 5,
+            }),
+        },
+    ]
+}
+
+fn call(id: &str, name: &str, arguments: &str) -> ChatDelta {
+    ChatDelta::ToolCall(ModelToolCall {
+        id: id.into(),
+        name: name.into(),
+        arguments: arguments.into(),
+    })
+}
+
+fn tools_round(calls: Vec<ChatDelta>) -> Vec<ChatDelta> {
+    let mut deltas = vec![ChatDelta::Reasoning("thinking".into())];
+    deltas.extend(calls);
+    deltas.push(ChatDelta::Finish {
+        reason: FinishReason::ToolCalls,
+        usage: Some(Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+        }),
+    });
+    deltas
+}
+
+/// Answers `echo:<arguments>` after a delay taken from the `delay_ms` argument, counting
+/// calls in flight and those dropped before finishing.
+#[derive(Default)]
+struct Tools {
+    running: AtomicUsize,
+    peak: AtomicUsize,
+    abandoned: Arc<AtomicUsize>,
+}
+
+struct Abandon(Arc<AtomicUsize>, bool);
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ToolRunner for Tools {
+    async fn run(&self, call: ToolInvocation, _timeout: Duration) -> ToolResult {
+        let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+        let mut guard = Abandon(self.abandoned.clone(), false);
+        let delay = call.arguments["delay_ms"].as_u64().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        guard.1 = true;
+        self.running.fetch_sub(1, Ordering::SeqCst);
+        ToolResult {
+            output: format!("echo:{}", call.arguments),
+            ..ToolResult::default()
+        }
+    }
+}
+
+fn config(strategy: Strategy, tools: &[&str]) -> AgentConfig {
+    AgentConfig {
+        name: "t".into(),
+        system_prompt: "be brief".into(),
+        model: ModelSelection {
+            provider: "p".into(),
+            name: "m".into(),
+            temperature: None,
+            max_tokens: None,
+        },
+        rerank_model: None,
+        strategy,
+        max_iterations: 4,
+        tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+        parallel_tool_calls: true,
+        max_parallel_tool_calls: 2,
+        context: ContextBudget {
+            max_prompt_tokens: 8192,
+        },
+        timeouts: Timeouts::default(),
+    }
+}
+
+fn spec_tool(name: &str) -> ToolSpec {
+    ToolSpec {
+        name: name.into(),
+        description: "echo".into(),
+        input_schema: json!({"type": "object"}),
+        source: ToolSource::Builtin,
+    }
+}
+
+struct Harness {
+    engine: Engine,
+    model: Arc<Scripted>,
+    tools: Arc<Tools>,
+    bus: InMemoryBus,
+}
+
+fn harness(model: Scripted) -> Harness {
+    let model = Arc::new(model);
+    let tools = Arc::new(Tools::default());
+    let mut models = ChatModels::default();
+    models.insert("p", model.clone());
+    let sessions = Arc::new(InMemorySessionStore::new(SessionLimits::default()));
+    Harness {
+        engine: Engine::new(models, tools.clone(), sessions),
+        model,
+        tools,
+        bus: InMemoryBus::new(BusLimits::default()),
+    }
+}
+
+impl Harness {
+    async fn run(
+        &self,
+        run_id: &str,
+        config: AgentConfig,
+        control: Arc<RunControl>,
+    ) -> (Vec<Arc<RunEvent>>, agentrt_engine::RunRecord) {
+        let spec = RunSpec {
+            run_id: run_id.into(),
+            engine_id: "e".into(),
+            session_id: "s".into(),
+            message_id: run_id.into(),
+            query: "what is 6 * 7?".into(),
+            llm_context: None,
+            tools: config.tools.iter().map(|t| spec_tool(t)).collect(),
+            config: Arc::new(config),
+        };
+        let publisher = self.bus.open(run_id).unwrap();
+        let state = Arc::new(RunState::new(run_id, "e", "s", run_id, &spec.query));
+        let reader = self.bus.subscribe(run_id, 0).unwrap();
+        self.engine
+            .run(spec, publisher, state.clone(), control)
+            .await;
+        let events = reader.map(Result::unwrap).collect().await;
+        (events, state.snapshot())
+    }
+}
+
+fn kinds(events: &[Arc<RunEvent>]) -> Vec<EventKind> {
+    events.iter().map(|e| e.kind).collect()
+}
+
+fn assert_well_formed(events: &[Arc<RunEvent>]) {
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event.sequence, i as u64 + 1, "sequences have no gaps");
+        assert_eq!(
+            event.done,
+            i == events.len() - 1,
+            "exactly one done event, last"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_tool_using_run_streams_every_step_and_ends_once() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![call("c1", "calc", r#"{"x":1}"#)])),
+            Ok(answer("It is 42.")),
+        ])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run(
+            "r1",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    assert_well_formed(&events);
+    use EventKind::*;
+    assert_eq!(
+        kinds(&events),
+        [
+            Thought,
+            ToolCall,
+            ToolResult,
+            FinalAnswer,
+            FinalAnswer,
+            FinalAnswer
+        ]
+    );
+    assert_eq!(
+        events[1].data.as_ref().unwrap()["arguments"],
+        json!({"x": 1})
+    );
+    assert_eq!(events[2].data.as_ref().unwrap()["output"], "echo:{\"x\":1}");
+    assert_eq!((events[0].iteration, events[3].iteration), (1, 2));
+    let done = events.last().unwrap().data.as_ref().unwrap();
+    assert_eq!(done["stop_reason"], "final_answer");
+    assert_eq!(done["usage"]["total_tokens"], 25);
+    assert_eq!(record.status, RunStatus::Succeeded);
+    assert_eq!(record.final_answer, "It is 42.");
+    assert_eq!(record.steps.len(), 2);
+    assert_eq!(record.steps[0].tool_calls[0].output, "echo:{\"x\":1}");
+
+    // The second request carries the call and its result.
+    let requests = h.model.requests.lock().unwrap();
+    let last = requests[1].messages.clone();
+    assert!(
+        matches!(&last[last.len() - 2], ChatMessage::Assistant { tool_calls, .. } if tool_calls[0].id == "c1")
+    );
+    assert!(matches!(&last[last.len() - 1], ChatMessage::Tool { call_id, .. } if call_id == "c1"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![
+                call("a", "calc", r#"{"delay_ms":300}"#),
+                call("b", "calc", r#"{"delay_ms":100}"#),
+                call("c", "calc", r#"{"delay_ms":100}"#),
+            ])),
+            Ok(answer("done")),
+        ])),
+        ..Default::default()
+    });
+    let (events, _) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    assert_eq!(
+        h.tools.peak.load(Ordering::SeqCst),
+        2,
+        "at most max_parallel_tool_calls at once"
+    );
+    let finished: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::ToolResult)
+        .map(|e| e.data.as_ref().unwrap()["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        finished,
+        ["b", "c", "a"],
+        "results are published as they complete"
+    );
+    let requests = h.model.requests.lock().unwrap();
+    let ids: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        ids,
+        ["a", "b", "c"],
+        "results reach the model in call order"
+    );
+}
+
+#[tokio::test]
+async fn bad_calls_become_results_the_model_can_read() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![
+                call("a", "calc", r#"{"x": "#),
+                call("b", "rm_rf", "{}"),
+                call("c", "calc", "[1]"),
+            ])),
+            Ok(answer("sorry")),
+        ])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    assert_eq!(record.status, RunStatus::Succeeded);
+    let results: Vec<&serde_json::Value> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::ToolResult)
+        .map(|e| e.data.as_ref().unwrap())
+        .collect();
+    assert_eq!(results.len(), 3);
+    assert!(results.iter().all(|r| r["is_error"] == true));
+    assert!(
+        results[0]["output"]
+            .as_str()
+            .unwrap()
+            .contains("not valid JSON")
+    );
+    assert!(
+        results[1]["output"]
+            .as_str()
+            .unwrap()
+            .contains("not available to this agent")
+    );
+    assert!(
+        results[2]["output"]
+            .as_str()
+            .unwrap()
+            .contains("must be a JSON object")
+    );
+    assert_eq!(
+        h.tools.peak.load(Ordering::SeqCst),
+        0,
+        "no bad call reached the tools"
+    );
+    assert_eq!(
+        events[1].data.as_ref().unwrap()["arguments"],
+        r#"{"x": "#,
+        "truncated arguments are shown raw"
+    );
+}
+
+#[tokio::test]
+async fn max_iterations_ends_with_a_tool_less_answer() {
+    let rounds = (0..4).map(|i| {
+        Ok(tools_round(vec![call(
+            &format!("c{i}"),
+            "calc",
+            &format!(r#"{{"i":{i}}}"#),
+        )]))
+    });
+    let h = harness(Scripted {
+        rounds: Mutex::new(rounds.chain([Ok(answer("best effort"))]).collect()),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    assert_eq!(
+        events.last().unwrap().data.as_ref().unwrap()["stop_reason"],
+        "max_iterations"
+    );
+    assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+    assert_eq!(record.final_answer, "best effort");
+    let requests = h.model.requests.lock().unwrap();
+    assert_eq!(requests.len(), 5);
+    assert!(
+        requests[4].tools.is_empty(),
+        "the last call offers no tools"
+    );
+}
+
+#[tokio::test]
+async fn a_model_repeating_itself_is_stopped() {
+    let same = || Ok(tools_round(vec![call("c", "calc", r#"{"i":1}"#)]));
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([same(), same(), same(), Ok(answer("ok"))])),
+        ..Default::default()
+    });
+    let mut cfg = config(Strategy::FunctionCall, &["calc"]);
+    cfg.max_iterations = 50;
+    let (_, record) = h.run("r", cfg, Arc::default()).await;
+    assert_eq!(
+        h.model.requests.lock().unwrap().len(),
+        4,
+        "three identical rounds, then the final answer"
+    );
+    assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelling_stops_running_tools_at_once() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(tools_round(vec![call(
+            "a",
+            "calc",
+            r#"{"delay_ms":100000}"#,
+        )]))])),
+        ..Default::default()
+    });
+    let control = Arc::new(RunControl::default());
+    let stopper = control.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stopper.stop(StopReason::Cancelled);
+    });
+    let started = tokio::time::Instant::now();
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &["calc"]), control)
+        .await;
+    assert!(started.elapsed() < Duration::from_millis(100));
+    assert_eq!(
+        h.tools.abandoned.load(Ordering::SeqCst),
+        1,
+        "the tool call was dropped"
+    );
+    let done = events.last().unwrap();
+    assert_eq!(done.kind, EventKind::Error);
+    assert_eq!(done.data.as_ref().unwrap()["stop_reason"], "cancelled");
+    assert_eq!(record.status, RunStatus::Cancelled);
+    assert_well_formed(&events);
+}
+
+#[tokio::test(start_paused = true)]
+async fn timeouts_end_runs_and_model_calls() {
+    let h = harness(Scripted {
+        hang: true,
+        ..Default::default()
+    });
+    let mut cfg = config(Strategy::FunctionCall, &[]);
+    cfg.timeouts = Timeouts {
+        run: Duration::from_secs(60),
+        model_call: Duration::from_secs(5),
+        tool_call: Duration::from_secs(5),
+    };
+    let (events, record) = h.run("r1", cfg.clone(), Arc::default()).await;
+    assert_eq!(
+        events.last().unwrap().data.as_ref().unwrap()["code"],
+        "MODEL_TIMEOUT"
+    );
+    assert_eq!(record.stop_reason, Some(StopReason::Timeout));
+    cfg.timeouts.run = Duration::from_secs(2);
+    let (events, _) = h.run("r2", cfg, Arc::default()).await;
+    assert_eq!(
+        events.last().unwrap().data.as_ref().unwrap()["code"],
+        "RUN_TIMEOUT"
+    );
+}
+
+#[tokio::test]
+async fn model_failures_end_the_run_with_an_error() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Err(ModelError::Http {
+            status: 503,
+            message: "down".into(),
+            retry_after: None,
+        })])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    let data = events.last().unwrap().data.as_ref().unwrap();
+    assert_eq!(data["code"], "MODEL_HTTP_503");
+    assert_eq!(data["category"], "model");
+    assert_eq!(data["retryable"], true);
+    assert_eq!(record.status, RunStatus::Failed);
+}
+
+#[tokio::test]
+async fn react_runs_parse_actions_and_feed_observations() {
+    let text = |t: &str| {
+        Ok(vec![
+            ChatDelta::Content(t.into()),
+            ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            },
+        ])
+    };
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            text("Thought: use calc\nAction: calc\nAction Input: {\"x\": 2}\n"),
+            text("Thought: got it\nFinal Answer: two"),
+        ])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    use EventKind::*;
+    assert_eq!(
+        kinds(&events),
+        [
+            Thought,
+            ToolCall,
+            ToolResult,
+            Thought,
+            FinalAnswer,
+            FinalAnswer
+        ]
+    );
+    assert_eq!(events[4].content, "two");
+    assert_eq!(record.final_answer, "two");
+    let requests = h.model.requests.lock().unwrap();
+    assert_eq!(requests[0].stop, ["Observation:"]);
+    assert!(requests[0].tools.is_empty());
+    assert!(
+        matches!(&requests[0].messages[0], ChatMessage::System(s) if s.contains("Action Input:"))
+    );
+    assert!(
+        matches!(requests[1].messages.last().unwrap(), ChatMessage::User(o) if o.starts_with("Observation: echo:"))
+    );
+}
+
+#[tokio::test]
+async fn the_session_remembers_earlier_turns() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(answer("first")), Ok(answer("second"))])),
+        ..Default::default()
+    });
+    h.run("r1", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    h.run("r2", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    let requests = h.model.requests.lock().unwrap();
+    let second = &requests[1].messages;
+    assert!(
+        second.contains(&ChatMessage::Assistant {
+            content: "first".into(),
+            tool_calls: vec![]
+        }),
+        "{second:?}"
+    );
+}
