@@ -38,6 +38,13 @@ pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Stat
     Status::with_error_details(Code::Unavailable, message, details)
 }
 
+/// `RESOURCE_EXHAUSTED` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
+pub fn resource_exhausted(reason: &str, message: String, retry_after: Duration) -> Status {
+    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    details.set_retry_info(Some(retry_after));
+    Status::with_error_details(Code::ResourceExhausted, message, details)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

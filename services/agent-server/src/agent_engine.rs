@@ -1,53 +1,255 @@
-//! `agent.v1.AgentEngine`: runs of user turns. The engine loop is not built yet; every
-//! RPC says so precisely instead of pretending.
+//! `agent.v1.AgentEngine`: runs of user turns, streamed from the event bus.
 
-use std::pin::Pin;
+use std::{pin::Pin, sync::Arc, time::Duration};
 
 use agentrt::v1::{self, agent_engine_server::AgentEngine};
-use tokio_stream::Stream;
+use agentrt_core::Violation;
+use agentrt_engine::{RunSpec, RunStatus, StopReason};
+use agentrt_events::{BusError, EventStream};
+use agentrt_models::{ChatMessage, ModelToolCall};
+use agentrt_server::status;
+use futures_util::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
+use tracing::info;
 
-/// `agent.v1.AgentEngine`, answering UNIMPLEMENTED until the engine loop lands.
-pub struct AgentEngineImpl;
+use crate::{
+    convert,
+    engines::EngineStore,
+    error::Error,
+    runs::{RunHandle, RunManager, StartError, Started},
+};
 
-type EventStream = Pin<Box<dyn Stream<Item = Result<v1::AgentStreamEvent, Status>> + Send>>;
+/// Longest query accepted.
+const QUERY_MAX_CHARS: usize = 100_000;
+/// Longest client-chosen message id.
+const MESSAGE_ID_MAX_CHARS: usize = 128;
+/// How long `Cancel` waits for the run to end before answering.
+const CANCEL_WAIT: Duration = Duration::from_secs(2);
 
-fn not_yet(rpc: &str) -> Status {
-    Status::unimplemented(format!(
-        "AgentEngine.{rpc} is not implemented by this server version yet"
-    ))
+type EventResponseStream = Pin<Box<dyn Stream<Item = Result<v1::AgentStreamEvent, Status>> + Send>>;
+
+/// `agent.v1.AgentEngine` over the engine store and the run manager.
+pub struct AgentEngineImpl {
+    engines: Arc<dyn EngineStore>,
+    runs: Arc<RunManager>,
+}
+
+impl AgentEngineImpl {
+    pub fn new(engines: Arc<dyn EngineStore>, runs: Arc<RunManager>) -> Self {
+        Self { engines, runs }
+    }
+
+    fn run(&self, run_id: &str) -> Result<Arc<RunHandle>, Status> {
+        if run_id.is_empty() {
+            return Err(Error::InvalidRequest(vec![Violation::new("run_id", "required")]).into());
+        }
+        self.runs
+            .get(run_id)
+            .ok_or_else(|| status::not_found("RUN_NOT_FOUND", "run", run_id))
+    }
+}
+
+/// Cancels the run when the `Execute` stream that started it is dropped before the run
+/// ended: the client went away.
+struct CancelOnDisconnect(Arc<RunHandle>);
+
+impl Drop for CancelOnDisconnect {
+    fn drop(&mut self) {
+        if self.0.state.lock().status == RunStatus::Running {
+            info!(run_id = %self.0.run_id, "client disconnected, cancelling the run");
+            self.0.control.stop(StopReason::Cancelled);
+        }
+    }
+}
+
+fn stream_events(
+    events: EventStream,
+    run: &RunHandle,
+    guard: Option<CancelOnDisconnect>,
+) -> EventResponseStream {
+    let ids = Arc::new((
+        run.run_id.clone(),
+        run.session_id.clone(),
+        run.message_id.clone(),
+    ));
+    Box::pin(events.map(move |event| {
+        let _owned_by_the_stream = &guard;
+        match event {
+            Ok(event) => Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2)),
+            Err(error) => Err(bus_status(&error)),
+        }
+    }))
+}
+
+fn bus_status(error: &BusError) -> Status {
+    match error {
+        BusError::UnknownRun(id) => status::not_found("RUN_NOT_FOUND", "run", id),
+        BusError::Lagged { .. } => Status::out_of_range(error.to_string()),
+        BusError::DuplicateRun(_) => Status::internal(error.to_string()),
+    }
+}
+
+fn check_execute(request: &v1::ExecuteRequest) -> Result<Option<Vec<ChatMessage>>, Vec<Violation>> {
+    let mut violations = Vec::new();
+    if request.engine_id.is_empty() {
+        violations.push(Violation::new("engine_id", "required"));
+    }
+    if request.query.trim().is_empty() {
+        violations.push(Violation::new("query", "required"));
+    } else if request.query.chars().count() > QUERY_MAX_CHARS {
+        violations.push(Violation::new(
+            "query",
+            format!("must be at most {QUERY_MAX_CHARS} characters"),
+        ));
+    }
+    if request.message_id.len() > MESSAGE_ID_MAX_CHARS {
+        violations.push(Violation::new(
+            "message_id",
+            format!("must be at most {MESSAGE_ID_MAX_CHARS} characters"),
+        ));
+    }
+    let mut context = Vec::with_capacity(request.llm_context.len());
+    for (index, message) in request.llm_context.iter().enumerate() {
+        let content = message.content.clone();
+        let converted = match v1::Role::try_from(message.role) {
+            Ok(v1::Role::System) => ChatMessage::System(content),
+            Ok(v1::Role::User) => ChatMessage::User(content),
+            Ok(v1::Role::Assistant) => ChatMessage::Assistant {
+                content,
+                tool_calls: message
+                    .tool_calls
+                    .iter()
+                    .map(|c| ModelToolCall {
+                        id: c.id.clone(),
+                        name: c.name.clone(),
+                        arguments: c.arguments.as_ref().map_or_else(
+                            || "{}".to_owned(),
+                            |a| agentrt::json::struct_to_json(a).to_string(),
+                        ),
+                    })
+                    .collect(),
+            },
+            Ok(v1::Role::Tool) if message.tool_call_id.is_empty() => {
+                violations.push(Violation::new(
+                    format!("llm_context[{index}].tool_call_id"),
+                    "required for ROLE_TOOL",
+                ));
+                continue;
+            }
+            Ok(v1::Role::Tool) => ChatMessage::Tool {
+                call_id: message.tool_call_id.clone(),
+                content,
+            },
+            Ok(v1::Role::Unspecified) | Err(_) => {
+                violations.push(Violation::new(
+                    format!("llm_context[{index}].role"),
+                    "must be ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL",
+                ));
+                continue;
+            }
+        };
+        context.push(converted);
+    }
+    if !violations.is_empty() {
+        return Err(violations);
+    }
+    Ok((!context.is_empty()).then_some(context))
 }
 
 #[tonic::async_trait]
 impl AgentEngine for AgentEngineImpl {
-    type ExecuteStream = EventStream;
-    type SubscribeStream = EventStream;
+    type ExecuteStream = EventResponseStream;
+    type SubscribeStream = EventResponseStream;
 
     async fn execute(
         &self,
-        _request: Request<v1::ExecuteRequest>,
+        request: Request<v1::ExecuteRequest>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
-        Err(not_yet("Execute"))
+        let request = request.into_inner();
+        let llm_context = check_execute(&request).map_err(Error::InvalidRequest)?;
+        let engine = self
+            .engines
+            .get(&request.engine_id)
+            .await
+            .ok_or_else(|| Error::EngineNotFound(request.engine_id.clone()))?;
+        if !request.session_id.is_empty() && request.session_id != engine.session_id {
+            return Err(Error::InvalidRequest(vec![Violation::new(
+                "session_id",
+                format!(
+                    "engine {:?} belongs to session {:?}; leave it empty or send that one",
+                    engine.id, engine.session_id
+                ),
+            )])
+            .into());
+        }
+        let message_id = if request.message_id.is_empty() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            request.message_id
+        };
+        let spec = RunSpec {
+            run_id: uuid::Uuid::new_v4().to_string(),
+            engine_id: engine.id.clone(),
+            session_id: engine.session_id.clone(),
+            message_id,
+            query: request.query,
+            llm_context,
+            config: engine.config.clone(),
+            tools: engine.tools.clone(),
+        };
+        let (handle, owner) = match self.runs.start(spec) {
+            Ok(Started::New(handle)) => (handle, !request.detach),
+            Ok(Started::Existing(handle)) => (handle, false),
+            Err(StartError::Busy(active)) => {
+                return Err(status::resource_exhausted(
+                    "TOO_MANY_RUNS",
+                    format!("this server already runs {active} runs; retry later"),
+                    Duration::from_secs(1),
+                ));
+            }
+            Err(StartError::Bus(error)) => return Err(bus_status(&error)),
+        };
+        let events = self
+            .runs
+            .events(&handle.run_id, 0)
+            .map_err(|e| bus_status(&e))?;
+        let guard = owner.then(|| CancelOnDisconnect(handle.clone()));
+        Ok(Response::new(stream_events(events, &handle, guard)))
     }
 
     async fn subscribe(
         &self,
-        _request: Request<v1::SubscribeRequest>,
+        request: Request<v1::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
-        Err(not_yet("Subscribe"))
+        let request = request.into_inner();
+        let handle = self.run(&request.run_id)?;
+        let events = self
+            .runs
+            .events(&handle.run_id, request.after_sequence)
+            .map_err(|e| bus_status(&e))?;
+        Ok(Response::new(stream_events(events, &handle, None)))
     }
 
     async fn cancel(
         &self,
-        _request: Request<v1::CancelRequest>,
+        request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
-        Err(not_yet("Cancel"))
+        let handle = self.run(&request.into_inner().run_id)?;
+        handle.control.stop(StopReason::Cancelled);
+        handle.ended_within(CANCEL_WAIT).await;
+        let status = convert::run_status_to_wire(handle.state.lock().status);
+        Ok(Response::new(v1::CancelResponse {
+            status: status as i32,
+        }))
     }
 
     async fn get_run(
         &self,
-        _request: Request<v1::GetRunRequest>,
+        request: Request<v1::GetRunRequest>,
     ) -> Result<Response<v1::AgentState>, Status> {
-        Err(not_yet("GetRun"))
+        let handle = self.run(&request.into_inner().run_id)?;
+        Ok(Response::new(convert::record_to_wire(
+            &handle.state.snapshot(),
+        )))
     }
 }

@@ -50,6 +50,7 @@ impl AgentServiceImpl {
                 id: uuid::Uuid::new_v4().to_string(),
                 session_id,
                 config: Arc::new(config),
+                tools: checked.tools.into(),
                 create_time: now,
                 expire_time: now,
             })

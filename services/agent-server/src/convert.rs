@@ -6,6 +6,8 @@ use agentrt::v1;
 use agentrt_core::{
     AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
 };
+use agentrt_engine::{RunRecord, RunStatus, StopReason};
+use agentrt_events::{EventKind, RunEvent};
 
 /// Converts a config that passed validation (defaults applied, every field in range).
 /// Fields validation guarantees are read with their defaults as a fallback, never a panic.
@@ -101,6 +103,119 @@ fn duration_to_wire(d: Duration) -> Option<prost_types::Duration> {
 /// A timestamp for the wire.
 pub fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     prost_types::Timestamp::from(t)
+}
+
+/// An event of the bus as clients see it.
+pub fn event_to_wire(
+    event: &RunEvent,
+    run_id: &str,
+    session_id: &str,
+    message_id: &str,
+) -> v1::AgentStreamEvent {
+    v1::AgentStreamEvent {
+        r#type: match event.kind {
+            EventKind::Thought => v1::EventType::Thought,
+            EventKind::ToolCall => v1::EventType::ToolCall,
+            EventKind::ToolResult => v1::EventType::ToolResult,
+            EventKind::FinalAnswer => v1::EventType::FinalAnswer,
+            EventKind::References => v1::EventType::References,
+            EventKind::Error => v1::EventType::Error,
+        } as i32,
+        content: event.content.clone(),
+        data: event.data.as_ref().and_then(agentrt::json::json_to_struct),
+        done: event.done,
+        iteration: i32::try_from(event.iteration).unwrap_or(i32::MAX),
+        run_id: run_id.to_owned(),
+        session_id: session_id.to_owned(),
+        message_id: message_id.to_owned(),
+        sequence: event.sequence,
+        create_time: Some(timestamp(event.time)),
+    }
+}
+
+/// A run status for the wire.
+pub fn run_status_to_wire(status: RunStatus) -> v1::RunStatus {
+    match status {
+        RunStatus::Running => v1::RunStatus::Running,
+        RunStatus::Succeeded => v1::RunStatus::Succeeded,
+        RunStatus::Failed => v1::RunStatus::Failed,
+        RunStatus::Cancelled => v1::RunStatus::Cancelled,
+    }
+}
+
+fn stop_reason_to_wire(reason: Option<StopReason>) -> v1::StopReason {
+    match reason {
+        None => v1::StopReason::Unspecified,
+        Some(StopReason::FinalAnswer) => v1::StopReason::FinalAnswer,
+        Some(StopReason::MaxIterations) => v1::StopReason::MaxIterations,
+        Some(StopReason::Cancelled) => v1::StopReason::Cancelled,
+        Some(StopReason::Timeout) => v1::StopReason::Timeout,
+        Some(StopReason::ModelError) => v1::StopReason::ModelError,
+        Some(StopReason::Shutdown) => v1::StopReason::Shutdown,
+        Some(StopReason::InternalError) => v1::StopReason::InternalError,
+    }
+}
+
+/// A run's record as `GetRun` answers it.
+pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
+    let usage = record.usage;
+    let to_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+    v1::AgentState {
+        run_id: record.run_id.clone(),
+        engine_id: record.engine_id.clone(),
+        session_id: record.session_id.clone(),
+        message_id: record.message_id.clone(),
+        query: record.query.clone(),
+        status: run_status_to_wire(record.status) as i32,
+        stop_reason: stop_reason_to_wire(record.stop_reason) as i32,
+        steps: record
+            .steps
+            .iter()
+            .map(|step| v1::RunStep {
+                iteration: i32::try_from(step.iteration).unwrap_or(i32::MAX),
+                thought: step.thought.clone(),
+                tool_calls: step
+                    .tool_calls
+                    .iter()
+                    .map(|call| v1::ToolCallRecord {
+                        id: call.id.clone(),
+                        name: call.name.clone(),
+                        arguments: match &call.arguments {
+                            serde_json::Value::Object(_) => {
+                                agentrt::json::json_to_struct(&call.arguments)
+                            }
+                            raw => {
+                                agentrt::json::json_to_struct(&serde_json::json!({ "raw": raw }))
+                            }
+                        },
+                        output: call.output.clone(),
+                        is_error: call.is_error,
+                        duration: duration_to_wire(call.duration),
+                    })
+                    .collect(),
+                answer: step.answer.clone(),
+            })
+            .collect(),
+        final_answer: record.final_answer.clone(),
+        usage: Some(v1::TokenUsage {
+            prompt_tokens: to_i64(usage.prompt_tokens),
+            completion_tokens: to_i64(usage.completion_tokens),
+            total_tokens: to_i64(usage.prompt_tokens + usage.completion_tokens),
+        }),
+        error: record.error.as_ref().map(|e| v1::RunError {
+            code: e.code.clone(),
+            message: e.message.clone(),
+            category: e.category.to_owned(),
+            retryable: e.retryable,
+        }),
+        iterations: record
+            .steps
+            .last()
+            .map_or(0, |s| i32::try_from(s.iteration).unwrap_or(i32::MAX)),
+        last_sequence: record.last_sequence,
+        create_time: Some(timestamp(record.create_time)),
+        update_time: Some(timestamp(record.update_time)),
+    }
 }
 
 #[cfg(test)]

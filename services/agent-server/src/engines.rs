@@ -6,7 +6,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt_core::AgentConfig;
+use agentrt_core::{AgentConfig, ToolSpec};
 use async_trait::async_trait;
 use tokio::time::Instant;
 use tracing::debug;
@@ -20,6 +20,8 @@ pub struct Engine {
     pub session_id: String,
     /// What it runs.
     pub config: Arc<AgentConfig>,
+    /// Specs of its tools, as the tool executor described them when it was created.
+    pub tools: Arc<[ToolSpec]>,
     /// When it was created.
     pub create_time: SystemTime,
     /// When it expires unless used before.
@@ -180,6 +182,7 @@ mod tests {
                 },
                 timeouts: Timeouts::default(),
             }),
+            tools: Arc::new([]),
             create_time: SystemTime::now(),
             expire_time: SystemTime::now(),
         }

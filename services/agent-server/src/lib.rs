@@ -9,6 +9,7 @@ mod agent_service;
 mod convert;
 mod engines;
 mod error;
+mod runs;
 mod settings;
 mod tool_client;
 mod validate;
@@ -19,7 +20,10 @@ use agentrt::{
     service_names,
     v1::{agent_engine_server::AgentEngineServer, agent_service_server::AgentServiceServer},
 };
-use agentrt_models::{ProviderError, ProviderRegistry};
+use agentrt_context::{InMemorySessionStore, SessionLimits};
+use agentrt_engine::StopReason;
+use agentrt_events::{BusLimits, InMemoryBus};
+use agentrt_models::{ChatModels, ProviderError, ProviderRegistry, RetryPolicy};
 use agentrt_server::{GrpcServer, ServerError};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +31,7 @@ use tonic::service::Routes;
 
 pub use engines::{Engine, EngineStore, InMemoryEngineStore};
 pub use error::{Error, Result};
-pub use settings::{Cli, EngineSettings, Settings};
+pub use settings::{Cli, EngineSettings, RunSettings, SessionSettings, Settings};
 
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -35,6 +39,9 @@ pub enum StartError {
     /// The provider settings are wrong.
     #[error(transparent)]
     Providers(#[from] ProviderError),
+    /// A model client could not be built.
+    #[error("cannot set up the model providers: {0}")]
+    Models(String),
     /// The tool executor URL is wrong.
     #[error("{0}")]
     ToolExecutor(String),
@@ -60,32 +67,70 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> std::result::Result<(), StartError> {
     let providers = Arc::new(providers(&settings)?);
-    let tools = tool_client::GrpcToolClient::new(
-        &settings.tool_executor,
-        settings.tool_executor_timeout,
-        settings.server.max_message_bytes,
-    )
-    .map_err(StartError::ToolExecutor)?;
-    let validator = validate::ConfigValidator::new(providers, Arc::new(tools));
+    let models = ChatModels::from_providers(&providers, RetryPolicy::default())
+        .map_err(|e| StartError::Models(e.to_string()))?;
+    let tools = Arc::new(
+        tool_client::GrpcToolClient::new(
+            &settings.tool_executor,
+            settings.tool_executor_timeout,
+            settings.server.max_message_bytes,
+        )
+        .map_err(StartError::ToolExecutor)?,
+    );
+    let validator = validate::ConfigValidator::new(providers, tools.clone());
     let engines: Arc<dyn EngineStore> = Arc::new(InMemoryEngineStore::new(
         settings.engines.ttl,
         settings.engines.max_engines,
     ));
+    let sessions = Arc::new(InMemorySessionStore::new(SessionLimits {
+        ttl: settings.sessions.ttl,
+        max_sessions: settings.sessions.max_sessions,
+        max_exchanges: settings.sessions.max_turns,
+    }));
+    let bus = Arc::new(InMemoryBus::new(BusLimits {
+        events_per_run: settings.runs.events_per_run,
+        retention: settings.runs.retention,
+    }));
+    let runs = runs::RunManager::new(
+        agentrt_engine::Engine::new(models, tools, sessions),
+        bus,
+        runs::RunLimits {
+            max_active: settings.runs.max_active,
+            retention: settings.runs.retention,
+        },
+    );
     let max = settings.server.max_message_bytes;
     let routes = Routes::new(
-        AgentServiceServer::new(agent_service::AgentServiceImpl::new(validator, engines))
-            .max_decoding_message_size(max)
-            .max_encoding_message_size(max),
+        AgentServiceServer::new(agent_service::AgentServiceImpl::new(
+            validator,
+            engines.clone(),
+        ))
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max),
     )
     .add_service(
-        AgentEngineServer::new(agent_engine::AgentEngineImpl)
+        AgentEngineServer::new(agent_engine::AgentEngineImpl::new(engines, runs.clone()))
             .max_decoding_message_size(max)
             .max_encoding_message_size(max),
     );
-    GrpcServer::new("agent-server", settings.server)
+    // On shutdown, running runs end with an ERROR event (stop reason shutdown), so that
+    // their streams finish within the drain grace.
+    let drain = CancellationToken::new();
+    let stopper = {
+        let drain = drain.clone();
+        async move {
+            drain.cancelled().await;
+            runs.stop_all(StopReason::Shutdown);
+            std::future::pending::<()>().await;
+        }
+    };
+    let server = GrpcServer::new("agent-server", settings.server)
         .reporting(service_names::AGENT_SERVICE)
         .reporting(service_names::AGENT_ENGINE)
-        .serve(routes, listener, shutdown, CancellationToken::new())
-        .await?;
+        .serve(routes, listener, shutdown, drain);
+    tokio::select! {
+        result = server => result?,
+        () = stopper => {}
+    }
     Ok(())
 }

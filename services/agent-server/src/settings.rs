@@ -17,6 +17,10 @@ pub struct Settings {
     pub tool_executor_timeout: Duration,
     /// The engine registry's bounds.
     pub engines: EngineSettings,
+    /// Bounds of runs and their events.
+    pub runs: RunSettings,
+    /// Bounds of the conversation histories kept per session.
+    pub sessions: SessionSettings,
     /// The provider used when a config names none; the only provider when unset and
     /// exactly one is configured.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -37,6 +41,53 @@ pub struct EngineSettings {
     pub max_engines: usize,
 }
 
+/// Bounds of runs and their events.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunSettings {
+    /// Runs in progress at once; beyond, `Execute` is `RESOURCE_EXHAUSTED`.
+    pub max_active: usize,
+    /// How long an ended run stays readable by `Subscribe`, `GetRun` and a repeated
+    /// `Execute`.
+    #[serde(with = "config::duration")]
+    pub retention: Duration,
+    /// Events kept per run for replay; a reader further behind is told what it lost.
+    pub events_per_run: usize,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        Self {
+            max_active: 20_000,
+            retention: Duration::from_secs(600),
+            events_per_run: 10_000,
+        }
+    }
+}
+
+/// Bounds of the conversation histories kept per session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SessionSettings {
+    /// A session unused for this long is forgotten.
+    #[serde(with = "config::duration")]
+    pub ttl: Duration,
+    /// Most sessions kept; beyond, the least recently used is forgotten.
+    pub max_sessions: usize,
+    /// Most turns kept per session.
+    pub max_turns: usize,
+}
+
+impl Default for SessionSettings {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(3600),
+            max_sessions: 100_000,
+            max_turns: 200,
+        }
+    }
+}
+
 impl Default for EngineSettings {
     fn default() -> Self {
         Self {
@@ -53,6 +104,8 @@ impl Default for Settings {
             tool_executor: "http://127.0.0.1:50052".into(),
             tool_executor_timeout: Duration::from_secs(5),
             engines: EngineSettings::default(),
+            runs: RunSettings::default(),
+            sessions: SessionSettings::default(),
             default_provider: None,
             providers: BTreeMap::new(),
         }
@@ -86,6 +139,12 @@ impl Settings {
             return Err(ConfigError::Invalid {
                 field: "engines.ttl",
                 message: "must be positive".into(),
+            });
+        }
+        if self.runs.max_active == 0 || self.runs.events_per_run == 0 {
+            return Err(ConfigError::Invalid {
+                field: "runs",
+                message: "max_active and events_per_run must be positive".into(),
             });
         }
         if self.engines.max_engines == 0 {
@@ -131,6 +190,9 @@ pub struct Cli {
     /// Provider used when a config names none.
     #[arg(long, value_name = "NAME")]
     pub default_provider: Option<String>,
+    /// Runs in progress at once.
+    #[arg(long, value_name = "N")]
+    pub max_active_runs: Option<usize>,
 }
 
 impl Cli {
@@ -151,6 +213,7 @@ impl Cli {
         );
         config::override_with(&mut settings.engines.ttl, self.engine_ttl);
         config::override_with(&mut settings.engines.max_engines, self.max_engines);
+        config::override_with(&mut settings.runs.max_active, self.max_active_runs);
         if self.default_provider.is_some() {
             settings.default_provider.clone_from(&self.default_provider);
         }

@@ -3,9 +3,15 @@
 use std::time::Duration;
 
 use agentrt::v1::{self, tool_executor_client::ToolExecutorClient};
-use agentrt_core::{ToolCatalog, ToolServiceError, ToolSource, ToolSpec};
+use agentrt_core::{
+    Reference, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError, ToolSource,
+    ToolSpec,
+};
 use async_trait::async_trait;
-use tonic::transport::{Channel, Endpoint};
+use tonic::{
+    Code,
+    transport::{Channel, Endpoint},
+};
 
 /// A lazily connected gRPC client of `agent.v1.ToolExecutor`.
 #[derive(Clone)]
@@ -76,5 +82,63 @@ impl ToolCatalog for GrpcToolClient {
                 description: tool.description,
             })
             .collect())
+    }
+}
+
+#[async_trait]
+impl ToolRunner for GrpcToolClient {
+    async fn run(&self, call: ToolInvocation, timeout: Duration) -> ToolResult {
+        let name = call.name.clone();
+        let mut request = tonic::Request::new(v1::ExecuteToolRequest {
+            call_id: call.call_id,
+            tool_name: call.name,
+            arguments: agentrt::json::json_to_struct(&call.arguments),
+            run_id: call.run_id,
+            session_id: call.session_id,
+        });
+        // The deadline travels to the tool executor, which stops the work when it passes;
+        // the local timer covers an executor that does not answer at all.
+        request.set_timeout(timeout);
+        let mut client = self.client.clone();
+        let timed_out =
+            || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
+        let response = match tokio::time::timeout(timeout, client.execute_tool(request)).await {
+            Err(_) => return timed_out(),
+            Ok(response) => response,
+        };
+        match response {
+            Ok(response) => {
+                let response = response.into_inner();
+                ToolResult {
+                    output: response.output,
+                    is_error: response.is_error,
+                    references: response
+                        .references
+                        .into_iter()
+                        .map(|r| Reference {
+                            title: r.title,
+                            url: r.url,
+                            snippet: r.snippet,
+                            score: r.score,
+                            source: r.source,
+                        })
+                        .collect(),
+                }
+            }
+            Err(status) => match status.code() {
+                Code::InvalidArgument => ToolResult::error(format!(
+                    "invalid arguments for tool {name:?}: {}",
+                    status.message()
+                )),
+                Code::NotFound => {
+                    ToolResult::error(format!("tool {name:?} does not exist on the tool executor"))
+                }
+                Code::DeadlineExceeded | Code::Cancelled => timed_out(),
+                code => ToolResult::error(format!(
+                    "tool {name:?} failed: {code:?}: {}",
+                    status.message()
+                )),
+            },
+        }
     }
 }

@@ -4,7 +4,7 @@
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use agentrt::v1;
-use agentrt_core::{ToolCatalog, ToolServiceError, Violation, limits};
+use agentrt_core::{ToolCatalog, ToolServiceError, ToolSpec, Violation, limits};
 use agentrt_models::ProviderRegistry;
 
 /// The outcome of a check.
@@ -14,6 +14,8 @@ pub struct Checked {
     pub effective: v1::AgentConfig,
     /// Every problem, in field order.
     pub violations: Vec<Violation>,
+    /// Specs of the config's tools that the tool executor offers, in config order.
+    pub tools: Vec<ToolSpec>,
 }
 
 /// Checks configs against this server's providers and the tool executor's tools.
@@ -39,6 +41,7 @@ impl ConfigValidator {
             return Ok(Checked {
                 effective: v1::AgentConfig::default(),
                 violations: vec![Violation::new("config", "required")],
+                tools: Vec::new(),
             });
         };
         let mut effective = config.clone();
@@ -50,8 +53,13 @@ impl ConfigValidator {
         check.strategy(&mut effective.strategy);
         check.max_iterations(&mut effective.max_iterations);
         let (wanted, mut tool_violations) = check.tool_names(&effective.tools);
+        let mut tools = Vec::new();
         if !wanted.is_empty() {
             let offered = self.tools.list_tools().await?;
+            tools = wanted
+                .iter()
+                .filter_map(|(_, name)| offered.iter().find(|t| &t.name == name).cloned())
+                .collect();
             let names: Vec<&str> = offered.iter().map(|t| t.name.as_str()).collect();
             for (index, name) in wanted {
                 if !names.contains(&name.as_str()) {
@@ -78,6 +86,7 @@ impl ConfigValidator {
         Ok(Checked {
             effective,
             violations: check.violations,
+            tools,
         })
     }
 

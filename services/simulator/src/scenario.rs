@@ -36,7 +36,8 @@ pub struct Turn {
     /// Put the reasoning inside `<think>...</think>` in the content instead.
     pub think_tags: bool,
     /// Answer text. `{tool_results}` is replaced by the tool results of the request's
-    /// last round, joined by `, `; `{query}` by the last user message.
+    /// last round, joined by `, `; `{query}` by the last user message; `{user_messages}`
+    /// by the number of user messages the request carries.
     pub content: String,
     /// Tool calls, streamed with their arguments in fragments, interleaved by index.
     pub tool_calls: Vec<ScriptedCall>,
@@ -115,6 +116,8 @@ pub struct Conversation {
     pub query: String,
     /// The tool results after the last assistant message.
     pub tool_results: Vec<String>,
+    /// How many user messages the request carries (history included).
+    pub user_messages: usize,
     /// Names of the tools offered.
     pub tools: Vec<String>,
     /// Whether the request uses the ReAct text protocol (no tools offered, and the
@@ -134,6 +137,7 @@ impl Conversation {
         let role = |m: &Value| m["role"].as_str().unwrap_or_default().to_owned();
         let text = |m: &Value| m["content"].as_str().unwrap_or_default().to_owned();
         let turn = messages.iter().filter(|m| role(m) == "assistant").count();
+        let user_messages = messages.iter().filter(|m| role(m) == "user").count();
         let query = messages
             .iter()
             .rev()
@@ -176,6 +180,7 @@ impl Conversation {
             turn,
             query,
             tool_results,
+            user_messages,
             tools,
             react,
             observation,
@@ -196,7 +201,8 @@ impl Scenario {
             content: turn
                 .content
                 .replace("{tool_results}", &conversation.tool_results.join(", "))
-                .replace("{query}", &conversation.query),
+                .replace("{query}", &conversation.query)
+                .replace("{user_messages}", &conversation.user_messages.to_string()),
             ..turn
         }
     }

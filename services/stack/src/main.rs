@@ -21,6 +21,13 @@ struct Cli {
         default_value = "127.0.0.1:50052"
     )]
     tool_executor_listen: SocketAddr,
+    /// Address of the model simulator, started when OPENAI_BASE_URL and OPENAI_API_KEY are unset.
+    #[arg(
+        long,
+        env = "AGENT_STACK_SIMULATOR_LISTEN",
+        default_value = "127.0.0.1:50053"
+    )]
+    simulator_listen: SocketAddr,
 }
 
 #[tokio::main]
@@ -34,12 +41,34 @@ async fn main() -> anyhow::Result<()> {
     let agents_listener = tokio::net::TcpListener::bind(cli.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cli.listen))?;
+    // With no model endpoint configured, the simulator stands in for one.
+    let simulator = if std::env::var_os("OPENAI_BASE_URL").is_none()
+        && std::env::var_os("OPENAI_API_KEY").is_none()
+    {
+        let listener = tokio::net::TcpListener::bind(cli.simulator_listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", cli.simulator_listen))?;
+        Some(listener)
+    } else {
+        None
+    };
     let tools_addr = tools_listener.local_addr()?;
     let agents_addr = agents_listener.local_addr()?;
 
     let mut tools_settings = agentrt_tool_executor::Settings::default();
     tools_settings.server.listen = tools_addr;
     let mut agent_settings = agentrt_agent_server::Settings::default();
+    if let Some(listener) = &simulator {
+        agent_settings.providers.insert(
+            "openai".into(),
+            agentrt_models::ProviderSettings {
+                kind: agentrt_models::ProviderKind::Openai,
+                base_url: format!("http://{}/v1", listener.local_addr()?),
+                api_key: agentrt_core::Secret::default(),
+                api_key_env: None,
+            },
+        );
+    }
     agent_settings.server.listen = agents_addr;
     agent_settings.tool_executor = format!("http://{tools_addr}");
     let providers = agentrt_agent_server::providers(&agent_settings)?;
@@ -47,6 +76,10 @@ async fn main() -> anyhow::Result<()> {
         .default_provider()
         .and_then(|name| providers.get(name).map(|p| (name, p)))
     {
+        Some((name, p)) if simulator.is_some() => format!(
+            "model provider: {name} at {} (the built-in simulator; model \"demo\")",
+            p.base_url
+        ),
         Some((name, p)) => format!("model provider: {name} at {}", p.base_url),
         None => {
             "model provider: none (set OPENAI_BASE_URL and OPENAI_API_KEY to register `openai`)"
@@ -94,7 +127,22 @@ async fn main() -> anyhow::Result<()> {
         stop.cancel();
         result
     };
-    let (tools, agents, ()) = tokio::join!(tools, agents, async {
+    let models = async {
+        match simulator {
+            Some(listener) => {
+                let result = agentrt_simulator::serve(
+                    agentrt_simulator::Settings::default(),
+                    listener,
+                    stop.clone().cancelled_owned(),
+                )
+                .await;
+                stop.cancel();
+                result.map_err(anyhow::Error::from)
+            }
+            None => Ok(()),
+        }
+    };
+    let (tools, agents, models, ()) = tokio::join!(tools, agents, models, async {
         tokio::select! {
             () = signal => {}
             () = stop.cancelled() => {}
@@ -102,6 +150,7 @@ async fn main() -> anyhow::Result<()> {
     });
     tools.context("tool-executor failed")?;
     agents.context("agent-server failed")?;
+    models.context("model simulator failed")?;
     println!("agent stack stopped");
     Ok(())
 }

@@ -1,0 +1,195 @@
+//! The runs of this server: starting them, finding them again by id or by idempotency key,
+//! stopping them, and forgetting them some time after they end.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{
+        Arc, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use agentrt_engine::{Engine, RunControl, RunSpec, RunState, StopReason};
+use agentrt_events::{BusError, EventBus, EventStream};
+use tokio::{sync::watch, time::Instant};
+use tracing::info;
+
+/// A run, as the server tracks it.
+pub struct RunHandle {
+    /// The run's id.
+    pub run_id: String,
+    /// Its session.
+    pub session_id: String,
+    /// Its message id.
+    pub message_id: String,
+    /// Stops it.
+    pub control: Arc<RunControl>,
+    /// Its record.
+    pub state: Arc<RunState>,
+    /// True once it has ended.
+    ended: watch::Receiver<bool>,
+}
+
+impl RunHandle {
+    /// Waits until the run has ended, at most `limit`.
+    pub async fn ended_within(&self, limit: Duration) -> bool {
+        let mut ended = self.ended.clone();
+        tokio::time::timeout(limit, ended.wait_for(|done| *done))
+            .await
+            .is_ok()
+    }
+}
+
+/// Why a run could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The server runs as many runs as it may.
+    #[error("this server already runs {0} runs, its limit")]
+    Busy(usize),
+    /// The bus refused the run.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+}
+
+/// Whether `start` made a new run or found the one with the same idempotency key.
+pub enum Started {
+    /// A new run.
+    New(Arc<RunHandle>),
+    /// The run that already has this session and message id.
+    Existing(Arc<RunHandle>),
+}
+
+/// Bounds of the run manager.
+#[derive(Debug, Clone, Copy)]
+pub struct RunLimits {
+    /// Runs in progress at once.
+    pub max_active: usize,
+    /// How long an ended run stays readable (`Subscribe`, `GetRun`, idempotent `Execute`).
+    pub retention: Duration,
+}
+
+/// Starts and tracks runs.
+pub struct RunManager {
+    engine: Engine,
+    bus: Arc<dyn EventBus>,
+    limits: RunLimits,
+    active: AtomicUsize,
+    index: Mutex<Index>,
+}
+
+#[derive(Default)]
+struct Index {
+    by_id: HashMap<String, Arc<RunHandle>>,
+    by_message: HashMap<(String, String), String>,
+    ended: VecDeque<(Instant, String)>,
+}
+
+impl Index {
+    fn expire(&mut self, retention: Duration) {
+        let now = Instant::now();
+        while let Some((at, _)) = self.ended.front() {
+            if now.duration_since(*at) < retention {
+                break;
+            }
+            if let Some((_, run_id)) = self.ended.pop_front()
+                && let Some(handle) = self.by_id.remove(&run_id)
+            {
+                self.by_message
+                    .remove(&(handle.session_id.clone(), handle.message_id.clone()));
+            }
+        }
+    }
+}
+
+impl RunManager {
+    /// A manager running `engine`, publishing on `bus`.
+    pub fn new(engine: Engine, bus: Arc<dyn EventBus>, limits: RunLimits) -> Arc<Self> {
+        Arc::new(Self {
+            engine,
+            bus,
+            limits,
+            active: AtomicUsize::new(0),
+            index: Mutex::new(Index::default()),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Index> {
+        // Each critical section leaves the maps consistent before anything can panic.
+        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the run `spec`, or finds the run with the same session and message id.
+    pub fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, StartError> {
+        let key = (spec.session_id.clone(), spec.message_id.clone());
+        let (handle, publisher, control, state, done) = {
+            let mut index = self.lock();
+            index.expire(self.limits.retention);
+            if let Some(existing) = index
+                .by_message
+                .get(&key)
+                .and_then(|id| index.by_id.get(id))
+            {
+                return Ok(Started::Existing(existing.clone()));
+            }
+            let active = self.active.load(Ordering::Acquire);
+            if active >= self.limits.max_active {
+                return Err(StartError::Busy(active));
+            }
+            let publisher = self.bus.open(&spec.run_id)?;
+            self.active.fetch_add(1, Ordering::AcqRel);
+            let control = Arc::new(RunControl::default());
+            let state = Arc::new(RunState::new(
+                &spec.run_id,
+                &spec.engine_id,
+                &spec.session_id,
+                &spec.message_id,
+                &spec.query,
+            ));
+            let (done, ended) = watch::channel(false);
+            let handle = Arc::new(RunHandle {
+                run_id: spec.run_id.clone(),
+                session_id: spec.session_id.clone(),
+                message_id: spec.message_id.clone(),
+                control: control.clone(),
+                state: state.clone(),
+                ended,
+            });
+            index.by_id.insert(spec.run_id.clone(), handle.clone());
+            index.by_message.insert(key, spec.run_id.clone());
+            (handle, publisher, control, state, done)
+        };
+        info!(run_id = %spec.run_id, session_id = %spec.session_id, "run started");
+        let manager = self.clone();
+        let run_id = spec.run_id.clone();
+        // The run is owned by the manager: it always ends (it is bounded by its timeout and
+        // stopped by `stop_all` on shutdown), and then deregisters itself.
+        tokio::spawn(async move {
+            manager.engine.run(spec, publisher, state, control).await;
+            manager.active.fetch_sub(1, Ordering::AcqRel);
+            manager.lock().ended.push_back((Instant::now(), run_id));
+            let _ = done.send(true);
+        });
+        Ok(Started::New(handle))
+    }
+
+    /// The run `run_id`, while it runs and for the retention after.
+    pub fn get(&self, run_id: &str) -> Option<Arc<RunHandle>> {
+        let mut index = self.lock();
+        index.expire(self.limits.retention);
+        index.by_id.get(run_id).cloned()
+    }
+
+    /// The run's events after `after_sequence`.
+    pub fn events(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
+        self.bus.subscribe(run_id, after_sequence)
+    }
+
+    /// Stops every run in progress for `reason`.
+    pub fn stop_all(&self, reason: StopReason) {
+        let handles: Vec<Arc<RunHandle>> = self.lock().by_id.values().cloned().collect();
+        for handle in handles {
+            handle.control.stop(reason);
+        }
+    }
+}
