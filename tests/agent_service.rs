@@ -494,15 +494,3 @@ async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
         .into_inner();
     assert!(response.valid, "{:?}", response.violations);
 }
-
-#[tokio::test]
-async fn engine_rpcs_say_they_are_not_implemented_yet() {
-    let s = stack().await;
-    let mut engine =
-        v1::agent_engine_client::AgentEngineClient::new(connect(&s._agents.url()).await);
-    let status = engine
-        .get_run(v1::GetRunRequest { run_id: "r".into() })
-        .await
-        .unwrap_err();
-    assert_eq!(status.code(), Code::Unimplemented);
-}

@@ -183,20 +183,44 @@ pub async fn tool_executor(extra_args: &[&str]) -> Server {
 }
 
 /// Starts an agent server on a free port, talking to the tool executor at `tools_url`,
-/// with an `openai` provider registered through the environment (never contacted by the
-/// calls these tests make).
+/// with an `openai` provider registered through the environment that points nowhere
+/// (for tests that make no run).
 pub async fn agent_server(tools_url: &str, extra_args: &[&str]) -> Server {
+    agent_server_with_model(tools_url, "http://127.0.0.1:9/v1", extra_args).await
+}
+
+/// Starts an agent server on a free port with the `openai` provider at `model_url`.
+pub async fn agent_server_with_model(
+    tools_url: &str,
+    model_url: &str,
+    extra_args: &[&str],
+) -> Server {
     let mut args = vec!["--listen", "127.0.0.1:0", "--tool-executor", tools_url];
     args.extend_from_slice(extra_args);
     Server::start(
         "agent-server",
         &args,
         &[
-            ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1"),
+            ("OPENAI_BASE_URL", model_url),
             ("OPENAI_API_KEY", "test-key"),
         ],
     )
     .await
+}
+
+/// Starts the model simulator on a free port with these scenarios (a JSON document as
+/// the simulator's `--scenarios` file takes it); `url()` + `/v1` is its API.
+pub async fn simulator(scenarios_json: &str, extra_args: &[&str]) -> Server {
+    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("agentrt-scenarios-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create a temporary directory");
+    let file = dir.join(format!("scenarios-{n}.json"));
+    std::fs::write(&file, scenarios_json).expect("write the scenarios");
+    let file = file.to_string_lossy().into_owned();
+    let mut args = vec!["--listen", "127.0.0.1:0", "--scenarios", file.as_str()];
+    args.extend_from_slice(extra_args);
+    Server::start("model-simulator", &args, &[]).await
 }
 
 /// An address nothing listens on: bound, then released.

@@ -1,0 +1,716 @@
+//! `agent.v1.AgentEngine` end to end: the real `agent-server`, `tool-executor` and
+//! `model-simulator` binaries, over real gRPC and real HTTP/SSE.
+
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use agentrt::{
+    json::struct_to_json,
+    v1::{self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient},
+};
+use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use serde_json::{Value, json};
+use tokio_stream::StreamExt;
+use tonic::{Code, Streaming, transport::Channel};
+
+const SCENARIOS: &str = r#"{"scenarios": {
+  "parallel": {"turns": [
+    {"reasoning": "two sums at once", "chunk_chars": 3, "tool_calls": [
+      {"name": "calculator", "arguments": {"expression": "1 + 1"}},
+      {"name": "calculator", "arguments": {"expression": "2 * 3"}}]},
+    {"content": "results: {tool_results}"}]},
+  "thinker": {"turns": [{"reasoning": "deep thoughts here", "think_tags": true, "chunk_chars": 4, "content": "Forty-two."}]},
+  "stubborn": {"turns": [
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "1 + 1"}}]},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "2 + 2"}}]},
+    {"content": "gave up after {tool_results}"}]},
+  "flaky": {"turns": [{"content": "recovered", "error": {"status": 503, "message": "overloaded", "times": 2}}]},
+  "limited": {"turns": [{"content": "patient", "error": {"status": 429, "message": "rate limited", "times": 1, "retry_after": 0.2}}]},
+  "garbage": {"turns": [{"content": "never whole", "malformed": true}]},
+  "clumsy": {"turns": [
+    {"tool_calls": [
+      {"name": "calculator", "arguments": {"expression": "1 / 0"}},
+      {"name": "teleport", "arguments": {}},
+      {"name": "calculator", "raw_arguments": "{\"expression\": \"2 +"}]},
+    {"content": "tools said: {tool_results}"}]},
+  "sleepy": {"turns": [{"tool_calls": [{"name": "sleep", "arguments": {"seconds": 30}}]}, {"content": "woke"}]},
+  "slow": {"turns": [{"content": "a very slow answer, one character at a time, taking its time", "chunk_chars": 1, "chunk_delay_ms": 50}]},
+  "memory": {"turns": [{"content": "seen {user_messages}"}]}
+}}"#;
+
+struct Stack {
+    model: Server,
+    tools: Server,
+    agents: Server,
+    service: AgentServiceClient<Channel>,
+    engine: AgentEngineClient<Channel>,
+}
+
+async fn stack() -> Stack {
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    let channel = connect(&agents.url()).await;
+    Stack {
+        model,
+        tools,
+        agents,
+        service: AgentServiceClient::new(channel.clone()),
+        engine: AgentEngineClient::new(channel),
+    }
+}
+
+fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
+    v1::AgentConfig {
+        name: "tester".into(),
+        model: Some(v1::ModelConfig {
+            name: model.into(),
+            ..Default::default()
+        }),
+        tools: tools
+            .iter()
+            .map(|t| v1::ToolRef { name: (*t).into() })
+            .collect(),
+        parallel_tool_calls: true,
+        ..Default::default()
+    }
+}
+
+impl Stack {
+    async fn engine_for(&mut self, config: v1::AgentConfig) -> String {
+        self.service
+            .create_agent_engine(v1::CreateAgentEngineRequest {
+                config: Some(config),
+                session_id: String::new(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .engine_id
+    }
+
+    async fn start(&mut self, engine_id: &str, query: &str) -> Streaming<v1::AgentStreamEvent> {
+        self.engine
+            .execute(v1::ExecuteRequest {
+                engine_id: engine_id.into(),
+                query: query.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    async fn run(&mut self, config: v1::AgentConfig, query: &str) -> Vec<v1::AgentStreamEvent> {
+        let engine_id = self.engine_for(config).await;
+        collect(self.start(&engine_id, query).await).await
+    }
+
+    async fn state(&mut self, run_id: &str) -> v1::AgentState {
+        self.engine
+            .get_run(v1::GetRunRequest {
+                run_id: run_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+}
+
+/// A whole run's events, checked for well-formedness.
+async fn collect(stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
+    let events = rest(stream).await;
+    assert_well_formed(&events);
+    events
+}
+
+/// What is left of a stream.
+async fn rest(mut stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
+    let mut events = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), stream.next())
+        .await
+        .expect("a stalled stream")
+    {
+        events.push(event.unwrap());
+    }
+    events
+}
+
+/// Sequences 1..n without gaps, one run, exactly one `done`, last.
+fn assert_well_formed(events: &[v1::AgentStreamEvent]) {
+    assert!(!events.is_empty());
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event.sequence, i as u64 + 1, "{events:#?}");
+        assert_eq!(
+            event.done,
+            i + 1 == events.len(),
+            "exactly one done event, last"
+        );
+        assert_eq!(event.run_id, events[0].run_id);
+        assert!(event.iteration >= 1);
+        assert!(event.create_time.is_some());
+    }
+}
+
+fn kind(event: &v1::AgentStreamEvent) -> v1::EventType {
+    v1::EventType::try_from(event.r#type).unwrap()
+}
+
+fn data(event: &v1::AgentStreamEvent) -> Value {
+    event.data.as_ref().map_or(Value::Null, struct_to_json)
+}
+
+fn text(events: &[v1::AgentStreamEvent], of: v1::EventType) -> String {
+    events
+        .iter()
+        .filter(|e| kind(e) == of && !e.done)
+        .map(|e| e.content.as_str())
+        .collect()
+}
+
+fn of_kind(events: &[v1::AgentStreamEvent], of: v1::EventType) -> Vec<Value> {
+    events.iter().filter(|e| kind(e) == of).map(data).collect()
+}
+
+fn done(events: &[v1::AgentStreamEvent]) -> Value {
+    data(events.last().unwrap())
+}
+
+#[tokio::test]
+async fn a_tool_using_run_streams_thoughts_calls_results_and_answer() {
+    let mut s = stack().await;
+    let events = s
+        .run(agent("demo", &["calculator"]), "What is (2 + 3) * 4.5?")
+        .await;
+    use v1::EventType::*;
+    let order: Vec<v1::EventType> = events
+        .iter()
+        .map(kind)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .fold(Vec::new(), |mut acc, k| {
+            if acc.last() != Some(&k) {
+                acc.push(k);
+            }
+            acc
+        });
+    assert_eq!(order, [Thought, ToolCall, ToolResult, Thought, FinalAnswer]);
+    assert!(
+        events.iter().filter(|e| kind(e) == Thought).count() > 2,
+        "reasoning arrives as deltas"
+    );
+    assert_eq!(
+        text(&events, Thought).split("calculator.").next().unwrap(),
+        "I should compute (2 + 3) * 4.5 with the "
+    );
+    let call = &of_kind(&events, ToolCall)[0];
+    assert_eq!(call["name"], "calculator");
+    assert_eq!(call["arguments"], json!({"expression": "(2 + 3) * 4.5"}));
+    let result = &of_kind(&events, ToolResult)[0];
+    assert_eq!(
+        (
+            result["id"].clone(),
+            result["output"].clone(),
+            result["is_error"].clone()
+        ),
+        (call["id"].clone(), json!("22.5"), json!(false))
+    );
+    assert!(result["duration_ms"].is_number());
+    assert_eq!(text(&events, FinalAnswer), "The answer is 22.5.");
+    let summary = done(&events);
+    assert_eq!(summary["stop_reason"], "final_answer");
+    assert_eq!(summary["iterations"], 2);
+    assert!(summary["usage"]["total_tokens"].as_f64().unwrap() > 0.0);
+    assert_eq!(kind(events.last().unwrap()), FinalAnswer);
+
+    let state = s.state(&events[0].run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Succeeded as i32);
+    assert_eq!(state.stop_reason, v1::StopReason::FinalAnswer as i32);
+    assert_eq!(state.final_answer, "The answer is 22.5.");
+    assert_eq!(state.steps.len(), 2);
+    assert_eq!(state.steps[0].tool_calls[0].output, "22.5");
+    assert_eq!(state.last_sequence, events.len() as u64);
+    assert_eq!(state.query, "What is (2 + 3) * 4.5?");
+}
+
+#[tokio::test]
+async fn parallel_calls_are_assembled_from_fragments_and_answered_in_call_order() {
+    let mut s = stack().await;
+    let events = s.run(agent("parallel", &["calculator"]), "sums").await;
+    let calls = of_kind(&events, v1::EventType::ToolCall);
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[0]["arguments"], json!({"expression": "1 + 1"}));
+    assert_eq!(calls[1]["arguments"], json!({"expression": "2 * 3"}));
+    assert_eq!(of_kind(&events, v1::EventType::ToolResult).len(), 2);
+    assert_eq!(text(&events, v1::EventType::FinalAnswer), "results: 2, 6");
+}
+
+#[tokio::test]
+async fn react_runs_on_models_without_tool_calling() {
+    let mut s = stack().await;
+    let mut config = agent("demo", &["calculator"]);
+    config.strategy = v1::Strategy::React as i32;
+    let events = s.run(config, "What is 6 * 7?").await;
+    let call = &of_kind(&events, v1::EventType::ToolCall)[0];
+    assert_eq!(call["arguments"], json!({"expression": "6 * 7"}));
+    assert_eq!(
+        of_kind(&events, v1::EventType::ToolResult)[0]["output"],
+        "42"
+    );
+    assert!(text(&events, v1::EventType::Thought).contains("I should compute 6 * 7"));
+    assert!(
+        !text(&events, v1::EventType::Thought).contains("imagining"),
+        "generation stops at Observation:"
+    );
+    assert_eq!(
+        text(&events, v1::EventType::FinalAnswer),
+        "The answer is 42."
+    );
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+#[tokio::test]
+async fn think_tags_stream_as_reasoning() {
+    let mut s = stack().await;
+    let events = s.run(agent("thinker", &[]), "?").await;
+    assert_eq!(text(&events, v1::EventType::Thought), "deep thoughts here");
+    assert_eq!(text(&events, v1::EventType::FinalAnswer), "Forty-two.");
+}
+
+#[tokio::test]
+async fn max_iterations_ends_with_an_answer_without_tools() {
+    let mut s = stack().await;
+    let mut config = agent("stubborn", &["calculator"]);
+    config.max_iterations = 2;
+    let events = s.run(config, "loop").await;
+    assert_eq!(of_kind(&events, v1::EventType::ToolCall).len(), 2);
+    // The last call offers no tools but shows the last round's results.
+    assert_eq!(text(&events, v1::EventType::FinalAnswer), "gave up after 4");
+    assert_eq!(done(&events)["stop_reason"], "max_iterations");
+    assert_eq!(
+        s.state(&events[0].run_id).await.stop_reason,
+        v1::StopReason::MaxIterations as i32
+    );
+}
+
+#[tokio::test]
+async fn overloaded_and_rate_limited_models_are_retried() {
+    let mut s = stack().await;
+    let events = s.run(agent("flaky", &[]), "hi").await;
+    assert_eq!(text(&events, v1::EventType::FinalAnswer), "recovered");
+    let started = Instant::now();
+    let events = s.run(agent("limited", &[]), "hi").await;
+    assert_eq!(text(&events, v1::EventType::FinalAnswer), "patient");
+    assert!(
+        started.elapsed() >= Duration::from_millis(200),
+        "Retry-After honoured"
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_stream_fails_the_run_cleanly() {
+    let mut s = stack().await;
+    let events = s.run(agent("garbage", &[]), "hi").await;
+    let last = events.last().unwrap();
+    assert_eq!(kind(last), v1::EventType::Error);
+    let summary = done(&events);
+    assert_eq!(summary["stop_reason"], "model_error");
+    assert_eq!(summary["code"], "MODEL_STREAM_ERROR");
+    assert_eq!(summary["category"], "model");
+    let state = s.state(&last.run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Failed as i32);
+    assert_eq!(state.error.unwrap().code, "MODEL_STREAM_ERROR");
+}
+
+#[tokio::test]
+async fn tool_failures_go_back_to_the_model() {
+    let mut s = stack().await;
+    let events = s
+        .run(agent("clumsy", &["calculator"]), "break things")
+        .await;
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 3);
+    assert!(results.iter().all(|r| r["is_error"] == true), "{results:?}");
+    let answer = text(&events, v1::EventType::FinalAnswer);
+    assert!(answer.contains("division by zero"), "{answer}");
+    assert!(answer.contains("not available to this agent"), "{answer}");
+    assert!(answer.contains("not valid JSON"), "{answer}");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+#[tokio::test]
+async fn cancel_stops_a_running_tool_call() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("sleepy", &["sleep"])).await;
+    let mut stream = s.start(&engine_id, "nap").await;
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        let event = event.unwrap();
+        let call = kind(&event) == v1::EventType::ToolCall;
+        events.push(event);
+        if call {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // the tool is sleeping now
+    let run_id = events[0].run_id.clone();
+    let cancelled_at = Instant::now();
+    let response = s
+        .engine
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(response.status, v1::RunStatus::Cancelled as i32);
+    events.extend(rest(stream).await);
+    assert!(
+        cancelled_at.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        cancelled_at.elapsed()
+    );
+    assert_well_formed(&events);
+    assert_eq!(kind(events.last().unwrap()), v1::EventType::Error);
+    assert_eq!(done(&events)["stop_reason"], "cancelled");
+    assert_eq!(
+        s.state(&run_id).await.status,
+        v1::RunStatus::Cancelled as i32
+    );
+    // Cancelling again is fine and changes nothing.
+    let again = s
+        .engine
+        .cancel(v1::CancelRequest { run_id })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.status, v1::RunStatus::Cancelled as i32);
+
+    // The tool executor stopped the sleep: with no call in flight it drains at once
+    // (a call still sleeping would hold the drain for its 10s grace).
+    s.tools.terminate();
+    let drain_started = Instant::now();
+    assert!(s.tools.wait(Duration::from_secs(20)).await.success());
+    assert!(
+        drain_started.elapsed() < Duration::from_secs(3),
+        "drain took {:?}",
+        drain_started.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn cancel_stops_a_streaming_model_call() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let mut stream = s.start(&engine_id, "talk").await;
+    let first = stream.next().await.unwrap().unwrap();
+    assert_eq!(kind(&first), v1::EventType::FinalAnswer);
+    let cancelled_at = Instant::now();
+    s.engine
+        .cancel(v1::CancelRequest {
+            run_id: first.run_id.clone(),
+        })
+        .await
+        .unwrap();
+    let tail = rest(stream).await;
+    assert!(
+        cancelled_at.elapsed() < Duration::from_millis(500),
+        "took {:?}",
+        cancelled_at.elapsed()
+    );
+    let mut events = vec![first];
+    events.extend(tail.iter().cloned());
+    assert_well_formed(&events);
+    assert_eq!(done(&tail)["stop_reason"], "cancelled");
+    let answer_len = tail
+        .iter()
+        .filter(|e| kind(e) == v1::EventType::FinalAnswer && !e.done)
+        .count();
+    assert!(
+        answer_len < 10,
+        "the model stream was cut, not drained: {answer_len} more deltas"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_cancels_its_run_unless_detached() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let mut stream = s.start(&engine_id, "bye").await;
+    let run_id = stream.next().await.unwrap().unwrap().run_id;
+    drop(stream);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while s.state(&run_id).await.status == v1::RunStatus::Running as i32 {
+        assert!(
+            Instant::now() < deadline,
+            "the run kept going after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let state = s.state(&run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+
+    let mut detached = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "stay".into(),
+            detach: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let run_id = detached.next().await.unwrap().unwrap().run_id;
+    drop(detached);
+    let replay = s
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let events = collect(replay).await;
+    assert_eq!(
+        done(&events)["stop_reason"],
+        "final_answer",
+        "a detached run goes on"
+    );
+}
+
+#[tokio::test]
+async fn subscribe_replays_from_an_offset_live_and_after_the_end() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let mut stream = s.start(&engine_id, "watch").await;
+    let first = stream.next().await.unwrap().unwrap();
+    let live = s
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: first.run_id.clone(),
+            after_sequence: 1,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut all = vec![first.clone()];
+    all.extend(rest(stream).await);
+    assert_well_formed(&all);
+    let mut followed = Vec::new();
+    let mut live = live;
+    while let Some(event) = live.next().await {
+        followed.push(event.unwrap());
+    }
+    assert_eq!(followed.first().unwrap().sequence, 2);
+    assert_eq!(
+        followed.len() + 1,
+        all.len(),
+        "every later event exactly once"
+    );
+
+    let after_end = s
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: first.run_id.clone(),
+            after_sequence: 5,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let tail: Vec<u64> = collect_tail(after_end).await;
+    assert_eq!(tail, (6..=all.len() as u64).collect::<Vec<_>>());
+
+    let status = s
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: "no-such-run".into(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+}
+
+async fn collect_tail(mut stream: Streaming<v1::AgentStreamEvent>) -> Vec<u64> {
+    let mut sequences = Vec::new();
+    while let Some(event) = stream.next().await {
+        sequences.push(event.unwrap().sequence);
+    }
+    sequences
+}
+
+#[tokio::test]
+async fn the_same_message_id_reattaches_instead_of_running_twice() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("demo", &["calculator"])).await;
+    let request = v1::ExecuteRequest {
+        engine_id,
+        query: "What is 1 + 2?".into(),
+        message_id: "msg-1".into(),
+        ..Default::default()
+    };
+    let first = collect(
+        s.engine
+            .execute(request.clone())
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    let second = collect(s.engine.execute(request).await.unwrap().into_inner()).await;
+    assert_eq!(first[0].run_id, second[0].run_id);
+    assert_eq!(first.len(), second.len());
+    assert_eq!(second[0].message_id, "msg-1");
+}
+
+#[tokio::test]
+async fn history_carries_across_runs_within_the_budget() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("memory", &[])).await;
+    let first = collect(s.start(&engine_id, "one").await).await;
+    assert_eq!(text(&first, v1::EventType::FinalAnswer), "seen 1");
+    let second = collect(s.start(&engine_id, "two").await).await;
+    assert_eq!(
+        text(&second, v1::EventType::FinalAnswer),
+        "seen 2",
+        "the session's history was sent"
+    );
+
+    // Explicit context replaces the session's history.
+    let explicit = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id: engine_id.clone(),
+            query: "three".into(),
+            llm_context: vec![
+                v1::ChatMessage {
+                    role: v1::Role::User as i32,
+                    content: "a".into(),
+                    ..Default::default()
+                },
+                v1::ChatMessage {
+                    role: v1::Role::Assistant as i32,
+                    content: "b".into(),
+                    ..Default::default()
+                },
+                v1::ChatMessage {
+                    role: v1::Role::User as i32,
+                    content: "c".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        text(&collect(explicit).await, v1::EventType::FinalAnswer),
+        "seen 3"
+    );
+
+    // A tight budget drops the oldest turns first.
+    let mut tight = agent("memory", &[]);
+    tight.context = Some(v1::ContextConfig {
+        max_prompt_tokens: 256,
+    });
+    let engine_id = s.engine_for(tight).await;
+    let long = "word ".repeat(400);
+    collect(s.start(&engine_id, &long).await).await;
+    let trimmed = collect(s.start(&engine_id, "short").await).await;
+    assert_eq!(
+        text(&trimmed, v1::EventType::FinalAnswer),
+        "seen 1",
+        "the long turn no longer fits"
+    );
+}
+
+#[tokio::test]
+async fn bad_execute_requests_are_refused_precisely() {
+    let mut s = stack().await;
+    let status = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id: "nope".into(),
+            query: "q".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::NotFound);
+    let engine_id = s.engine_for(agent("demo", &[])).await;
+    let status = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id: engine_id.clone(),
+            query: "  ".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("query"));
+    let status = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id: engine_id.clone(),
+            query: "q".into(),
+            session_id: "other".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("session_id"));
+    let status = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "q".into(),
+            llm_context: vec![v1::ChatMessage::default()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        status.message().contains("llm_context[0].role"),
+        "{}",
+        status.message()
+    );
+    for status in [
+        s.engine
+            .get_run(v1::GetRunRequest {
+                run_id: "nope".into(),
+            })
+            .await
+            .unwrap_err(),
+        s.engine
+            .cancel(v1::CancelRequest {
+                run_id: "nope".into(),
+            })
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(status.code(), Code::NotFound);
+    }
+}
+
+#[tokio::test]
+async fn sigterm_ends_running_streams_with_a_done_event() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let mut stream = s.start(&engine_id, "long").await;
+    let first = stream.next().await.unwrap().unwrap();
+    s.agents.terminate();
+    let mut events = vec![first];
+    events.extend(rest(stream).await);
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "shutdown");
+    assert_eq!(done(&events)["retryable"], true);
+    assert_eq!(s.agents.wait(Duration::from_secs(15)).await.code(), Some(0));
+    let _ = &s.model;
+}
