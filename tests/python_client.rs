@@ -10,7 +10,9 @@ use agentrt_test_support::{agent_server_with_model, simulator, tool_executor};
 
 #[tokio::test]
 async fn the_python_example_runs_a_tool_using_turn() {
-    let probe = std::process::Command::new("python3").args(["-c", "import grpc, grpc_tools"]).output();
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import grpc, grpc_tools"])
+        .output();
     assert!(
         probe.is_ok_and(|o| o.status.success()),
         "this test runs examples/python with python3: install its packages with `pip install grpcio grpcio-tools`"
@@ -20,15 +22,33 @@ async fn the_python_example_runs_a_tool_using_turn() {
     let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python/run_agent.py");
     let output = tokio::process::Command::new("python3")
-        .args([script, "--target", &agents.addr.to_string(), "--query", "What is 6 * 7?"])
+        .args([
+            script,
+            "--target",
+            &agents.addr.to_string(),
+            "--query",
+            "What is 6 * 7?",
+        ])
         .output()
         .await
         .unwrap();
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
-    assert!(stdout.contains("[tool call] calculator({'expression': '6 * 7'})"), "{stdout}");
-    assert!(stdout.contains("[tool result] calculator -> 42"), "{stdout}");
+    assert!(
+        output.status.success(),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(
+        stdout.contains("[tool call] calculator({'expression': '6 * 7'})"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("[tool result] calculator -> 42"),
+        "{stdout}"
+    );
     assert!(stdout.contains("answer: The answer is 42."), "{stdout}");
-    assert!(stdout.contains("done: EVENT_TYPE_FINAL_ANSWER stop_reason=final_answer"), "{stdout}");
+    assert!(
+        stdout.contains("done: EVENT_TYPE_FINAL_ANSWER stop_reason=final_answer"),
+        "{stdout}"
+    );
 }

@@ -68,8 +68,16 @@ impl Server {
     /// extra environment variables, and waits until it logs `listening ... addr=`.
     /// Panics with the log when it does not come up.
     pub async fn start(binary_name: &str, args: &[&str], env: &[(&str, &str)]) -> Self {
-        let path = binary(binary_name);
-        let mut command = Command::new(&path);
+        Self::start_at(&binary(binary_name), args, env).await
+    }
+
+    /// Like [`Server::start`], for the binary at `path`.
+    pub async fn start_at(path: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> Self {
+        let binary_name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let mut command = Command::new(path);
         command
             .args(args)
             .env("LOG_FORMAT", "text")
@@ -106,6 +114,11 @@ impl Server {
             }
         };
         Self { child, addr, logs }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
     }
 
     /// `http://ADDR`, for gRPC clients.

@@ -1,0 +1,389 @@
+//! `agentrt-bench`: measures the real stack, client -> agent-server -> model simulator
+//! (HTTP/SSE) -> tool-executor (gRPC), and prints each figure.
+//!
+//! ```sh
+//! cargo build --release --workspace --bins && target/release/agentrt-bench
+//! ```
+//!
+//! CPU time and memory are read from `/proc` for the server processes only, so the bench
+//! client's own work does not count. Linux only.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use agentrt::v1::{
+    self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
+};
+use agentrt_test_support::Server;
+use anyhow::{Context, bail};
+use clap::Parser;
+use futures_util::StreamExt;
+use tonic::transport::{Channel, Endpoint};
+
+/// Benchmarks the real stack and prints the figures.
+#[derive(Debug, Parser)]
+#[command(name = "agentrt-bench", version, about)]
+struct Cli {
+    /// Concurrent runs in the load figure.
+    #[arg(long, default_value_t = 10_000)]
+    concurrent: usize,
+    /// Model latency per call in the load figure, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    latency_ms: u64,
+    /// Runs of the tool-loop figure (10 tool iterations each).
+    #[arg(long, default_value_t = 200)]
+    tool_runs: usize,
+    /// Runs of the streaming figure (2,000 answer deltas each).
+    #[arg(long, default_value_t = 50)]
+    stream_runs: usize,
+    /// Sequential runs of the first-event figure.
+    #[arg(long, default_value_t = 500)]
+    latency_runs: usize,
+}
+
+fn scenarios(latency_ms: u64) -> String {
+    let tool_turn =
+        r#"{"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}]}"#;
+    let tool_loop: Vec<&str> = std::iter::repeat_n(tool_turn, 10)
+        .chain([r#"{"content": "done"}"#])
+        .collect();
+    let slow_tool = format!(
+        r#"{{"latency_ms": {latency_ms}, "tool_calls": [{{"name": "calculator", "arguments": {{"expression": "6 * 7"}}}}]}}"#
+    );
+    let slow_answer = format!(r#"{{"latency_ms": {latency_ms}, "content": "The answer is 42."}}"#);
+    format!(
+        r#"{{"scenarios": {{
+            "hello": {{"turns": [{{"content": "hi"}}]}},
+            "tool_loop": {{"turns": [{}]}},
+            "long_answer": {{"turns": [{{"content": "{}", "chunk_chars": 1}}]}},
+            "three_calls": {{"turns": [{slow_tool}, {slow_tool}, {slow_answer}]}}
+        }}}}"#,
+        tool_loop.join(","),
+        "x".repeat(2000),
+    )
+}
+
+/// CPU time a process has used so far, in nanoseconds: the sum of its threads'
+/// `schedstat` run times (clock ticks in `/proc/<pid>/stat` are too coarse).
+fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
+    let mut total = 0u64;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let path = task?.path().join("schedstat");
+        // A thread may end between listing and reading; it no longer counts.
+        if let Ok(stat) = std::fs::read_to_string(path) {
+            total += stat
+                .split_whitespace()
+                .next()
+                .context("malformed schedstat")?
+                .parse::<u64>()?;
+        }
+    }
+    Ok(Duration::from_nanos(total))
+}
+
+/// Resident memory of a process, in KiB.
+fn rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .context("no VmRSS")?;
+    Ok(line
+        .split_whitespace()
+        .nth(1)
+        .context("malformed VmRSS")?
+        .parse()?)
+}
+
+struct Stack {
+    /// Kept for its lifetime: the simulator runs while the stack does.
+    _model: Server,
+    tools: Server,
+    agents: Server,
+    channels: Vec<Channel>,
+}
+
+impl Stack {
+    fn pids(&self) -> anyhow::Result<(u32, u32)> {
+        Ok((
+            self.agents.pid().context("agent-server exited")?,
+            self.tools.pid().context("tool-executor exited")?,
+        ))
+    }
+
+    fn service(&self) -> AgentServiceClient<Channel> {
+        AgentServiceClient::new(self.channels[0].clone())
+    }
+
+    fn engine(&self, i: usize) -> AgentEngineClient<Channel> {
+        AgentEngineClient::new(self.channels[i % self.channels.len()].clone())
+    }
+
+    /// One engine per run, so that every run starts with an empty history.
+    async fn engines(&self, model: &str, count: usize) -> anyhow::Result<Vec<String>> {
+        let config = v1::AgentConfig {
+            name: "bench".into(),
+            model: Some(v1::ModelConfig {
+                name: model.into(),
+                ..Default::default()
+            }),
+            tools: vec![v1::ToolRef {
+                name: "calculator".into(),
+            }],
+            max_iterations: 20,
+            ..Default::default()
+        };
+        let mut ids = Vec::with_capacity(count);
+        let mut service = self.service();
+        for _ in 0..count {
+            let request = v1::CreateAgentEngineRequest {
+                config: Some(config.clone()),
+                session_id: String::new(),
+            };
+            ids.push(
+                service
+                    .create_agent_engine(request)
+                    .await?
+                    .into_inner()
+                    .engine_id,
+            );
+        }
+        Ok(ids)
+    }
+
+    /// Runs one turn to its end; returns the time to the first event and the events.
+    async fn run(&self, i: usize, engine_id: String) -> anyhow::Result<(Duration, usize, bool)> {
+        let started = Instant::now();
+        let request = v1::ExecuteRequest {
+            engine_id,
+            query: "What is 6 * 7?".into(),
+            ..Default::default()
+        };
+        let mut stream = self.engine(i).execute(request).await?.into_inner();
+        let mut first = None;
+        let mut count = 0;
+        let mut answered = false;
+        while let Some(event) = stream.next().await {
+            let event = event?;
+            first.get_or_insert_with(|| started.elapsed());
+            count += 1;
+            if event.done {
+                answered = event.r#type == v1::EventType::FinalAnswer as i32;
+            }
+        }
+        Ok((first.unwrap_or_default(), count, answered))
+    }
+
+    /// Runs every engine's turn, at most `concurrency` at once.
+    async fn run_all(
+        self: &Arc<Self>,
+        engines: Vec<String>,
+        concurrency: usize,
+    ) -> anyhow::Result<(usize, usize)> {
+        let results: Vec<anyhow::Result<(Duration, usize, bool)>> =
+            futures_util::stream::iter(engines.into_iter().enumerate())
+                .map(|(i, id)| {
+                    let stack = self.clone();
+                    async move { tokio::spawn(async move { stack.run(i, id).await }).await? }
+                })
+                .buffer_unordered(concurrency)
+                .collect()
+                .await;
+        let mut events = 0;
+        let mut failed = 0;
+        for result in results {
+            let (_, count, answered) = result?;
+            events += count;
+            failed += usize::from(!answered);
+        }
+        Ok((events, failed))
+    }
+}
+
+async fn start(dir: &Path, concurrent: usize, scenarios_file: &str) -> anyhow::Result<Arc<Stack>> {
+    let model = Server::start_at(
+        &dir.join("model-simulator"),
+        &["--listen", "127.0.0.1:0", "--scenarios", scenarios_file],
+        &[],
+    )
+    .await;
+    let tools = Server::start_at(
+        &dir.join("tool-executor"),
+        &["--listen", "127.0.0.1:0"],
+        &[],
+    )
+    .await;
+    let model_url = format!("{}/v1", model.url());
+    let max_engines = (concurrent * 2 + 10_000).to_string();
+    let agents = Server::start_at(
+        &dir.join("agent-server"),
+        &[
+            "--listen",
+            "127.0.0.1:0",
+            "--tool-executor",
+            &tools.url(),
+            "--max-engines",
+            &max_engines,
+            "--max-active-runs",
+            &max_engines,
+        ],
+        &[
+            ("OPENAI_BASE_URL", model_url.as_str()),
+            ("OPENAI_API_KEY", "bench"),
+            ("RUST_LOG", "warn,agentrt_server=info"),
+        ],
+    )
+    .await;
+    // Enough connections that no one carries more streams than the server allows.
+    let connections = concurrent.div_ceil(512).max(1);
+    let mut channels = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        channels.push(
+            Endpoint::from_shared(agents.url())?
+                .initial_connection_window_size(16 * 1024 * 1024)
+                .initial_stream_window_size(1024 * 1024)
+                .tcp_nodelay(true)
+                .connect()
+                .await?,
+        );
+    }
+    Ok(Arc::new(Stack {
+        _model: model,
+        tools,
+        agents,
+        channels,
+    }))
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[index.min(sorted.len() - 1)]
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let dir: PathBuf = std::env::current_exe()?
+        .parent()
+        .context("no directory")?
+        .to_path_buf();
+    for binary in ["agent-server", "tool-executor", "model-simulator"] {
+        if !dir.join(binary).exists() {
+            bail!(
+                "{binary} is missing beside the bench: run `cargo build --release --workspace --bins` first"
+            );
+        }
+    }
+    let scenarios_file =
+        std::env::temp_dir().join(format!("agentrt-bench-{}.json", std::process::id()));
+    std::fs::write(&scenarios_file, scenarios(cli.latency_ms))?;
+    let stack = start(&dir, cli.concurrent, &scenarios_file.to_string_lossy()).await?;
+    let (agents_pid, tools_pid) = stack.pids()?;
+    let cpu = || -> anyhow::Result<(Duration, Duration)> {
+        Ok((cpu_time(agents_pid)?, cpu_time(tools_pid)?))
+    };
+    println!(
+        "agentrt-bench: {} cores; client -> agent-server -> simulator (HTTP/SSE) -> tool-executor (gRPC)",
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+
+    // Warm up connections, caches and the tokenizer.
+    let warm = stack.engines("tool_loop", 20).await?;
+    stack.run_all(warm, 10).await?;
+
+    // 1. CPU per tool iteration: 10 model rounds with a tool call each, plus an answer.
+    let engines = stack.engines("tool_loop", cli.tool_runs).await?;
+    let (a0, t0) = cpu()?;
+    let (_, failed) = stack.run_all(engines, 16).await?;
+    let (a1, t1) = cpu()?;
+    let iterations = cli.tool_runs * 10;
+    let per_iteration = (a1 - a0 + t1 - t0) / iterations as u32;
+    println!(
+        "tool iteration CPU (agent-server + tool-executor): {:.1} us per iteration  [{} runs x 10 iterations; agent-server {:?}, tool-executor {:?}; failed runs: {failed}]",
+        per_iteration.as_secs_f64() * 1e6,
+        cli.tool_runs,
+        a1 - a0,
+        t1 - t0
+    );
+
+    // 2. agent-server CPU per streamed answer delta.
+    let engines = stack.engines("long_answer", cli.stream_runs).await?;
+    let (a0, _) = cpu()?;
+    let (events, failed) = stack.run_all(engines, 4).await?;
+    let (a1, _) = cpu()?;
+    println!(
+        "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {events} events; failed runs: {failed}]",
+        (a1 - a0).as_secs_f64() * 1e6 / events as f64,
+        cli.stream_runs
+    );
+
+    // 3. Time to the first event, measured at the client (an upper bound of the time after
+    // Execute reaches the server): sequential runs, no model latency.
+    let engines = stack.engines("hello", cli.latency_runs).await?;
+    let mut firsts = Vec::with_capacity(engines.len());
+    for (i, id) in engines.into_iter().enumerate() {
+        firsts.push(stack.run(i, id).await?.0);
+    }
+    firsts.sort();
+    println!(
+        "first event, client-observed: p50 {:.3} ms, p99 {:.3} ms  [{} sequential runs]",
+        percentile(&firsts, 0.5).as_secs_f64() * 1e3,
+        percentile(&firsts, 0.99).as_secs_f64() * 1e3,
+        cli.latency_runs
+    );
+
+    // 4. Load: runs of 3 model calls (each with the model latency) and 2 tool calls, all at
+    // once; CPU per run at 100 and at full concurrency; memory per in-flight run.
+    let small = 100.min(cli.concurrent);
+    let engines = stack.engines("three_calls", small).await?;
+    let (a0, t0) = cpu()?;
+    stack.run_all(engines, small).await?;
+    let (a1, t1) = cpu()?;
+    let cpu_small = (a1 - a0 + t1 - t0) / small as u32;
+
+    let engines = stack.engines("three_calls", cli.concurrent).await?;
+    let rss_before = rss_kib(agents_pid)?;
+    let (a0, t0) = cpu()?;
+    let peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
+    let sampler = {
+        let peak = peak.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Ok(rss) = rss_kib(agents_pid) {
+                    peak.fetch_max(rss, std::sync::atomic::Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let started = Instant::now();
+    let (_, failed) = stack.run_all(engines, cli.concurrent).await?;
+    let wall = started.elapsed();
+    sampler.abort();
+    let (a1, t1) = cpu()?;
+    let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;
+    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {failed}",
+        cli.concurrent,
+        cli.latency_ms,
+        wall.as_secs_f64()
+    );
+    println!(
+        "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
+        (peak.saturating_sub(rss_before)) as f64 * 1.024 / cli.concurrent as f64,
+        rss_before,
+        peak
+    );
+    println!(
+        "CPU per run (agent-server + tool-executor): {:.0} us at {small} concurrent, {:.0} us at {}",
+        cpu_small.as_secs_f64() * 1e6,
+        cpu_large.as_secs_f64() * 1e6,
+        cli.concurrent
+    );
+    let _ = std::fs::remove_file(&scenarios_file);
+    Ok(())
+}
