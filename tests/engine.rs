@@ -365,8 +365,12 @@ async fn cancel_stops_a_running_tool_call() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(response.status, v1::RunStatus::Cancelled as i32);
     events.extend(rest(stream).await);
+    assert_eq!(
+        response.status,
+        v1::RunStatus::Cancelled as i32,
+        "{events:#?}"
+    );
     assert!(
         cancelled_at.elapsed() < Duration::from_secs(1),
         "took {:?}",

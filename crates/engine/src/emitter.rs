@@ -34,9 +34,21 @@ impl Emitter {
         self.iteration
     }
 
+    /// Wakes readers for the deltas published so far; called before the run waits.
+    pub(crate) fn flush(&self) {
+        self.publisher.flush();
+    }
+
+    /// Publishes `event`. Text deltas wait for the next [`Emitter::flush`], so that bursts
+    /// go out together; anything with a payload (tool calls, results, references, the end)
+    /// wakes readers at once.
     fn publish(&self, event: RunEvent, record: &mut RunRecord) {
+        let structured = event.data.is_some();
         record.last_sequence = self.publisher.publish(event);
         record.update_time = SystemTime::now();
+        if structured {
+            self.publisher.flush();
+        }
     }
 
     fn step<'a>(&self, record: &'a mut RunRecord) -> &'a mut StepRecord {

@@ -26,7 +26,7 @@ use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, ToolDefinition,
 };
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
@@ -422,7 +422,17 @@ impl Engine {
             let mut content = String::new();
             let mut calls = Vec::new();
             let mut finish = FinishReason::Unknown;
-            while let Some(delta) = stream.next().await {
+            loop {
+                // Deltas that are already here are published as one batch; readers are
+                // woken only when the model makes us wait.
+                let next = match stream.next().now_or_never() {
+                    Some(next) => next,
+                    None => {
+                        em.flush();
+                        stream.next().await
+                    }
+                };
+                let Some(delta) = next else { break };
                 match delta.map_err(model_failure)? {
                     ChatDelta::Reasoning(text) => em.thought(text),
                     ChatDelta::Content(text) => {
@@ -448,6 +458,7 @@ impl Engine {
                     }
                 }
             }
+            em.flush();
             debug!(?finish, calls = calls.len(), "model round finished");
             let Some(mut parser) = parser else {
                 return Ok(if calls.is_empty() {
@@ -458,6 +469,7 @@ impl Engine {
             };
             parser.finish(&mut pieces);
             em.pieces(pieces.drain(..));
+            em.flush();
             if parser.answered() {
                 return Ok(Round::Answer(parser.answer().to_owned()));
             }
@@ -474,6 +486,7 @@ impl Engine {
             }
             // No protocol at all: the text is the answer.
             em.answer(content.clone());
+            em.flush();
             Ok(Round::Answer(content))
         }
         .instrument(span);

@@ -582,3 +582,49 @@ async fn the_session_remembers_earlier_turns() {
         "{second:?}"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn tool_calls_reach_readers_before_the_tool_returns() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![call(
+                "a",
+                "calc",
+                r#"{"delay_ms":60000}"#,
+            )])),
+            Ok(answer("ok")),
+        ])),
+        ..Default::default()
+    });
+    let publisher = h.bus.open("r").unwrap();
+    let mut reader = h.bus.subscribe("r", 0).unwrap();
+    let config = config(Strategy::FunctionCall, &["calc"]);
+    let spec = RunSpec {
+        run_id: "r".into(),
+        engine_id: "e".into(),
+        session_id: "s".into(),
+        message_id: "m".into(),
+        query: "q".into(),
+        llm_context: None,
+        tools: config.tools.iter().map(|t| spec_tool(t)).collect(),
+        config: Arc::new(config),
+    };
+    let state = Arc::new(RunState::new("r", "e", "s", "m", "q"));
+    let engine = h.engine.clone();
+    let run = tokio::spawn(async move { engine.run(spec, publisher, state, Arc::default()).await });
+    let started = tokio::time::Instant::now();
+    let mut seen = Vec::new();
+    while let Some(event) = reader.next().await {
+        let event = event.unwrap();
+        seen.push(event.kind);
+        if event.kind == EventKind::ToolCall {
+            break;
+        }
+    }
+    assert_eq!(seen, [EventKind::Thought, EventKind::ToolCall]);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the call was announced while the tool runs"
+    );
+    run.abort();
+}

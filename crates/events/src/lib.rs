@@ -97,10 +97,18 @@ pub enum BusError {
 pub type EventStream = Pin<Box<dyn Stream<Item = Result<Arc<RunEvent>, BusError>> + Send>>;
 
 /// Publishes the events of one run.
+///
+/// Publishing appends to the log; readers are woken by [`RunPublisher::flush`] (and by
+/// the `done` event), so that a burst of deltas reaches them, and goes out on the wire, as
+/// one batch rather than one wake-up and one write per delta. Publishers flush before
+/// they wait for anything.
 pub trait RunPublisher: Send + Sync {
     /// Appends `event`, assigns and returns its sequence. After an event with `done`,
-    /// later events are dropped (and 0 returned): a run ends exactly once.
+    /// later events are dropped (and 0 returned): a run ends exactly once. A `done` event
+    /// is flushed at once.
     fn publish(&self, event: RunEvent) -> u64;
+    /// Wakes the readers for everything published so far.
+    fn flush(&self);
     /// The sequence of the last event published.
     fn last_sequence(&self) -> u64;
 }
@@ -265,13 +273,22 @@ impl RunPublisher for Publisher {
             }
             state.next - 1
         };
-        self.log.published.send_replace(sequence);
         if done {
+            self.flush();
             lock(&self.bus)
                 .finished
                 .push_back((Instant::now(), self.run_id.clone()));
         }
         sequence
+    }
+
+    fn flush(&self) {
+        let last = lock(&self.log.state).next - 1;
+        self.log.published.send_if_modified(|seen| {
+            let changed = *seen != last;
+            *seen = last;
+            changed
+        });
     }
 
     fn last_sequence(&self) -> u64 {
@@ -302,7 +319,7 @@ impl Drop for Publisher {
 }
 
 /// Events a reader takes from the log at once, to lock it once per batch, not per event.
-const BATCH: usize = 64;
+const BATCH: usize = 256;
 
 struct Reader {
     log: Arc<RunLog>,
@@ -388,6 +405,7 @@ mod tests {
         let from_two = bus.subscribe("r", 2).unwrap();
         let live = tokio::spawn(read_all(from_start));
         publisher.publish(delta("c"));
+        publisher.flush();
         publisher.publish(done());
         assert_eq!(publisher.publish(delta("late")), 0, "nothing after done");
         assert_eq!(live.await.unwrap(), [Ok(1), Ok(2), Ok(3), Ok(4)]);
@@ -439,6 +457,26 @@ mod tests {
             "running runs never expire"
         );
         assert_eq!(bus.runs(), 1);
+    }
+
+    #[tokio::test]
+    async fn readers_wake_on_flush_not_on_every_event() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let publisher = bus.open("r").unwrap();
+        let reader = bus.subscribe("r", 0).unwrap();
+        let waiting = tokio::spawn(async move {
+            let mut reader = reader;
+            let first = reader.next().await.unwrap().unwrap().sequence;
+            let second = reader.next().await.unwrap().unwrap().sequence;
+            (first, second)
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await; // the reader waits now
+        publisher.publish(delta("a"));
+        publisher.publish(delta("b"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiting.is_finished(), "not woken before the flush");
+        publisher.flush();
+        assert_eq!(waiting.await.unwrap(), (1, 2), "the whole batch at once");
     }
 
     #[tokio::test]

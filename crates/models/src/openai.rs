@@ -1,6 +1,6 @@
 //! OpenAI-compatible chat completions, streamed over SSE.
 
-use std::{collections::BTreeMap, collections::VecDeque, time::Duration};
+use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
 use eventsource_stream::Eventsource;
 use futures_util::{Stream, StreamExt};
@@ -274,7 +274,7 @@ where
                             ended = true;
                             continue;
                         }
-                        let chunk = match serde_json::from_str::<Value>(data) {
+                        let chunk = match serde_json::from_str::<Chunk<'_>>(data) {
                             Ok(chunk) => chunk,
                             Err(e) => {
                                 ended = true;
@@ -285,7 +285,7 @@ where
                                 return Some((Err(error), (events, assembler, ready, ended)));
                             }
                         };
-                        if let Err(error) = assembler.chunk(&chunk, &mut ready) {
+                        if let Err(error) = assembler.chunk(chunk, &mut ready) {
                             ended = true;
                             return Some((Err(error), (events, assembler, ready, ended)));
                         }
@@ -307,6 +307,65 @@ where
     )
 }
 
+/// One streamed chunk, borrowing its strings from the event where it can: most chunks
+/// carry a few characters of text, and building a generic JSON tree for each dominated
+/// the per-delta cost.
+#[derive(serde::Deserialize)]
+struct Chunk<'a> {
+    #[serde(default, borrow)]
+    choices: Option<Vec<Choice<'a>>>,
+    #[serde(default)]
+    usage: Option<ChunkUsage>,
+    #[serde(default)]
+    error: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: Option<Delta<'a>>,
+    #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct Delta<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    tool_calls: Option<Vec<CallDelta<'a>>>,
+}
+
+#[derive(serde::Deserialize)]
+struct CallDelta<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(default, borrow)]
+    id: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    function: Option<FunctionDelta<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct FunctionDelta<'a> {
+    #[serde(default, borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+#[derive(serde::Deserialize)]
+struct ChunkUsage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
 #[derive(Default)]
 struct PartialCall {
     id: String,
@@ -326,8 +385,8 @@ struct Assembler {
 }
 
 impl Assembler {
-    fn chunk(&mut self, chunk: &Value, out: &mut VecDeque<ChatDelta>) -> Result<(), ModelError> {
-        if let Some(error) = chunk.get("error").filter(|e| !e.is_null()) {
+    fn chunk(&mut self, chunk: Chunk<'_>, out: &mut VecDeque<ChatDelta>) -> Result<(), ModelError> {
+        if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
             let message = error["message"]
                 .as_str()
                 .map_or_else(|| error.to_string(), str::to_owned);
@@ -335,50 +394,54 @@ impl Assembler {
                 "provider reported an error: {message}"
             )));
         }
-        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+        if let Some(usage) = chunk.usage {
             self.usage = Some(Usage {
-                prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-                completion_tokens: usage["completion_tokens"].as_u64().unwrap_or(0),
+                prompt_tokens: usage.prompt_tokens.unwrap_or(0),
+                completion_tokens: usage.completion_tokens.unwrap_or(0),
             });
         }
-        let Some(choice) = chunk["choices"].as_array().and_then(|c| c.first()) else {
+        let Some(choice) = chunk.choices.into_iter().flatten().next() else {
             return Ok(());
         };
-        let delta = &choice["delta"];
-        for key in ["reasoning_content", "reasoning"] {
-            if let Some(text) = delta[key].as_str().filter(|t| !t.is_empty()) {
-                out.push_back(ChatDelta::Reasoning(text.to_owned()));
+        if let Some(delta) = choice.delta {
+            for text in [delta.reasoning_content, delta.reasoning]
+                .into_iter()
+                .flatten()
+            {
+                if !text.is_empty() {
+                    out.push_back(ChatDelta::Reasoning(text.into_owned()));
+                }
             }
-        }
-        if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
-            self.saw_content = true;
-            let mut pieces = Vec::new();
-            self.think.push(text, &mut pieces);
-            out.extend(pieces.into_iter().map(piece_delta));
-        }
-        if let Some(calls) = delta["tool_calls"].as_array() {
-            for (position, call) in calls.iter().enumerate() {
-                let index = call["index"].as_u64().unwrap_or(position as u64);
+            if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+                self.saw_content = true;
+                let mut pieces = Vec::new();
+                self.think.push(&text, &mut pieces);
+                out.extend(pieces.into_iter().map(piece_delta));
+            }
+            for (position, call) in delta.tool_calls.into_iter().flatten().enumerate() {
+                let index = call.index.unwrap_or(position as u64);
                 let entry = self.calls.entry(index).or_default();
                 // Some servers repeat the id (or send a new one) on every chunk: the first
                 // one names the call.
                 if entry.id.is_empty()
-                    && let Some(id) = call["id"].as_str()
+                    && let Some(id) = call.id
                 {
-                    id.clone_into(&mut entry.id);
+                    entry.id = id.into_owned();
                 }
-                if let Some(name) = call["function"]["name"].as_str().filter(|n| !n.is_empty())
-                    && entry.name.is_empty()
-                {
-                    name.clone_into(&mut entry.name);
-                }
-                if let Some(arguments) = call["function"]["arguments"].as_str() {
-                    entry.arguments.push_str(arguments);
+                if let Some(function) = call.function {
+                    if let Some(name) = function.name.filter(|n| !n.is_empty())
+                        && entry.name.is_empty()
+                    {
+                        entry.name = name.into_owned();
+                    }
+                    if let Some(arguments) = function.arguments {
+                        entry.arguments.push_str(&arguments);
+                    }
                 }
             }
         }
-        if let Some(reason) = choice["finish_reason"].as_str() {
-            self.finish = Some(match reason {
+        if let Some(reason) = choice.finish_reason {
+            self.finish = Some(match reason.as_ref() {
                 "stop" => FinishReason::Stop,
                 "tool_calls" | "function_call" => FinishReason::ToolCalls,
                 "length" => FinishReason::Length,

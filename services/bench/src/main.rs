@@ -37,8 +37,11 @@ struct Cli {
     #[arg(long, default_value_t = 200)]
     tool_runs: usize,
     /// Runs of the streaming figure (2,000 answer deltas each).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 200)]
     stream_runs: usize,
+    /// Runs streaming at once in the streaming figure.
+    #[arg(long, default_value_t = 100)]
+    stream_concurrency: usize,
     /// Sequential runs of the first-event figure.
     #[arg(long, default_value_t = 500)]
     latency_runs: usize,
@@ -312,12 +315,13 @@ async fn main() -> anyhow::Result<()> {
     // 2. agent-server CPU per streamed answer delta.
     let engines = stack.engines("long_answer", cli.stream_runs).await?;
     let (a0, _) = cpu()?;
-    let (events, failed) = stack.run_all(engines, 4).await?;
+    let (events, failed) = stack.run_all(engines, cli.stream_concurrency).await?;
     let (a1, _) = cpu()?;
     println!(
-        "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {events} events; failed runs: {failed}]",
+        "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {} at once, {events} events; failed runs: {failed}]",
         (a1 - a0).as_secs_f64() * 1e6 / events as f64,
-        cli.stream_runs
+        cli.stream_runs,
+        cli.stream_concurrency
     );
 
     // 3. Time to the first event, measured at the client (an upper bound of the time after
