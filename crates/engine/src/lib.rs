@@ -92,6 +92,15 @@ enum Outcome {
     Failed(StopReason, RunError),
 }
 
+/// What every model round of a run shares.
+#[derive(Clone, Copy)]
+struct RoundSetup<'a> {
+    model: &'a Arc<dyn ChatModel>,
+    react: bool,
+    timeout: Duration,
+    cancel: &'a CancellationToken,
+}
+
 /// What a model round produced.
 enum Round {
     Answer(String),
@@ -182,6 +191,12 @@ impl Engine {
         };
         let counter = TokenCounter::shared();
         let react = config.strategy == Strategy::React;
+        let round_setup = RoundSetup {
+            model: &model,
+            react,
+            timeout: config.timeouts.model_call,
+            cancel,
+        };
         let system = system_message(config, &spec.tools, react).map(|m| {
             let tokens = counter.message(&m);
             (m, tokens)
@@ -231,18 +246,7 @@ impl Engine {
                 );
             }
             let request = self.request(config, fitted.messages, definitions.clone(), react);
-            let round = match self
-                .model_round(
-                    &model,
-                    request,
-                    em,
-                    react,
-                    config.timeouts.model_call,
-                    cancel,
-                    iteration,
-                )
-                .await
-            {
+            let round = match self.model_round(&round_setup, request, em, iteration).await {
                 Ok(round) => round,
                 Err(outcome) => return outcome,
             };
@@ -327,18 +331,7 @@ impl Engine {
             config.context.max_prompt_tokens,
         );
         let request = self.request(config, fitted.messages, Vec::new(), react);
-        match self
-            .model_round(
-                &model,
-                request,
-                em,
-                react,
-                config.timeouts.model_call,
-                cancel,
-                iteration,
-            )
-            .await
-        {
+        match self.model_round(&round_setup, request, em, iteration).await {
             Ok(
                 Round::Answer(answer)
                 | Round::Tools {
@@ -393,17 +386,19 @@ impl Engine {
     }
 
     /// One model call, streamed into events.
-    #[allow(clippy::too_many_arguments)]
     async fn model_round(
         &self,
-        model: &Arc<dyn ChatModel>,
+        setup: &RoundSetup<'_>,
         request: ChatRequest,
         em: &mut Emitter,
-        react: bool,
-        timeout: Duration,
-        cancel: &CancellationToken,
         iteration: u32,
     ) -> Result<Round, Outcome> {
+        let RoundSetup {
+            model,
+            react,
+            timeout,
+            cancel,
+        } = *setup;
         let span = info_span!(
             "chat",
             otel.name = %format!("chat {}", request.model),

@@ -160,6 +160,19 @@ fn spec_tool(name: &str) -> ToolSpec {
     }
 }
 
+fn spec(run_id: &str, config: AgentConfig) -> RunSpec {
+    RunSpec {
+        run_id: run_id.into(),
+        engine_id: "e".into(),
+        session_id: "s".into(),
+        message_id: run_id.into(),
+        query: "what is 6 * 7?".into(),
+        llm_context: None,
+        tools: config.tools.iter().map(|t| spec_tool(t)).collect(),
+        config: Arc::new(config),
+    }
+}
+
 struct Harness {
     engine: Engine,
     model: Arc<Scripted>,
@@ -188,16 +201,7 @@ impl Harness {
         config: AgentConfig,
         control: Arc<RunControl>,
     ) -> (Vec<Arc<RunEvent>>, agentrt_engine::RunRecord) {
-        let spec = RunSpec {
-            run_id: run_id.into(),
-            engine_id: "e".into(),
-            session_id: "s".into(),
-            message_id: run_id.into(),
-            query: "what is 6 * 7?".into(),
-            llm_context: None,
-            tools: config.tools.iter().map(|t| spec_tool(t)).collect(),
-            config: Arc::new(config),
-        };
+        let spec = spec(run_id, config);
         let publisher = self.bus.open(run_id).unwrap();
         let state = Arc::new(RunState::new(run_id, "e", "s", run_id, &spec.query));
         let reader = self.bus.subscribe(run_id, 0).unwrap();
@@ -599,17 +603,8 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
     let publisher = h.bus.open("r").unwrap();
     let mut reader = h.bus.subscribe("r", 0).unwrap();
     let config = config(Strategy::FunctionCall, &["calc"]);
-    let spec = RunSpec {
-        run_id: "r".into(),
-        engine_id: "e".into(),
-        session_id: "s".into(),
-        message_id: "m".into(),
-        query: "q".into(),
-        llm_context: None,
-        tools: config.tools.iter().map(|t| spec_tool(t)).collect(),
-        config: Arc::new(config),
-    };
-    let state = Arc::new(RunState::new("r", "e", "s", "m", "q"));
+    let spec = spec("r", config);
+    let state = Arc::new(RunState::new("r", "e", "s", "r", &spec.query));
     let engine = h.engine.clone();
     let run = tokio::spawn(async move { engine.run(spec, publisher, state, Arc::default()).await });
     let started = tokio::time::Instant::now();

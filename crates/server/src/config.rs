@@ -66,6 +66,13 @@ pub fn load_file<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     })
 }
 
+/// The settings of `path` when one is given, else the defaults: the first two layers.
+pub fn load_or_default<T: DeserializeOwned + Default>(
+    path: Option<&Path>,
+) -> Result<T, ConfigError> {
+    path.map_or_else(|| Ok(T::default()), load_file)
+}
+
 /// Renders effective settings as TOML for `--print-config`. Secrets are masked by their
 /// own `Serialize` implementation (see `agentrt_core::Secret`).
 pub fn to_toml<T: Serialize>(settings: &T) -> String {
@@ -131,6 +138,34 @@ impl Default for ServerSettings {
             max_concurrent_streams: 1024,
             reflection: true,
         }
+    }
+}
+
+/// The flags every server binary takes: its config file, `--print-config`, and the
+/// [`ServerSettings`] flags.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CommonArgs {
+    /// TOML config file; flags and environment variables override it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+    /// Print the effective settings (secrets masked) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    #[command(flatten)]
+    #[allow(missing_docs)]
+    pub server: ServerArgs,
+}
+
+impl CommonArgs {
+    /// The config file's settings (or the defaults) with the server flags applied: the
+    /// layers a binary's own flags then go on top of.
+    pub fn base<T: DeserializeOwned + Default>(
+        &self,
+        server: impl FnOnce(&mut T) -> &mut ServerSettings,
+    ) -> Result<T, ConfigError> {
+        let mut settings: T = load_or_default(self.config.as_deref())?;
+        self.server.apply(server(&mut settings));
+        Ok(settings)
     }
 }
 

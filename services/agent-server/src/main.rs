@@ -7,7 +7,7 @@ use anyhow::Context;
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
     let mut settings = cli.settings()?;
-    if cli.print_config {
+    if cli.common.print_config {
         // Show the providers the environment registers too, with keys masked.
         settings.providers = agentrt_agent_server::providers(&settings)?
             .settings()
@@ -16,9 +16,11 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    // Before binding: a signal that arrives while starting must still drain and exit.
+    let shutdown = agentrt_server::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.server.listen))?;
-    agentrt_agent_server::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    agentrt_agent_server::serve(settings, listener, shutdown).await?;
     Ok(())
 }

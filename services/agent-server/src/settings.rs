@@ -1,7 +1,7 @@
-use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
 
 use agentrt_models::ProviderSettings;
-use agentrt_server::config::{self, ConfigError, ServerArgs, ServerSettings, parse_duration};
+use agentrt_server::config::{self, CommonArgs, ConfigError, ServerSettings, parse_duration};
 use serde::{Deserialize, Serialize};
 
 /// The agent server's settings, as a config file writes them.
@@ -166,15 +166,9 @@ impl Settings {
     about = "Runs LLM agents for any gRPC client."
 )]
 pub struct Cli {
-    /// TOML config file; flags and environment variables override it.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Print the effective settings (secrets masked) and exit.
-    #[arg(long)]
-    pub print_config: bool,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub server: ServerArgs,
+    pub common: CommonArgs,
     /// URL of the tool executor.
     #[arg(long, value_name = "URL")]
     pub tool_executor: Option<String>,
@@ -201,11 +195,7 @@ impl Cli {
 
     /// Layers defaults, the config file, then environment and flags, and validates.
     pub fn settings(&self) -> Result<Settings, ConfigError> {
-        let mut settings = match &self.config {
-            Some(path) => config::load_file(path)?,
-            None => Settings::default(),
-        };
-        self.server.apply(&mut settings.server);
+        let mut settings: Settings = self.common.base(|s: &mut Settings| &mut s.server)?;
         config::override_with(&mut settings.tool_executor, self.tool_executor.clone());
         config::override_with(
             &mut settings.tool_executor_timeout,

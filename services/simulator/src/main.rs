@@ -8,9 +8,11 @@ async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
     let settings = cli.settings();
     agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    // Before binding: a signal that arrives while starting must still drain and exit.
+    let shutdown = agentrt_server::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;
-    agentrt_simulator::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    agentrt_simulator::serve(settings, listener, shutdown).await?;
     Ok(())
 }

@@ -34,6 +34,8 @@ struct Cli {
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    // Before binding: a Ctrl-C while starting must still stop everything cleanly.
+    let first_signal = agentrt_server::shutdown::signal();
 
     let tools_listener = tokio::net::TcpListener::bind(cli.tool_executor_listen)
         .await
@@ -102,7 +104,7 @@ async fn main() -> anyhow::Result<()> {
     let signal = {
         let stop = stop.clone();
         async move {
-            agentrt_server::shutdown::signal().await;
+            first_signal.await;
             stop.cancel();
         }
     };

@@ -7,14 +7,16 @@ use anyhow::Context;
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
     let settings = cli.settings()?;
-    if cli.print_config {
+    if cli.common.print_config {
         print!("{}", agentrt_server::config::to_toml(&settings));
         return Ok(());
     }
     agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    // Before binding: a signal that arrives while starting must still drain and exit.
+    let shutdown = agentrt_server::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.server.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.server.listen))?;
-    agentrt_tool_executor::serve(settings, listener, agentrt_server::shutdown::signal()).await?;
+    agentrt_tool_executor::serve(settings, listener, shutdown).await?;
     Ok(())
 }

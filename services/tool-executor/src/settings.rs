@@ -1,6 +1,6 @@
-use std::{net::SocketAddr, path::PathBuf};
+use std::net::SocketAddr;
 
-use agentrt_server::config::{self, ConfigError, ServerArgs, ServerSettings};
+use agentrt_server::config::{self, CommonArgs, ConfigError, ServerSettings};
 use agentrt_tools::builtin;
 use serde::{Deserialize, Serialize};
 
@@ -32,15 +32,9 @@ impl Default for Settings {
     about = "Lists and runs the tools agents call, over gRPC."
 )]
 pub struct Cli {
-    /// TOML config file; flags and environment variables override it.
-    #[arg(long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
-    /// Print the effective settings (secrets masked) and exit.
-    #[arg(long)]
-    pub print_config: bool,
     #[command(flatten)]
     #[allow(missing_docs)]
-    pub server: ServerArgs,
+    pub common: CommonArgs,
     /// Built-in tools to serve, comma-separated (default: all).
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub builtin_tools: Option<Vec<String>>,
@@ -52,11 +46,7 @@ impl Cli {
 
     /// Layers defaults, the config file, then environment and flags, and validates.
     pub fn settings(&self) -> Result<Settings, ConfigError> {
-        let mut settings = match &self.config {
-            Some(path) => config::load_file(path)?,
-            None => Settings::default(),
-        };
-        self.server.apply(&mut settings.server);
+        let mut settings: Settings = self.common.base(|s: &mut Settings| &mut s.server)?;
         config::override_with(&mut settings.builtin_tools, self.builtin_tools.clone());
         settings.server.validate()?;
         if let Some(unknown) = settings
