@@ -61,6 +61,8 @@ pub struct Server {
     /// The address it logged as bound.
     pub addr: SocketAddr,
     logs: Arc<Mutex<String>>,
+    /// The tasks copying its output into `logs`; they end when the process closes it.
+    collectors: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl Server {
@@ -93,15 +95,20 @@ impl Server {
         let logs = Arc::new(Mutex::new(String::new()));
         let (addr_tx, addr_rx) = oneshot::channel();
         let mut addr_tx = Some(addr_tx);
+        let mut collectors = Vec::new();
         if let Some(stdout) = child.stdout.take() {
-            tokio::spawn(collect(BufReader::new(stdout), logs.clone(), None));
+            collectors.push(tokio::spawn(collect(
+                BufReader::new(stdout),
+                logs.clone(),
+                None,
+            )));
         }
         if let Some(stderr) = child.stderr.take() {
-            tokio::spawn(collect(
+            collectors.push(tokio::spawn(collect(
                 BufReader::new(stderr),
                 logs.clone(),
                 addr_tx.take(),
-            ));
+            )));
         }
         let addr = match tokio::time::timeout(START_TIMEOUT, addr_rx).await {
             Ok(Ok(addr)) => addr,
@@ -113,7 +120,12 @@ impl Server {
                 );
             }
         };
-        Self { child, addr, logs }
+        Self {
+            child,
+            addr,
+            logs,
+            collectors,
+        }
     }
 
     /// The process id.
@@ -144,15 +156,21 @@ impl Server {
         }
     }
 
-    /// Waits for the process to exit, at most `limit`; panics with the log otherwise.
+    /// Waits for the process to exit, at most `limit`, and for its last output to be
+    /// collected; panics with the log otherwise.
     pub async fn wait(&mut self, limit: Duration) -> ExitStatus {
-        match tokio::time::timeout(limit, self.child.wait()).await {
+        let status = match tokio::time::timeout(limit, self.child.wait()).await {
             Ok(Ok(status)) => status,
             _ => panic!(
                 "process did not exit within {limit:?}; log:\n{}",
                 self.logs()
             ),
+        };
+        // The process has exited; its last lines may still be in the pipe.
+        for collector in self.collectors.drain(..) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), collector).await;
         }
+        status
     }
 }
 
