@@ -3,6 +3,7 @@
 //! Every other crate of the workspace depends on this one for the wire types; the engine
 //! and the tools work on domain types and convert at the service edge.
 
+pub mod codec;
 pub mod json;
 
 /// The `agent.v1` package: messages, enums, and the tonic clients and servers of

@@ -1,4 +1,8 @@
-use std::sync::OnceLock;
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    sync::{Mutex, MutexGuard, OnceLock, PoisonError},
+};
 
 use agentrt_models::ChatMessage;
 use tracing::warn;
@@ -11,19 +15,36 @@ const PER_MESSAGE: u32 = 4;
 /// differ by a few percent, which the budget's margin absorbs.
 pub struct TokenCounter {
     bpe: Option<tiktoken_rs::CoreBPE>,
+    /// Counts of longer texts by hash: tool schemas, system prompts and tool outputs come
+    /// back run after run, and BPE costs tens of microseconds where hashing costs one.
+    memo: Mutex<HashMap<u64, u32>>,
+    hasher: RandomState,
 }
+
+/// Texts shorter than this are counted directly; caching them would cost more than it saves.
+const MEMO_MIN_LEN: usize = 64;
+/// Entries the memo holds before it starts over, which bounds its memory (~100 KB).
+const MEMO_CAPACITY: usize = 4096;
 
 impl TokenCounter {
     /// The process-wide counter; the BPE tables are built once, on first use.
     pub fn shared() -> &'static Self {
         static COUNTER: OnceLock<TokenCounter> = OnceLock::new();
         COUNTER.get_or_init(|| match tiktoken_rs::o200k_base() {
-            Ok(bpe) => Self { bpe: Some(bpe) },
+            Ok(bpe) => Self::with(Some(bpe)),
             Err(e) => {
                 warn!(error = %e, "cannot load the o200k tokenizer; estimating 4 characters per token");
-                Self { bpe: None }
+                Self::with(None)
             }
         })
+    }
+
+    fn with(bpe: Option<tiktoken_rs::CoreBPE>) -> Self {
+        Self {
+            bpe,
+            memo: Mutex::new(HashMap::new()),
+            hasher: RandomState::new(),
+        }
     }
 
     /// Tokens of `text`.
@@ -31,11 +52,29 @@ impl TokenCounter {
         if text.is_empty() {
             return 0;
         }
-        let count = match &self.bpe {
-            Some(bpe) => bpe.encode_ordinary(text).len(),
-            None => text.len().div_ceil(4),
+        let Some(bpe) = &self.bpe else {
+            return u32::try_from(text.len().div_ceil(4)).unwrap_or(u32::MAX);
         };
-        u32::try_from(count).unwrap_or(u32::MAX)
+        let count = |text: &str| u32::try_from(bpe.encode_ordinary(text).len()).unwrap_or(u32::MAX);
+        if text.len() < MEMO_MIN_LEN {
+            return count(text);
+        }
+        let key = self.hasher.hash_one(text);
+        if let Some(&tokens) = self.memo().get(&key) {
+            return tokens;
+        }
+        let tokens = count(text);
+        let mut memo = self.memo();
+        if memo.len() >= MEMO_CAPACITY {
+            memo.clear();
+        }
+        memo.insert(key, tokens);
+        tokens
+    }
+
+    fn memo(&self) -> MutexGuard<'_, HashMap<u64, u32>> {
+        // A poisoned memo only holds counts; carry on with them.
+        self.memo.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Tokens of a whole message, tool calls included.
@@ -74,5 +113,18 @@ mod tests {
             counter.message(&ChatMessage::User("hello world".into())),
             2 + PER_MESSAGE
         );
+    }
+
+    #[test]
+    fn remembered_counts_match_and_the_memo_stays_bounded() {
+        let counter = TokenCounter::with(tiktoken_rs::o200k_base().ok());
+        let long = "The quick brown fox jumps over the lazy dog. ".repeat(100);
+        let first = counter.text(&long);
+        assert_eq!(counter.memo().len(), 1);
+        assert_eq!(counter.text(&long), first);
+        for i in 0..MEMO_CAPACITY + 10 {
+            counter.text(&format!("{long}{i}"));
+        }
+        assert!(counter.memo().len() <= MEMO_CAPACITY);
     }
 }

@@ -3,7 +3,7 @@
 use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
 use eventsource_stream::Eventsource;
-use futures_util::{Stream, StreamExt};
+use futures_util::{Stream, StreamExt, TryStreamExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -64,10 +64,20 @@ impl OpenAiChat {
     pub fn new(settings: &ProviderSettings, retry: RetryPolicy) -> Result<Self, ModelError> {
         // TLS uses ring; installing it twice is harmless, so ignore "already installed".
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .pool_idle_timeout(Duration::from_secs(90))
+            // Over HTTP/2 many calls share a connection: large windows so that streaming
+            // calls never wait on flow control, and pings to notice a dead peer.
+            .http2_initial_connection_window_size(16 * 1024 * 1024)
+            .http2_initial_stream_window_size(1024 * 1024)
+            .http2_keep_alive_interval(Duration::from_secs(30))
+            .http2_keep_alive_timeout(Duration::from_secs(10));
+        if settings.http2_prior_knowledge {
+            http = http.http2_prior_knowledge();
+        }
+        let http = http
             .build()
             .map_err(|e| ModelError::Connect(format!("cannot build the HTTP client: {e}")))?;
         Ok(Self {
@@ -117,7 +127,13 @@ impl ChatModel for OpenAiChat {
                 () = cancel.cancelled() => return Err(ModelError::Cancelled),
             };
             let error = match outcome {
-                Ok(response) => return Ok(Box::pin(decode(response.bytes_stream()))),
+                Ok(response) => {
+                    // The SSE parser shows only the top error; keep the causes in the text.
+                    let bytes = response
+                        .bytes_stream()
+                        .map_err(|e| std::io::Error::other(error_chain(&e)));
+                    return Ok(Box::pin(decode(bytes)));
+                }
                 Err(error) => error,
             };
             if !error.is_retryable() || attempt >= self.retry.max_retries {
@@ -245,6 +261,29 @@ fn message_json(message: &ChatMessage) -> Value {
     }
 }
 
+/// Reads what follows `[DONE]` to the end of the response, so that the body is complete
+/// when it is dropped. A body dropped early is reset: an HTTP/1.1 connection then cannot
+/// be reused, and over HTTP/2 the frames still in flight for the reset stream count as
+/// protocol errors, of which h2 tolerates 1,024 per connection before it closes it with
+/// every call on it. A server that keeps the stream open after `[DONE]` gets a short grace.
+async fn drain<S: Stream + Unpin>(events: &mut S) {
+    const GRACE: Duration = Duration::from_millis(200);
+    const MAX_TRAILING_EVENTS: usize = 16;
+    let rest = async {
+        for _ in 0..MAX_TRAILING_EVENTS {
+            if events.next().await.is_none() {
+                return;
+            }
+        }
+    };
+    let mut rest = std::pin::pin!(rest);
+    // The end usually arrives with `[DONE]`: no timer then.
+    if futures_util::FutureExt::now_or_never(&mut rest).is_some() {
+        return;
+    }
+    let _ = tokio::time::timeout(GRACE, rest).await;
+}
+
 /// Turns an SSE byte stream into deltas.
 fn decode<S, E>(bytes: S) -> impl Stream<Item = Result<ChatDelta, ModelError>> + Send
 where
@@ -272,6 +311,7 @@ where
                         if data == "[DONE]" {
                             assembler.finish(&mut ready);
                             ended = true;
+                            drain(&mut events).await;
                             continue;
                         }
                         let chunk = match serde_json::from_str::<Chunk<'_>>(data) {
@@ -292,7 +332,10 @@ where
                     }
                     Some(Err(e)) => {
                         ended = true;
-                        let error = ModelError::Stream(format!("connection lost mid-stream: {e}"));
+                        let error = ModelError::Stream(format!(
+                            "connection lost mid-stream: {}",
+                            error_chain(&e)
+                        ));
                         return Some((Err(error), (events, assembler, ready, ended)));
                     }
                     None => {
@@ -509,6 +552,37 @@ mod tests {
 
     fn ok(deltas: Vec<Result<ChatDelta, ModelError>>) -> Vec<ChatDelta> {
         deltas.into_iter().map(Result::unwrap).collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_body_is_read_to_its_end_after_done_within_a_grace() {
+        let answer = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n";
+        let ended = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let end = {
+            let ended = ended.clone();
+            futures_util::stream::poll_fn(move |_| {
+                ended.store(true, std::sync::atomic::Ordering::SeqCst);
+                std::task::Poll::Ready(None)
+            })
+        };
+        let body =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
+                .chain(end);
+        let deltas = ok(decode(Box::pin(body)).collect().await);
+        assert_eq!(deltas[0], ChatDelta::Content("hi".into()));
+        assert!(
+            ended.load(std::sync::atomic::Ordering::SeqCst),
+            "the end was read"
+        );
+
+        // A server that keeps the stream open after `[DONE]` does not hold the call.
+        let body =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
+                .chain(futures_util::stream::pending());
+        let started = tokio::time::Instant::now();
+        let deltas = ok(decode(Box::pin(body)).collect().await);
+        assert_eq!(deltas.len(), 2, "{deltas:?}");
+        assert!(started.elapsed() <= Duration::from_millis(250));
     }
 
     #[tokio::test]

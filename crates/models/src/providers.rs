@@ -28,6 +28,11 @@ pub struct ProviderSettings {
     /// Name of an environment variable holding the API key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_env: Option<String>,
+    /// Speak HTTP/2 from the first byte on a plain `http://` URL (h2c with prior
+    /// knowledge), for servers that accept it, such as the simulator. One connection then
+    /// carries every call at once. `https://` URLs negotiate HTTP/2 by themselves.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub http2_prior_knowledge: bool,
 }
 
 /// Why providers could not be set up.
@@ -76,6 +81,7 @@ impl ProviderRegistry {
                         base_url: base_url.unwrap_or_else(|| "https://api.openai.com/v1".into()),
                         api_key: api_key.map(Secret::new).unwrap_or_default(),
                         api_key_env: None,
+                        http2_prior_knowledge: false,
                     },
                 );
             }
@@ -178,6 +184,7 @@ mod tests {
             base_url: "http://localhost:11434/v1".into(),
             api_key: Secret::default(),
             api_key_env: Some("LOCAL_KEY".into()),
+            http2_prior_knowledge: false,
         };
         providers.insert("local".to_owned(), local.clone());
         let registry =

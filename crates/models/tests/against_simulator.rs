@@ -38,11 +38,16 @@ async fn simulator(scenarios: serde_json::Value) -> (String, CancellationToken) 
 }
 
 fn client(url: &str) -> OpenAiChat {
+    client_with(url, false)
+}
+
+fn client_with(url: &str, http2_prior_knowledge: bool) -> OpenAiChat {
     let settings = ProviderSettings {
         kind: ProviderKind::Openai,
         base_url: url.into(),
         api_key: Secret::new("k"),
         api_key_env: None,
+        http2_prior_knowledge,
     };
     let retry = RetryPolicy {
         max_retries: 3,
@@ -210,4 +215,35 @@ async fn unreachable_providers_fail_with_a_connect_error() {
         .await
         .unwrap_err();
     assert!(matches!(err, ModelError::Connect(_)), "{err:?}");
+}
+
+/// Thousands of calls at once share one HTTP/2 connection and every one completes, also
+/// when the server ends each response a little after `[DONE]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_calls_share_one_http2_connection() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "short": {"turns": [{"content": "forty-two", "chunk_chars": 3, "linger_ms": 20}]}
+    }}))
+    .await;
+    let model = std::sync::Arc::new(client_with(&url, true));
+    let results: Vec<Result<String, ModelError>> = futures_util::stream::iter(0..6_000)
+        .map(|_| {
+            let model = model.clone();
+            async move {
+                let deltas = collect(&model, request("short")).await?;
+                let mut text = String::new();
+                for delta in deltas {
+                    if let ChatDelta::Content(t) = delta? {
+                        text.push_str(&t);
+                    }
+                }
+                Ok(text)
+            }
+        })
+        .buffer_unordered(3_000)
+        .collect()
+        .await;
+    for result in results {
+        assert_eq!(result.unwrap(), "forty-two");
+    }
 }

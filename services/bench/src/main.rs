@@ -45,6 +45,10 @@ struct Cli {
     /// Sequential runs of the first-event figure.
     #[arg(long, default_value_t = 500)]
     latency_runs: usize,
+    /// Call the model over HTTP/1.1, one connection per call in flight, instead of
+    /// HTTP/2 (h2c) sharing one connection.
+    #[arg(long)]
+    model_http1: bool,
 }
 
 fn scenarios(latency_ms: u64) -> String {
@@ -102,8 +106,8 @@ fn rss_kib(pid: u32) -> anyhow::Result<u64> {
 }
 
 struct Stack {
-    /// Kept for its lifetime: the simulator runs while the stack does.
-    _model: Server,
+    /// The simulator.
+    model: Server,
     tools: Server,
     agents: Server,
     channels: Vec<Channel>,
@@ -157,8 +161,13 @@ impl Stack {
         Ok(ids)
     }
 
-    /// Runs one turn to its end; returns the time to the first event and the events.
-    async fn run(&self, i: usize, engine_id: String) -> anyhow::Result<(Duration, usize, bool)> {
+    /// Runs one turn to its end; returns the time to the first event, the events, and why
+    /// the run failed if it did not answer.
+    async fn run(
+        &self,
+        i: usize,
+        engine_id: String,
+    ) -> anyhow::Result<(Duration, usize, Option<String>)> {
         let started = Instant::now();
         let request = v1::ExecuteRequest {
             engine_id,
@@ -168,16 +177,23 @@ impl Stack {
         let mut stream = self.engine(i).execute(request).await?.into_inner();
         let mut first = None;
         let mut count = 0;
-        let mut answered = false;
+        let mut failure = Some("the stream ended without a done event".to_owned());
         while let Some(event) = stream.next().await {
-            let event = event?;
+            let event = match event {
+                Ok(event) => event,
+                Err(status) => {
+                    failure = Some(format!("{:?}: {}", status.code(), status.message()));
+                    break;
+                }
+            };
             first.get_or_insert_with(|| started.elapsed());
             count += 1;
             if event.done {
-                answered = event.r#type == v1::EventType::FinalAnswer as i32;
+                failure = (event.r#type != v1::EventType::FinalAnswer as i32)
+                    .then(|| event.content.clone());
             }
         }
-        Ok((first.unwrap_or_default(), count, answered))
+        Ok((first.unwrap_or_default(), count, failure))
     }
 
     /// Runs every engine's turn, at most `concurrency` at once.
@@ -186,7 +202,7 @@ impl Stack {
         engines: Vec<String>,
         concurrency: usize,
     ) -> anyhow::Result<(usize, usize)> {
-        let results: Vec<anyhow::Result<(Duration, usize, bool)>> =
+        let results: Vec<anyhow::Result<(Duration, usize, Option<String>)>> =
             futures_util::stream::iter(engines.into_iter().enumerate())
                 .map(|(i, id)| {
                     let stack = self.clone();
@@ -196,17 +212,32 @@ impl Stack {
                 .collect()
                 .await;
         let mut events = 0;
-        let mut failed = 0;
+        let mut failures = std::collections::BTreeMap::<String, usize>::new();
         for result in results {
-            let (_, count, answered) = result?;
+            let (_, count, failure) = match result {
+                Ok(outcome) => outcome,
+                Err(error) => (Duration::ZERO, 0, Some(format!("{error:#}"))),
+            };
             events += count;
-            failed += usize::from(!answered);
+            if let Some(failure) = failure {
+                *failures.entry(failure).or_default() += 1;
+            }
         }
-        Ok((events, failed))
+        for (failure, count) in &failures {
+            eprintln!("  {count} runs failed: {failure}");
+        }
+        Ok((events, failures.values().sum()))
     }
 }
 
-async fn start(dir: &Path, concurrent: usize, scenarios_file: &str) -> anyhow::Result<Arc<Stack>> {
+async fn start(
+    dir: &Path,
+    cli: &Cli,
+    scenarios_file: &Path,
+    config_file: &Path,
+) -> anyhow::Result<Arc<Stack>> {
+    let concurrent = cli.concurrent;
+    let scenarios_file = &*scenarios_file.to_string_lossy();
     let model = Server::start_at(
         &dir.join("model-simulator"),
         &["--listen", "127.0.0.1:0", "--scenarios", scenarios_file],
@@ -219,7 +250,14 @@ async fn start(dir: &Path, concurrent: usize, scenarios_file: &str) -> anyhow::R
         &[],
     )
     .await;
-    let model_url = format!("{}/v1", model.url());
+    std::fs::write(
+        config_file,
+        format!(
+            "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = {}\n",
+            model.url(),
+            !cli.model_http1
+        ),
+    )?;
     let max_engines = (concurrent * 2 + 10_000).to_string();
     let agents = Server::start_at(
         &dir.join("agent-server"),
@@ -232,12 +270,10 @@ async fn start(dir: &Path, concurrent: usize, scenarios_file: &str) -> anyhow::R
             &max_engines,
             "--max-active-runs",
             &max_engines,
+            "--config",
+            &config_file.to_string_lossy(),
         ],
-        &[
-            ("OPENAI_BASE_URL", model_url.as_str()),
-            ("OPENAI_API_KEY", "bench"),
-            ("RUST_LOG", "warn,agentrt_server=info"),
-        ],
+        &[("RUST_LOG", "warn,agentrt_server=info")],
     )
     .await;
     // Enough connections that no one carries more streams than the server allows.
@@ -254,7 +290,7 @@ async fn start(dir: &Path, concurrent: usize, scenarios_file: &str) -> anyhow::R
         );
     }
     Ok(Arc::new(Stack {
-        _model: model,
+        model,
         tools,
         agents,
         channels,
@@ -283,14 +319,21 @@ async fn main() -> anyhow::Result<()> {
     let scenarios_file =
         std::env::temp_dir().join(format!("agentrt-bench-{}.json", std::process::id()));
     std::fs::write(&scenarios_file, scenarios(cli.latency_ms))?;
-    let stack = start(&dir, cli.concurrent, &scenarios_file.to_string_lossy()).await?;
+    let config_file =
+        std::env::temp_dir().join(format!("agentrt-bench-{}.toml", std::process::id()));
+    let stack = start(&dir, &cli, &scenarios_file, &config_file).await?;
     let (agents_pid, tools_pid) = stack.pids()?;
     let cpu = || -> anyhow::Result<(Duration, Duration)> {
         Ok((cpu_time(agents_pid)?, cpu_time(tools_pid)?))
     };
     println!(
-        "agentrt-bench: {} cores; client -> agent-server -> simulator (HTTP/SSE) -> tool-executor (gRPC)",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        "agentrt-bench: {} cores; client -> agent-server -> simulator ({} SSE) -> tool-executor (gRPC)",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        if cli.model_http1 {
+            "HTTP/1.1"
+        } else {
+            "HTTP/2"
+        }
     );
 
     // Warm up connections, caches and the tokenizer.
@@ -366,6 +409,19 @@ async fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let (_, failed) = stack.run_all(engines, cli.concurrent).await?;
     let wall = started.elapsed();
+    if failed > 0 {
+        for (name, server) in [
+            ("model-simulator", &stack.model),
+            ("agent-server", &stack.agents),
+        ] {
+            let logs = server.logs();
+            let tail: Vec<&str> = logs.lines().rev().take(10).collect();
+            eprintln!("  last lines of the {name} log:");
+            for line in tail.iter().rev() {
+                eprintln!("    {line}");
+            }
+        }
+    }
     sampler.abort();
     let (a1, t1) = cpu()?;
     let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;
@@ -389,5 +445,6 @@ async fn main() -> anyhow::Result<()> {
         cli.concurrent
     );
     let _ = std::fs::remove_file(&scenarios_file);
+    let _ = std::fs::remove_file(&config_file);
     Ok(())
 }

@@ -24,10 +24,15 @@ use axum::{
     routing::{get, post},
 };
 use bytes::Bytes;
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo},
+    server::{conn::auto, graceful::GracefulShutdown},
+    service::TowerToHyperService,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
-use tracing::info;
+use tracing::{info, warn};
 
 use scenario::{Conversation, Scenarios, Turn};
 
@@ -125,6 +130,17 @@ struct Simulator {
     attempts: Mutex<HashMap<(String, usize, String), u32>>,
 }
 
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 /// Serves the simulator on `listener` until `shutdown` resolves.
 pub async fn serve(
     settings: Settings,
@@ -141,9 +157,42 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .with_state(simulator);
     info!(service = "model-simulator", addr = %listener.local_addr()?, "listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    // HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port. HTTP/2 allows as many
+    // concurrent calls per connection as a client opens, so that a load test runs over a
+    // single connection instead of thousands.
+    let mut http = auto::Builder::new(TokioExecutor::new());
+    http.http2()
+        .max_concurrent_streams(None)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .initial_stream_window_size(1024 * 1024);
+    let service = TowerToHyperService::new(app);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(error) => {
+                    // Out of file descriptors and the like: wait, then go on accepting.
+                    warn!(%error, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let connection = http
+            .serve_connection_with_upgrades(TokioIo::new(stream), service.clone())
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                warn!(error = %error_chain(&*error), "connection ended with an error");
+            }
+        });
+    }
+    graceful.shutdown().await;
     Ok(())
 }
 
@@ -210,10 +259,14 @@ async fn chat_completions(
     let prompt_chars: usize = request["messages"].to_string().len();
     let chunks = sse_chunks(&model, turn.clone(), &stops, include_usage, prompt_chars);
     let delay = Duration::from_millis(turn.chunk_delay_ms);
+    let linger = Duration::from_millis(turn.linger_ms);
     let stream = futures_util::stream::unfold(
         (chunks.into_iter(), true),
         move |(mut chunks, first)| async move {
-            let chunk = chunks.next()?;
+            let Some(chunk) = chunks.next() else {
+                tokio::time::sleep(linger).await;
+                return None;
+            };
             if !first && !delay.is_zero() {
                 tokio::time::sleep(delay).await;
             }

@@ -57,6 +57,9 @@ pub struct Turn {
     pub drop_after_chunks: Option<usize>,
     /// Leave out the chunk carrying `finish_reason`, and `[DONE]`.
     pub omit_finish: bool,
+    /// Keep the response open this long after the last chunk, in milliseconds, before
+    /// ending it (as proxies that flush late do).
+    pub linger_ms: u64,
 }
 
 impl Default for Turn {
@@ -74,6 +77,7 @@ impl Default for Turn {
             malformed: false,
             drop_after_chunks: None,
             omit_finish: false,
+            linger_ms: 0,
         }
     }
 }

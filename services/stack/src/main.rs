@@ -68,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
                 base_url: format!("http://{}/v1", listener.local_addr()?),
                 api_key: agentrt_core::Secret::default(),
                 api_key_env: None,
+                http2_prior_knowledge: true,
             },
         );
     }

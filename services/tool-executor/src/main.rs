@@ -3,6 +3,11 @@
 use agentrt_tool_executor::Cli;
 use anyhow::Context;
 
+/// mimalloc: per-thread free lists keep allocation cheap on the event path, and freed
+/// memory goes back to the OS instead of piling up in per-thread arenas.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
