@@ -22,6 +22,7 @@ use std::{
 use agentrt_context::{Exchange, SessionStore, TokenCounter, fit};
 use agentrt_core::{AgentConfig, Strategy, ToolInvocation, ToolResult, ToolRunner, ToolSpec};
 use agentrt_events::RunPublisher;
+use agentrt_metrics::Metrics;
 use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, ToolDefinition,
@@ -144,6 +145,8 @@ impl Engine {
             run_id = %spec.run_id,
             session_id = %spec.session_id,
         );
+        let metrics = Metrics::global();
+        let _active = metrics.run_started();
         let mut emitter = Emitter::new(publisher, state);
         let run_timeout = spec.config.timeouts.run;
         let outcome = {
@@ -168,8 +171,14 @@ impl Engine {
         let _entered = span.enter();
         debug!(?outcome, "run ended");
         match outcome {
-            Outcome::Answered(reason) => emitter.finish_answered(reason),
-            Outcome::Failed(reason, error) => emitter.finish_failed(reason, error),
+            Outcome::Answered(reason) => {
+                metrics.run_finished(reason.as_str());
+                emitter.finish_answered(reason);
+            }
+            Outcome::Failed(reason, error) => {
+                metrics.run_finished(reason.as_str());
+                emitter.finish_failed(reason, error);
+            }
         }
     }
 
@@ -407,6 +416,9 @@ impl Engine {
             gen_ai.usage.input_tokens = tracing::field::Empty,
             gen_ai.usage.output_tokens = tracing::field::Empty,
         );
+        let model_name = request.model.clone();
+        let started = Instant::now();
+        let mut first_delta = None;
         let work = async {
             let mut stream = model
                 .stream(request, cancel.child_token())
@@ -428,6 +440,7 @@ impl Engine {
                     }
                 };
                 let Some(delta) = next else { break };
+                first_delta.get_or_insert_with(Instant::now);
                 match delta.map_err(model_failure)? {
                     ChatDelta::Reasoning(text) => em.thought(text),
                     ChatDelta::Content(text) => {
@@ -448,6 +461,11 @@ impl Engine {
                                 .record("gen_ai.usage.input_tokens", usage.prompt_tokens);
                             tracing::Span::current()
                                 .record("gen_ai.usage.output_tokens", usage.completion_tokens);
+                            Metrics::global().tokens(
+                                &model_name,
+                                usage.prompt_tokens,
+                                usage.completion_tokens,
+                            );
                             em.usage(usage);
                         }
                     }
@@ -485,7 +503,14 @@ impl Engine {
             Ok(Round::Answer(content))
         }
         .instrument(span);
-        match tokio::time::timeout(timeout, work).await {
+        let result = tokio::time::timeout(timeout, work).await;
+        Metrics::global().model_call(
+            &model_name,
+            matches!(result, Ok(Ok(_))),
+            started.into_std(),
+            first_delta.map(Instant::into_std),
+        );
+        match result {
             Ok(result) => result,
             Err(_) => Err(Outcome::Failed(
                 StopReason::Timeout,
@@ -558,7 +583,9 @@ impl Engine {
                 }
                 Err(refused) => refused,
             };
-            (index, result, started.elapsed())
+            let elapsed = started.elapsed();
+            Metrics::global().tool_call(&calls[index].name, result.is_error, elapsed);
+            (index, result, elapsed)
         };
         let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
         let concurrency = if config.parallel_tool_calls {

@@ -352,12 +352,17 @@ impl Reader {
                 } else {
                     let start =
                         usize::try_from(self.cursor + 1 - state.first).unwrap_or(usize::MAX);
+                    let behind = state.events.len().saturating_sub(start);
+                    if behind > 0 {
+                        agentrt_metrics::Metrics::global().bus_read(behind as u64);
+                    }
                     self.batch
                         .extend(state.events.iter().skip(start).take(BATCH).cloned());
                     (None, self.batch.is_empty() && state.done)
                 }
             };
             if let Some(lost) = lost {
+                agentrt_metrics::Metrics::global().bus_lagged();
                 self.finished = true;
                 return Some((Err(lost), self));
             }

@@ -94,6 +94,10 @@ pub struct ServerSettings {
     pub max_concurrent_streams: u32,
     /// Whether gRPC reflection (v1 and v1alpha) is served.
     pub reflection: bool,
+    /// Address of the admin HTTP endpoint serving Prometheus metrics at `/metrics`; none
+    /// by default (port 0 picks a free port, logged as `metrics_addr`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl ServerSettings {
@@ -137,6 +141,7 @@ impl Default for ServerSettings {
             max_message_bytes: 4 * 1024 * 1024,
             max_concurrent_streams: 1024,
             reflection: true,
+            metrics_listen: None,
         }
     }
 }
@@ -187,6 +192,9 @@ pub struct ServerArgs {
     /// Serve gRPC reflection (`true` or `false`).
     #[arg(long, value_name = "BOOL")]
     pub reflection: Option<bool>,
+    /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl ServerArgs {
@@ -200,6 +208,9 @@ impl ServerArgs {
             self.max_concurrent_streams,
         );
         override_with(&mut settings.reflection, self.reflection);
+        if self.metrics_listen.is_some() {
+            settings.metrics_listen = self.metrics_listen;
+        }
     }
 }
 

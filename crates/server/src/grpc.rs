@@ -105,6 +105,13 @@ impl GrpcServer {
         }
 
         let stop_accepting = CancellationToken::new();
+        // Metrics outlive the drain, so that the last calls are counted and scraped.
+        let metrics_stop = CancellationToken::new();
+        let _metrics_stop = metrics_stop.clone().drop_guard();
+        if let Some(metrics_addr) = self.settings.metrics_listen {
+            let listener = TcpListener::bind(metrics_addr).await?;
+            tokio::spawn(crate::metrics::serve_metrics(listener, metrics_stop));
+        }
         let server = Server::builder()
             .tcp_nodelay(true)
             .max_concurrent_streams(self.settings.max_concurrent_streams)
@@ -114,6 +121,7 @@ impl GrpcServer {
             .initial_stream_window_size(1024 * 1024)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+            .layer(crate::metrics::RpcMetricsLayer)
             .add_routes(routes)
             .serve_with_incoming_shutdown(
                 TcpIncoming::from(listener).with_nodelay(Some(true)),

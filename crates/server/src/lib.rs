@@ -4,11 +4,13 @@
 //! - [`shutdown`]: the drain signal (SIGTERM/SIGINT; a second one exits at once).
 //! - [`GrpcServer`]: health, reflection v1 and v1alpha, limits, and a drain with a grace
 //!   period around the services a binary registers.
+//! - [`metrics`]: per-call gRPC metrics and the Prometheus endpoint.
 
 pub mod config;
 pub mod shutdown;
 
 mod grpc;
+pub mod metrics;
 
 pub use grpc::{GrpcServer, ServerError};
 pub mod status;

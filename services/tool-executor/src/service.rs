@@ -91,6 +91,7 @@ impl ToolExecutor for ToolExecutorService {
         let duration = started.elapsed();
         let output = outcome.map_err(|e| execute_error_to_status(&e))?;
         debug!(tool = %request.tool_name, ?duration, is_error = output.is_error, "tool call finished");
+        agentrt_metrics::Metrics::global().tool_call(&request.tool_name, output.is_error, duration);
         Ok(Response::new(output_to_wire(
             request.call_id,
             output,

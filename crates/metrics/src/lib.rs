@@ -1,0 +1,286 @@
+//! The process's Prometheus metrics, in one registry that every crate records into and the
+//! server's admin endpoint encodes (`GET /metrics`, text exposition format).
+//!
+//! Labels stay bounded: gRPC methods and status codes are fixed sets, stop reasons and
+//! outcomes are enums, and model and tool names come from the operator's configuration.
+
+use std::{
+    sync::LazyLock,
+    time::{Duration, Instant},
+};
+
+use prometheus_client::{
+    encoding::text::encode,
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+
+type Labels<const N: usize> = [(&'static str, String); N];
+
+/// Every metric of the process.
+pub struct Metrics {
+    registry: Registry,
+    rpc_handled: Family<Labels<3>, Counter>,
+    rpc_seconds: Family<Labels<2>, Histogram>,
+    runs_active: Gauge,
+    runs_finished: Family<Labels<1>, Counter>,
+    model_seconds: Family<Labels<2>, Histogram>,
+    model_first_token_seconds: Family<Labels<1>, Histogram>,
+    tokens: Family<Labels<2>, Counter>,
+    tool_calls: Family<Labels<2>, Counter>,
+    tool_seconds: Family<Labels<1>, Histogram>,
+    bus_lagged: Counter,
+    bus_reader_lag: Histogram,
+}
+
+fn seconds() -> Histogram {
+    // 0.5 ms to ~65 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("agentrt");
+        let metrics = Self {
+            rpc_handled: Family::default(),
+            rpc_seconds: Family::new_with_constructor(seconds),
+            runs_active: Gauge::default(),
+            runs_finished: Family::default(),
+            model_seconds: Family::new_with_constructor(seconds),
+            model_first_token_seconds: Family::new_with_constructor(seconds),
+            tokens: Family::default(),
+            tool_calls: Family::default(),
+            tool_seconds: Family::new_with_constructor(seconds),
+            bus_lagged: Counter::default(),
+            bus_reader_lag: Histogram::new(exponential_buckets(1.0, 4.0, 10)),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "grpc_server_handled",
+            "gRPC calls finished, by service, method and status code",
+            metrics.rpc_handled.clone(),
+        );
+        registry.register(
+            "grpc_server_handling_seconds",
+            "gRPC call duration, from the request to the end of the response",
+            metrics.rpc_seconds.clone(),
+        );
+        registry.register(
+            "runs_active",
+            "Runs in progress",
+            metrics.runs_active.clone(),
+        );
+        registry.register(
+            "runs_finished",
+            "Runs finished, by stop reason",
+            metrics.runs_finished.clone(),
+        );
+        registry.register(
+            "model_request_seconds",
+            "Model call duration, from the request to the end of the stream, by model and outcome",
+            metrics.model_seconds.clone(),
+        );
+        registry.register(
+            "model_time_to_first_token_seconds",
+            "Time from a model request to its first streamed delta, by model",
+            metrics.model_first_token_seconds.clone(),
+        );
+        registry.register(
+            "model_tokens",
+            "Tokens the model reported, by model and type (input, output)",
+            metrics.tokens.clone(),
+        );
+        registry.register(
+            "tool_calls",
+            "Tool calls finished, by tool and outcome (ok, error)",
+            metrics.tool_calls.clone(),
+        );
+        registry.register(
+            "tool_call_seconds",
+            "Tool call duration, by tool",
+            metrics.tool_seconds.clone(),
+        );
+        registry.register(
+            "event_bus_lagged",
+            "Subscribers told they fell behind the bounded replay log",
+            metrics.bus_lagged.clone(),
+        );
+        registry.register(
+            "event_bus_reader_lag_events",
+            "Events a subscriber was behind the run's latest event when it read",
+            metrics.bus_reader_lag.clone(),
+        );
+        Self {
+            registry,
+            ..metrics
+        }
+    }
+
+    /// The process's metrics.
+    pub fn global() -> &'static Self {
+        static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+        &METRICS
+    }
+
+    /// Every metric in the Prometheus text exposition format.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut text, &self.registry);
+        text
+    }
+
+    /// A gRPC call finished with `code` (the numeric `grpc-status`) after `elapsed`.
+    pub fn rpc(&self, service: &str, method: &str, code: i32, elapsed: Duration) {
+        self.rpc_handled
+            .get_or_create(&[
+                ("grpc_service", service.to_owned()),
+                ("grpc_method", method.to_owned()),
+                ("grpc_code", code_name(code).to_owned()),
+            ])
+            .inc();
+        self.rpc_seconds
+            .get_or_create(&[
+                ("grpc_service", service.to_owned()),
+                ("grpc_method", method.to_owned()),
+            ])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A run started; the guard counts it active until dropped.
+    pub fn run_started(&'static self) -> ActiveRun {
+        self.runs_active.inc();
+        ActiveRun(self)
+    }
+
+    /// A run ended with `stop_reason`.
+    pub fn run_finished(&self, stop_reason: &str) {
+        self.runs_finished
+            .get_or_create(&[("stop_reason", stop_reason.to_owned())])
+            .inc();
+    }
+
+    /// A model call ended (`ok` false when it failed), with its time to first delta if
+    /// one came.
+    pub fn model_call(&self, model: &str, ok: bool, started: Instant, first: Option<Instant>) {
+        let outcome = if ok { "ok" } else { "error" };
+        self.model_seconds
+            .get_or_create(&[("model", model.to_owned()), ("outcome", outcome.to_owned())])
+            .observe(started.elapsed().as_secs_f64());
+        if let Some(first) = first {
+            self.model_first_token_seconds
+                .get_or_create(&[("model", model.to_owned())])
+                .observe(first.duration_since(started).as_secs_f64());
+        }
+    }
+
+    /// Tokens a model call used.
+    pub fn tokens(&self, model: &str, input: u64, output: u64) {
+        for (kind, count) in [("input", input), ("output", output)] {
+            self.tokens
+                .get_or_create(&[("model", model.to_owned()), ("type", kind.to_owned())])
+                .inc_by(count);
+        }
+    }
+
+    /// A tool call ended.
+    pub fn tool_call(&self, tool: &str, is_error: bool, elapsed: Duration) {
+        let outcome = if is_error { "error" } else { "ok" };
+        self.tool_calls
+            .get_or_create(&[("tool", tool.to_owned()), ("outcome", outcome.to_owned())])
+            .inc();
+        self.tool_seconds
+            .get_or_create(&[("tool", tool.to_owned())])
+            .observe(elapsed.as_secs_f64());
+    }
+
+    /// A subscriber read while `behind` events behind the newest.
+    pub fn bus_read(&self, behind: u64) {
+        self.bus_reader_lag.observe(behind as f64);
+    }
+
+    /// A subscriber fell behind the replay log.
+    pub fn bus_lagged(&self) {
+        self.bus_lagged.inc();
+    }
+}
+
+/// Counts a run as active while it lives.
+#[must_use = "the run counts as active only while this guard lives"]
+pub struct ActiveRun(&'static Metrics);
+
+impl Drop for ActiveRun {
+    fn drop(&mut self) {
+        self.0.runs_active.dec();
+    }
+}
+
+/// The canonical name of a gRPC status code.
+fn code_name(code: i32) -> &'static str {
+    const NAMES: [&str; 17] = [
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    ];
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .copied()
+        .unwrap_or("UNKNOWN")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_show_up_in_the_exposition() {
+        let metrics = Metrics::new();
+        metrics.rpc(
+            "agent.v1.AgentEngine",
+            "Execute",
+            0,
+            Duration::from_millis(3),
+        );
+        metrics.rpc(
+            "agent.v1.AgentEngine",
+            "Execute",
+            5,
+            Duration::from_millis(1),
+        );
+        metrics.run_finished("final_answer");
+        metrics.tokens("demo", 10, 4);
+        metrics.tool_call("calculator", false, Duration::from_millis(2));
+        let text = metrics.encode();
+        for line in [
+            r#"agentrt_grpc_server_handled_total{grpc_service="agent.v1.AgentEngine",grpc_method="Execute",grpc_code="OK"} 1"#,
+            r#"agentrt_grpc_server_handled_total{grpc_service="agent.v1.AgentEngine",grpc_method="Execute",grpc_code="NOT_FOUND"} 1"#,
+            r#"agentrt_runs_finished_total{stop_reason="final_answer"} 1"#,
+            r#"agentrt_model_tokens_total{model="demo",type="input"} 10"#,
+            r#"agentrt_tool_calls_total{tool="calculator",outcome="ok"} 1"#,
+            "agentrt_runs_active 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
+        assert_eq!(code_name(99), "UNKNOWN");
+    }
+}

@@ -1,0 +1,211 @@
+//! Metrics of every gRPC call (a tower layer) and the admin HTTP endpoint that serves the
+//! process's metrics to Prometheus.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    pin::Pin,
+    task::{Context, Poll},
+    time::Instant,
+};
+
+use agentrt_metrics::Metrics;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, header};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Records every call's status code and duration in [`Metrics`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RpcMetricsLayer;
+
+impl<S> tower_layer::Layer<S> for RpcMetricsLayer {
+    type Service = RpcMetrics<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RpcMetrics { inner }
+    }
+}
+
+/// See [`RpcMetricsLayer`].
+#[derive(Debug, Clone)]
+pub struct RpcMetrics<S> {
+    inner: S,
+}
+
+impl<S, ReqBody, ResBody> tower_service::Service<Request<ReqBody>> for RpcMetrics<S>
+where
+    S: tower_service::Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<MeteredBody<ResBody>>;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let started = Instant::now();
+        // `/package.Service/Method`; anything else is not a gRPC call and is not counted.
+        let (service, method) = request
+            .uri()
+            .path()
+            .trim_start_matches('/')
+            .split_once('/')
+            .map(|(s, m)| (s.to_owned(), m.to_owned()))
+            .unzip();
+        let response = self.inner.call(request);
+        Box::pin(async move {
+            let response = response.await?;
+            let call = service.zip(method).map(|(service, method)| Call {
+                service,
+                method,
+                started,
+                // A trailers-only response (an error before any message) has it here.
+                code: grpc_status(response.headers()),
+            });
+            Ok(response.map(|inner| MeteredBody { inner, call }))
+        })
+    }
+}
+
+struct Call {
+    service: String,
+    method: String,
+    started: Instant,
+    code: Option<i32>,
+}
+
+impl Call {
+    fn record(self, code: i32) {
+        Metrics::global().rpc(&self.service, &self.method, code, self.started.elapsed());
+    }
+}
+
+fn grpc_status(headers: &HeaderMap) -> Option<i32> {
+    headers.get("grpc-status")?.to_str().ok()?.parse().ok()
+}
+
+/// A response body that records its call when the status arrives in the trailers, when it
+/// ends, or, if the client goes away first, as CANCELLED when it is dropped.
+pub struct MeteredBody<B> {
+    inner: B,
+    call: Option<Call>,
+}
+
+/// gRPC's CANCELLED.
+const CANCELLED: i32 = 1;
+
+impl<B: Body + Unpin> Body for MeteredBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(code) = frame.trailers_ref().and_then(grpc_status)
+                    && let Some(call) = self.call.take()
+                {
+                    call.record(code);
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                if let Some(call) = self.call.take() {
+                    call.record(CANCELLED);
+                }
+            }
+            Poll::Ready(None) => {
+                if let Some(call) = self.call.take() {
+                    let code = call.code.unwrap_or(0);
+                    call.record(code);
+                }
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B> Drop for MeteredBody<B> {
+    fn drop(&mut self) {
+        if let Some(call) = self.call.take() {
+            let code = call.code.unwrap_or(CANCELLED);
+            call.record(code);
+        }
+    }
+}
+
+/// Serves `GET /metrics` (Prometheus text format) on `listener` until `stop` is cancelled.
+pub async fn serve_metrics(listener: TcpListener, stop: CancellationToken) {
+    let addr: Option<SocketAddr> = listener.local_addr().ok();
+    if let Some(addr) = addr {
+        info!(metrics_addr = %addr, "metrics endpoint ready");
+    }
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(error) => {
+                    warn!(%error, "metrics endpoint: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = stop.cancelled() => return,
+        };
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let connection = hyper::server::conn::http1::Builder::new().serve_connection(
+                TokioIo::new(stream),
+                hyper::service::service_fn(metrics_response),
+            );
+            tokio::select! {
+                result = connection => {
+                    if let Err(error) = result {
+                        debug!(%error, "metrics connection ended with an error");
+                    }
+                }
+                () = stop.cancelled() => {}
+            }
+        });
+    }
+}
+
+async fn metrics_response<B>(request: Request<B>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let response = if request.uri().path() == "/metrics" {
+        Response::builder()
+            .header(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )
+            .body(Full::new(Bytes::from(Metrics::global().encode())))
+    } else {
+        Response::builder()
+            .status(StatusCode::NOT_FOUND)
+            .body(Full::new(Bytes::from_static(
+                b"only /metrics is served here\n",
+            )))
+    };
+    // The builders above are given only valid parts.
+    Ok(response.unwrap_or_default())
+}

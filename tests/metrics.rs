@@ -1,0 +1,191 @@
+//! Prometheus metrics: both binaries serve `/metrics` on their admin port, and a
+//! tool-using run shows up there (RPCs, runs, model calls, tokens, tool calls, bus reads).
+
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::{net::SocketAddr, time::Duration};
+
+use agentrt::v1::{
+    self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
+};
+use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_stream::StreamExt;
+
+/// The metrics address a server logged (`metrics_addr=...`).
+async fn metrics_addr(server: &Server) -> SocketAddr {
+    for _ in 0..100 {
+        let logs = server.logs();
+        if let Some(addr) = logs.lines().find_map(|line| {
+            let rest = &line[line.find("metrics_addr=")? + "metrics_addr=".len()..];
+            rest.split_whitespace()
+                .next()?
+                .trim_matches('"')
+                .parse()
+                .ok()
+        }) {
+            return addr;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!(
+        "the server never logged its metrics address:\n{}",
+        server.logs()
+    );
+}
+
+/// `GET path` over HTTP/1.1: the status line and the body.
+async fn get(addr: SocketAddr, path: &str) -> (String, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+/// The value of the sample `name{labels}` (labels as the exposition writes them).
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {series} in:\n{text}"))
+}
+
+#[tokio::test]
+async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
+    let model = simulator("{}", &[]).await;
+    let tools = tool_executor(&["--metrics-listen", "127.0.0.1:0"]).await;
+    let agents = agent_server_with_model(
+        &tools.url(),
+        &format!("{}/v1", model.url()),
+        &["--metrics-listen", "127.0.0.1:0"],
+    )
+    .await;
+    let channel = connect(&agents.url()).await;
+    let engine_id = AgentServiceClient::new(channel.clone())
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(v1::AgentConfig {
+                name: "metered".into(),
+                model: Some(v1::ModelConfig {
+                    name: "demo".into(),
+                    ..Default::default()
+                }),
+                tools: vec![v1::ToolRef {
+                    name: "calculator".into(),
+                }],
+                ..Default::default()
+            }),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .engine_id;
+    let mut stream = AgentEngineClient::new(channel)
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "What is 6 * 7?".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut last = None;
+    while let Some(event) = stream.next().await {
+        last = Some(event.unwrap());
+    }
+    let last = last.unwrap();
+    assert!(
+        last.done && last.r#type == v1::EventType::FinalAnswer as i32,
+        "{last:?}"
+    );
+    // A call that fails, to see an error code counted.
+    let missing = AgentServiceClient::new(connect(&agents.url()).await)
+        .get_agent_engine(v1::GetAgentEngineRequest {
+            engine_id: "no-such-engine".into(),
+        })
+        .await;
+    assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
+
+    let (status, text) = get(metrics_addr(&agents).await, "/metrics").await;
+    assert!(status.contains("200"), "{status}");
+    let rpc = |method: &str, code: &str| {
+        sample(
+            &text,
+            &format!(
+                r#"agentrt_grpc_server_handled_total{{grpc_service="agent.v1.{method}",grpc_code="{code}"}}"#
+            ),
+        )
+    };
+    assert_eq!(rpc(r#"AgentEngine",grpc_method="Execute"#, "OK"), 1.0);
+    assert_eq!(
+        rpc(r#"AgentService",grpc_method="CreateAgentEngine"#, "OK"),
+        1.0
+    );
+    assert_eq!(
+        rpc(r#"AgentService",grpc_method="GetAgentEngine"#, "NOT_FOUND"),
+        1.0
+    );
+    assert!(text.contains(r#"agentrt_grpc_server_handling_seconds_count{grpc_service="agent.v1.AgentEngine",grpc_method="Execute"} 1"#), "{text}");
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_runs_finished_total{stop_reason="final_answer"}"#
+        ),
+        1.0
+    );
+    assert_eq!(sample(&text, "agentrt_runs_active"), 0.0);
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_model_request_seconds_count{model="demo",outcome="ok"}"#
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_model_time_to_first_token_seconds_count{model="demo"}"#
+        ),
+        2.0
+    );
+    assert!(
+        sample(
+            &text,
+            r#"agentrt_model_tokens_total{model="demo",type="output"}"#
+        ) > 0.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_tool_calls_total{tool="calculator",outcome="ok"}"#
+        ),
+        1.0
+    );
+    assert!(sample(&text, "agentrt_event_bus_reader_lag_events_count") >= 1.0);
+    assert_eq!(sample(&text, "agentrt_event_bus_lagged_total"), 0.0);
+
+    let (_, text) = get(metrics_addr(&tools).await, "/metrics").await;
+    assert!(
+        sample(
+            &text,
+            r#"agentrt_grpc_server_handled_total{grpc_service="agent.v1.ToolExecutor",grpc_method="ExecuteTool",grpc_code="OK"}"#
+        ) >= 1.0
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_tool_calls_total{tool="calculator",outcome="ok"}"#
+        ),
+        1.0
+    );
+
+    let (status, _) = get(metrics_addr(&tools).await, "/other").await;
+    assert!(status.contains("404"), "{status}");
+}
