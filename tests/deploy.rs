@@ -1,0 +1,57 @@
+//! The settings files the Kubernetes ConfigMap ships are accepted by the binaries.
+
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+use agentrt_test_support::binary;
+
+/// The block under `  <key>: |` in a ConfigMap, unindented.
+fn config_file(configmap: &str, key: &str) -> String {
+    let start = format!("  {key}: |");
+    let mut lines = configmap.lines().skip_while(|l| l.trim_end() != start).skip(1);
+    let mut text = String::new();
+    for line in lines.by_ref() {
+        if !line.is_empty() && !line.starts_with("    ") {
+            break;
+        }
+        text.push_str(line.strip_prefix("    ").unwrap_or(line));
+        text.push('\n');
+    }
+    assert!(!text.trim().is_empty(), "no {key} in the ConfigMap");
+    text
+}
+
+#[test]
+fn the_configmap_settings_load() {
+    let configmap = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s/base/configmap.yaml"),
+    )
+    .unwrap();
+    let dir = std::env::temp_dir().join(format!("agentrt-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (binary_name, key, expect) in [
+        ("agent-server", "agent-server.toml", "http://tool-executor:50052"),
+        ("tool-executor", "tool-executor.toml", "0.0.0.0:50052"),
+    ] {
+        let file = dir.join(key);
+        std::fs::write(&file, config_file(&configmap, key)).unwrap();
+        let output = Command::new(binary(binary_name))
+            .arg("--config")
+            .arg(&file)
+            .arg("--print-config")
+            .env("OPENAI_API_KEY", "from-the-secret")
+            .output()
+            .unwrap();
+        let printed = String::from_utf8_lossy(&output.stdout);
+        assert!(
+            output.status.success(),
+            "{binary_name} refused {key}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(printed.contains(expect), "{printed}");
+        assert!(printed.contains(r#"metrics_listen = "0.0.0.0:9090""#), "{printed}");
+        assert!(!printed.contains("from-the-secret"), "a key was printed: {printed}");
+    }
+}
