@@ -10,7 +10,10 @@ use agentrt_test_support::binary;
 /// The block under `  <key>: |` in a ConfigMap, unindented.
 fn config_file(configmap: &str, key: &str) -> String {
     let start = format!("  {key}: |");
-    let mut lines = configmap.lines().skip_while(|l| l.trim_end() != start).skip(1);
+    let mut lines = configmap
+        .lines()
+        .skip_while(|l| l.trim_end() != start)
+        .skip(1);
     let mut text = String::new();
     for line in lines.by_ref() {
         if !line.is_empty() && !line.starts_with("    ") {
@@ -32,7 +35,11 @@ fn the_configmap_settings_load() {
     let dir = std::env::temp_dir().join(format!("agentrt-deploy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for (binary_name, key, expect) in [
-        ("agent-server", "agent-server.toml", "http://tool-executor:50052"),
+        (
+            "agent-server",
+            "agent-server.toml",
+            "http://tool-executor:50052",
+        ),
         ("tool-executor", "tool-executor.toml", "0.0.0.0:50052"),
     ] {
         let file = dir.join(key);
@@ -51,7 +58,13 @@ fn the_configmap_settings_load() {
             String::from_utf8_lossy(&output.stderr)
         );
         assert!(printed.contains(expect), "{printed}");
-        assert!(printed.contains(r#"metrics_listen = "0.0.0.0:9090""#), "{printed}");
-        assert!(!printed.contains("from-the-secret"), "a key was printed: {printed}");
+        assert!(
+            printed.contains(r#"metrics_listen = "0.0.0.0:9090""#),
+            "{printed}"
+        );
+        assert!(
+            !printed.contains("from-the-secret"),
+            "a key was printed: {printed}"
+        );
     }
 }
