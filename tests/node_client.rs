@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use agentrt_test_support::{agent_server_with_model, simulator, tool_executor};
+use agentrt_test_support::run_example_client;
 
 #[tokio::test]
 async fn the_node_example_runs_a_tool_using_turn() {
@@ -23,26 +23,7 @@ async fn the_node_example_runs_a_tool_using_turn() {
             && example.join("node_modules/@grpc/proto-loader").is_dir(),
         "this test needs the Node example's packages: run `npm ci --prefix examples/node`"
     );
-    let model = simulator(r#"{"scenarios": {}}"#, &[]).await;
-    let tools = tool_executor(&[]).await;
-    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
-    let output = tokio::process::Command::new("node")
-        .arg(example.join("run_agent.js"))
-        .args([
-            "--target",
-            &agents.addr.to_string(),
-            "--query",
-            "What is 6 * 7?",
-        ])
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    let stdout = run_example_client("node", &example.join("run_agent.js")).await;
     for line in [
         r#"[tool call] calculator({"expression":"6 * 7"})"#,
         "[tool result] calculator -> 42",

@@ -6,7 +6,7 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use agentrt_test_support::{agent_server_with_model, simulator, tool_executor};
+use agentrt_test_support::run_example_client;
 
 #[tokio::test]
 async fn the_python_example_runs_a_tool_using_turn() {
@@ -17,27 +17,9 @@ async fn the_python_example_runs_a_tool_using_turn() {
         probe.is_ok_and(|o| o.status.success()),
         "this test runs examples/python with python3: install its packages with `pip install grpcio grpcio-tools`"
     );
-    let model = simulator(r#"{"scenarios": {}}"#, &[]).await;
-    let tools = tool_executor(&[]).await;
-    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/python/run_agent.py");
-    let output = tokio::process::Command::new("python3")
-        .args([
-            script,
-            "--target",
-            &agents.addr.to_string(),
-            "--query",
-            "What is 6 * 7?",
-        ])
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "stdout:\n{stdout}\nstderr:\n{stderr}"
-    );
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/python/run_agent.py");
+    let stdout = run_example_client("python3", &script).await;
     assert!(
         stdout.contains("[tool call] calculator({'expression': '6 * 7'})"),
         "{stdout}"

@@ -254,6 +254,34 @@ pub async fn simulator(scenarios_json: &str, extra_args: &[&str]) -> Server {
     Server::start("model-simulator", &args, &[]).await
 }
 
+/// Starts a simulator, a tool executor and an agent server, runs an example client
+/// (`program script --target ADDR --query "What is 6 * 7?"`) against them, and returns
+/// what it printed; panics with both of its outputs when it fails.
+pub async fn run_example_client(program: &str, script: &std::path::Path) -> String {
+    let model = simulator(r#"{"scenarios": {}}"#, &[]).await;
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    let output = tokio::process::Command::new(program)
+        .arg(script)
+        .args([
+            "--target",
+            &agents.addr.to_string(),
+            "--query",
+            "What is 6 * 7?",
+        ])
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{} failed\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        script.display()
+    );
+    stdout
+}
+
 /// An address nothing listens on: bound, then released.
 pub fn unused_addr() -> SocketAddr {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");

@@ -130,17 +130,6 @@ struct Simulator {
     attempts: Mutex<HashMap<(String, usize, String), u32>>,
 }
 
-fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// Serves the simulator on `listener` until `shutdown` resolves.
 pub async fn serve(
     settings: Settings,
@@ -188,7 +177,7 @@ pub async fn serve(
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
             if let Err(error) = connection.await {
-                warn!(error = %error_chain(&*error), "connection ended with an error");
+                warn!(error = ?error, "connection ended with an error");
             }
         });
     }
