@@ -43,7 +43,11 @@ pub struct Engine {
     models: ChatModels,
     tools: Arc<dyn ToolRunner>,
     sessions: Arc<dyn SessionStore>,
+    max_tool_output_bytes: usize,
 }
+
+/// The longest tool output given to the model by default, in bytes.
+pub const DEFAULT_MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
 
 /// One run to make.
 #[derive(Debug, Clone)]
@@ -126,7 +130,16 @@ impl Engine {
             models,
             tools,
             sessions,
+            max_tool_output_bytes: DEFAULT_MAX_TOOL_OUTPUT_BYTES,
         }
+    }
+
+    /// Cuts tool outputs longer than `bytes` (at a character boundary) and marks the cut,
+    /// before the model or any client sees them: one huge result must not blow the
+    /// context budget or the event stream.
+    pub fn with_max_tool_output_bytes(mut self, bytes: usize) -> Self {
+        self.max_tool_output_bytes = bytes;
+        self
     }
 
     /// Makes the run, publishing its events on `publisher` and keeping `state` up to date,
@@ -568,9 +581,10 @@ impl Engine {
             .collect();
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
+        let max_output = self.max_tool_output_bytes;
         let execute = |index: usize, prepared: Result<ToolInvocation, ToolResult>| async move {
             let started = Instant::now();
-            let result = match prepared {
+            let mut result = match prepared {
                 Ok(invocation) => {
                     let span = info_span!(
                         "execute_tool",
@@ -584,6 +598,7 @@ impl Engine {
                 Err(refused) => refused,
             };
             let elapsed = started.elapsed();
+            truncate_output(&mut result.output, max_output);
             Metrics::global().tool_call(&calls[index].name, result.is_error, elapsed);
             (index, result, elapsed)
         };
@@ -604,6 +619,24 @@ impl Engine {
         }
         results.into_iter().map(Option::unwrap_or_default).collect()
     }
+}
+
+/// Cuts `output` to at most `max` bytes (at a character boundary) followed by a marker
+/// saying how much was left out.
+fn truncate_output(output: &mut String, max: usize) {
+    if output.len() <= max {
+        return;
+    }
+    let total = output.len();
+    let mut cut = max;
+    while !output.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    output.truncate(cut);
+    output.push_str(&format!(
+        "\n[tool output truncated: {} of {total} bytes omitted]",
+        total - cut
+    ));
 }
 
 fn push(current: &mut Vec<(ChatMessage, u32)>, message: ChatMessage, counter: &TokenCounter) {

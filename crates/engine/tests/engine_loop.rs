@@ -121,6 +121,13 @@ impl ToolRunner for Tools {
         tokio::time::sleep(Duration::from_millis(delay)).await;
         guard.1 = true;
         self.running.fetch_sub(1, Ordering::SeqCst);
+        if let Some(size) = call.arguments["output_bytes"].as_u64() {
+            // Multi-byte characters, so that a cut must find a character boundary.
+            return ToolResult {
+                output: "é".repeat(size as usize / 2),
+                ..ToolResult::default()
+            };
+        }
         ToolResult {
             output: format!("echo:{}", call.arguments),
             ..ToolResult::default()
@@ -622,4 +629,40 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
         "the call was announced while the tool runs"
     );
     run.abort();
+}
+
+#[tokio::test]
+async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
+    let mut h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![
+                call("big", "calc", r#"{"output_bytes":10000}"#),
+                call("small", "calc", r#"{"output_bytes":100}"#),
+            ])),
+            Ok(answer("done")),
+        ])),
+        ..Default::default()
+    });
+    h.engine = h.engine.with_max_tool_output_bytes(1001);
+    let (events, record) = h
+        .run("r1", config(Strategy::FunctionCall, &["calc"]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    let requests = h.model.requests.lock().unwrap();
+    let outputs: Vec<&String> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ChatMessage::Tool { content, .. } => Some(content),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(outputs.len(), 2);
+    let (kept, marker) = outputs[0].split_once('\n').unwrap();
+    assert_eq!(kept, "é".repeat(500), "cut at the character boundary before 1001 bytes");
+    assert_eq!(marker, "[tool output truncated: 9000 of 10000 bytes omitted]");
+    assert_eq!(*outputs[1], "é".repeat(50), "short outputs are untouched");
+    // Clients see what the model saw.
+    let step = &record.steps[0];
+    assert_eq!(step.tool_calls[0].output, *outputs[0]);
 }

@@ -19,8 +19,6 @@ use crate::{
     runs::{RunHandle, RunManager, StartError, Started},
 };
 
-/// Longest query accepted.
-const QUERY_MAX_CHARS: usize = 100_000;
 /// Longest client-chosen message id.
 const MESSAGE_ID_MAX_CHARS: usize = 128;
 /// How long `Cancel` waits for the run to end before answering.
@@ -32,11 +30,37 @@ type EventResponseStream = Pin<Box<dyn Stream<Item = Result<v1::AgentStreamEvent
 pub struct AgentEngineImpl {
     engines: Arc<dyn EngineStore>,
     runs: Arc<RunManager>,
+    limits: RequestLimits,
+}
+
+/// The size limits of an `Execute` request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    /// Longest query, in characters.
+    pub query_chars: usize,
+    /// Most `llm_context` messages.
+    pub context_messages: usize,
+    /// Most `llm_context` characters, all messages together.
+    pub context_chars: usize,
+}
+
+impl From<&crate::settings::RunSettings> for RequestLimits {
+    fn from(runs: &crate::settings::RunSettings) -> Self {
+        Self {
+            query_chars: runs.max_query_chars,
+            context_messages: runs.max_context_messages,
+            context_chars: runs.max_context_chars,
+        }
+    }
 }
 
 impl AgentEngineImpl {
-    pub fn new(engines: Arc<dyn EngineStore>, runs: Arc<RunManager>) -> Self {
-        Self { engines, runs }
+    pub fn new(engines: Arc<dyn EngineStore>, runs: Arc<RunManager>, limits: RequestLimits) -> Self {
+        Self {
+            engines,
+            runs,
+            limits,
+        }
     }
 
     fn run(&self, run_id: &str) -> Result<Arc<RunHandle>, Status> {
@@ -89,18 +113,51 @@ fn bus_status(error: &BusError) -> Status {
     }
 }
 
-fn check_execute(request: &v1::ExecuteRequest) -> Result<Option<Vec<ChatMessage>>, Vec<Violation>> {
+fn check_execute(
+    request: &v1::ExecuteRequest,
+    limits: RequestLimits,
+) -> Result<Option<Vec<ChatMessage>>, Vec<Violation>> {
     let mut violations = Vec::new();
     if request.engine_id.is_empty() {
         violations.push(Violation::new("engine_id", "required"));
     }
     if request.query.trim().is_empty() {
         violations.push(Violation::new("query", "required"));
-    } else if request.query.chars().count() > QUERY_MAX_CHARS {
+    } else if request.query.chars().count() > limits.query_chars {
         violations.push(Violation::new(
             "query",
-            format!("must be at most {QUERY_MAX_CHARS} characters"),
+            format!(
+                "must be at most {} characters (runs.max_query_chars)",
+                limits.query_chars
+            ),
         ));
+    }
+    if request.llm_context.len() > limits.context_messages {
+        violations.push(Violation::new(
+            "llm_context",
+            format!(
+                "has {} messages; at most {} are accepted (runs.max_context_messages)",
+                request.llm_context.len(),
+                limits.context_messages
+            ),
+        ));
+        return Err(violations);
+    }
+    let context_chars: usize = request
+        .llm_context
+        .iter()
+        .map(|m| m.content.chars().count())
+        .sum();
+    if context_chars > limits.context_chars {
+        violations.push(Violation::new(
+            "llm_context",
+            format!(
+                "has {context_chars} characters of content; at most {} are accepted \
+                 (runs.max_context_chars)",
+                limits.context_chars
+            ),
+        ));
+        return Err(violations);
     }
     if request.message_id.len() > MESSAGE_ID_MAX_CHARS {
         violations.push(Violation::new(
@@ -166,7 +223,7 @@ impl AgentEngine for AgentEngineImpl {
         request: Request<v1::ExecuteRequest>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
         let request = request.into_inner();
-        let llm_context = check_execute(&request).map_err(Error::InvalidRequest)?;
+        let llm_context = check_execute(&request, self.limits).map_err(Error::InvalidRequest)?;
         let engine = self
             .engines
             .get(&request.engine_id)

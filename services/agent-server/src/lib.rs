@@ -92,7 +92,8 @@ pub async fn serve(
         retention: settings.runs.retention,
     }));
     let runs = runs::RunManager::new(
-        agentrt_engine::Engine::new(models, tools, sessions),
+        agentrt_engine::Engine::new(models, tools, sessions)
+            .with_max_tool_output_bytes(settings.runs.max_tool_output_bytes),
         bus,
         runs::RunLimits {
             max_active: settings.runs.max_active,
@@ -109,7 +110,11 @@ pub async fn serve(
         .max_encoding_message_size(max),
     )
     .add_service(
-        AgentEngineServer::new(agent_engine::AgentEngineImpl::new(engines, runs.clone()))
+        AgentEngineServer::new(agent_engine::AgentEngineImpl::new(
+            engines,
+            runs.clone(),
+            agent_engine::RequestLimits::from(&settings.runs),
+        ))
             .max_decoding_message_size(max)
             .max_encoding_message_size(max),
     );

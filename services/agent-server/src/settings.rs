@@ -53,6 +53,15 @@ pub struct RunSettings {
     pub retention: Duration,
     /// Events kept per run for replay; a reader further behind is told what it lost.
     pub events_per_run: usize,
+    /// Longest `query` accepted, in characters; beyond, `Execute` is `INVALID_ARGUMENT`.
+    pub max_query_chars: usize,
+    /// Most `llm_context` messages one `Execute` may carry.
+    pub max_context_messages: usize,
+    /// Most characters of `llm_context` content, all messages together.
+    pub max_context_chars: usize,
+    /// Longest tool output given to the model, in bytes; longer outputs are cut and end
+    /// with a `[tool output truncated: ...]` marker.
+    pub max_tool_output_bytes: usize,
 }
 
 impl Default for RunSettings {
@@ -61,6 +70,10 @@ impl Default for RunSettings {
             max_active: 20_000,
             retention: Duration::from_secs(600),
             events_per_run: 10_000,
+            max_query_chars: 100_000,
+            max_context_messages: 1_000,
+            max_context_chars: 1_000_000,
+            max_tool_output_bytes: agentrt_engine::DEFAULT_MAX_TOOL_OUTPUT_BYTES,
         }
     }
 }
@@ -147,6 +160,24 @@ impl Settings {
                 message: "max_active and events_per_run must be positive".into(),
             });
         }
+        for (field, value) in [
+            ("runs.max_query_chars", self.runs.max_query_chars),
+            ("runs.max_context_messages", self.runs.max_context_messages),
+            ("runs.max_context_chars", self.runs.max_context_chars),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: "must be positive".into(),
+                });
+            }
+        }
+        if self.runs.max_tool_output_bytes < 256 {
+            return Err(ConfigError::Invalid {
+                field: "runs.max_tool_output_bytes",
+                message: "must be at least 256".into(),
+            });
+        }
         if self.engines.max_engines == 0 {
             return Err(ConfigError::Invalid {
                 field: "engines.max_engines",
@@ -187,6 +218,18 @@ pub struct Cli {
     /// Runs in progress at once.
     #[arg(long, value_name = "N")]
     pub max_active_runs: Option<usize>,
+    /// Longest query accepted, in characters.
+    #[arg(long, value_name = "N")]
+    pub max_query_chars: Option<usize>,
+    /// Most `llm_context` messages per Execute.
+    #[arg(long, value_name = "N")]
+    pub max_context_messages: Option<usize>,
+    /// Most characters of `llm_context` content per Execute.
+    #[arg(long, value_name = "N")]
+    pub max_context_chars: Option<usize>,
+    /// Longest tool output given to the model, in bytes (longer ones are cut and marked).
+    #[arg(long, value_name = "BYTES")]
+    pub max_tool_output_bytes: Option<usize>,
 }
 
 impl Cli {
@@ -204,6 +247,16 @@ impl Cli {
         config::override_with(&mut settings.engines.ttl, self.engine_ttl);
         config::override_with(&mut settings.engines.max_engines, self.max_engines);
         config::override_with(&mut settings.runs.max_active, self.max_active_runs);
+        config::override_with(&mut settings.runs.max_query_chars, self.max_query_chars);
+        config::override_with(
+            &mut settings.runs.max_context_messages,
+            self.max_context_messages,
+        );
+        config::override_with(&mut settings.runs.max_context_chars, self.max_context_chars);
+        config::override_with(
+            &mut settings.runs.max_tool_output_bytes,
+            self.max_tool_output_bytes,
+        );
         if self.default_provider.is_some() {
             settings.default_provider.clone_from(&self.default_provider);
         }
