@@ -68,3 +68,38 @@ fn the_configmap_settings_load() {
         );
     }
 }
+
+#[test]
+fn every_variable_the_manifests_set_is_one_the_binaries_read() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/k8s");
+    let mut checked = 0;
+    for file in [
+        "base/agent-server.yaml",
+        "base/tool-executor.yaml",
+        "overlays/production/tls.yaml",
+    ] {
+        let text = std::fs::read_to_string(root.join(file)).unwrap();
+        for name in text
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- name: "))
+            .filter(|n| n.starts_with("AGENT_SERVER_") || n.starts_with("TOOL_EXECUTOR_"))
+        {
+            let binary_name = if name.starts_with("AGENT_SERVER_") {
+                "agent-server"
+            } else {
+                "tool-executor"
+            };
+            let help = Command::new(binary(binary_name))
+                .arg("--help")
+                .output()
+                .unwrap();
+            let help = String::from_utf8_lossy(&help.stdout);
+            assert!(
+                help.contains(&format!("[env: {name}=")),
+                "{file} sets {name}, which {binary_name} does not read"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} variables found");
+}

@@ -197,7 +197,10 @@ async fn runs_beyond_the_limit_are_resource_exhausted_with_a_retry_hint() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("already runs 1 runs"), "{status:?}");
+    assert!(
+        status.message().contains("already runs 1 runs"),
+        "{status:?}"
+    );
     let details = status.get_error_details();
     assert_eq!(details.error_info().unwrap().reason, "TOO_MANY_RUNS");
     assert!(details.retry_info().unwrap().retry_delay.is_some());

@@ -4,36 +4,14 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::{net::SocketAddr, time::Duration};
+use std::net::SocketAddr;
 
 use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
-use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use agentrt_test_support::{agent_server_with_model, connect, simulator, tool_executor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::StreamExt;
-
-/// The metrics address a server logged (`metrics_addr=...`).
-async fn metrics_addr(server: &Server) -> SocketAddr {
-    for _ in 0..100 {
-        let logs = server.logs();
-        if let Some(addr) = logs.lines().find_map(|line| {
-            let rest = &line[line.find("metrics_addr=")? + "metrics_addr=".len()..];
-            rest.split_whitespace()
-                .next()?
-                .trim_matches('"')
-                .parse()
-                .ok()
-        }) {
-            return addr;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!(
-        "the server never logged its metrics address:\n{}",
-        server.logs()
-    );
-}
 
 /// `GET path` over HTTP/1.1: the status line and the body.
 async fn get(addr: SocketAddr, path: &str) -> (String, String) {
@@ -113,7 +91,7 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
         .await;
     assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
 
-    let (status, text) = get(metrics_addr(&agents).await, "/metrics").await;
+    let (status, text) = get(agents.logged_addr("metrics_addr").await, "/metrics").await;
     assert!(status.contains("200"), "{status}");
     let rpc = |method: &str, code: &str| {
         sample(
@@ -171,7 +149,7 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
     assert!(sample(&text, "agentrt_event_bus_reader_lag_events_count") >= 1.0);
     assert_eq!(sample(&text, "agentrt_event_bus_lagged_total"), 0.0);
 
-    let (_, text) = get(metrics_addr(&tools).await, "/metrics").await;
+    let (_, text) = get(tools.logged_addr("metrics_addr").await, "/metrics").await;
     assert!(
         sample(
             &text,
@@ -186,6 +164,6 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
         1.0
     );
 
-    let (status, _) = get(metrics_addr(&tools).await, "/other").await;
+    let (status, _) = get(tools.logged_addr("metrics_addr").await, "/other").await;
     assert!(status.contains("404"), "{status}");
 }

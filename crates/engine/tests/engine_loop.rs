@@ -645,7 +645,11 @@ async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
     });
     h.engine = h.engine.with_max_tool_output_bytes(1001);
     let (events, record) = h
-        .run("r1", config(Strategy::FunctionCall, &["calc"]), Arc::default())
+        .run(
+            "r1",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
         .await;
     assert_well_formed(&events);
     let requests = h.model.requests.lock().unwrap();
@@ -659,8 +663,15 @@ async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
         .collect();
     assert_eq!(outputs.len(), 2);
     let (kept, marker) = outputs[0].split_once('\n').unwrap();
-    assert_eq!(kept, "é".repeat(500), "cut at the character boundary before 1001 bytes");
-    assert_eq!(marker, "[tool output truncated: 9000 of 10000 bytes omitted]");
+    assert_eq!(
+        kept,
+        "é".repeat(500),
+        "cut at the character boundary before 1001 bytes"
+    );
+    assert_eq!(
+        marker,
+        "[tool output truncated: 9000 of 10000 bytes omitted]"
+    );
     assert_eq!(*outputs[1], "é".repeat(50), "short outputs are untouched");
     // Clients see what the model saw.
     let step = &record.steps[0];

@@ -4,10 +4,16 @@
 //! Every flag `--some-flag` also reads `<PREFIX>_SOME_FLAG` from the environment, so that
 //! Kubernetes manifests and shells can set anything a flag can.
 
-use std::{net::SocketAddr, path::Path, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use clap::{ArgMatches, CommandFactory, FromArgMatches};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+use crate::security::{AuthSettings, TlsSettings};
 
 /// Why settings could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +104,15 @@ pub struct ServerSettings {
     /// by default (port 0 picks a free port, logged as `metrics_addr`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Address of a plaintext listener serving only `grpc.health.v1`, for probes that
+    /// cannot speak TLS (Kubernetes' gRPC probes); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_listen: Option<SocketAddr>,
+    /// TLS; plaintext (h2c) when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<TlsSettings>,
+    /// Bearer tokens; every call is let in when none is configured.
+    pub auth: AuthSettings,
 }
 
 impl ServerSettings {
@@ -123,6 +138,14 @@ impl ServerSettings {
                 message: "must be between 1024 and 268435456".into(),
             });
         }
+        if let Some(tls) = &self.tls
+            && (tls.cert_file.as_os_str().is_empty() || tls.key_file.as_os_str().is_empty())
+        {
+            return Err(ConfigError::Invalid {
+                field: "server.tls",
+                message: "TLS needs both a certificate (--tls-cert) and a key (--tls-key)".into(),
+            });
+        }
         if self.max_concurrent_streams == 0 {
             return Err(ConfigError::Invalid {
                 field: "server.max_concurrent_streams",
@@ -142,6 +165,9 @@ impl Default for ServerSettings {
             max_concurrent_streams: 1024,
             reflection: true,
             metrics_listen: None,
+            health_listen: None,
+            tls: None,
+            auth: AuthSettings::default(),
         }
     }
 }
@@ -195,6 +221,25 @@ pub struct ServerArgs {
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve only gRPC health, in plaintext, at HOST:PORT (for probes when TLS is on).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub health_listen: Option<SocketAddr>,
+    /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<PathBuf>,
+    /// The TLS private key (PEM).
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<PathBuf>,
+    /// Require client certificates chaining to these CAs (PEM): mutual TLS.
+    #[arg(long, value_name = "FILE")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// Require bearer tokens, read from this file: one `TOKEN [SERVICE,...]` per line.
+    #[arg(long, value_name = "FILE")]
+    pub auth_tokens_file: Option<PathBuf>,
+    /// Require bearer tokens given here, entries separated by `;`. Prefer the environment
+    /// variable or a file: command lines are visible to other processes.
+    #[arg(long, value_name = "ENTRIES", hide_env_values = true)]
+    pub auth_tokens: Option<String>,
 }
 
 impl ServerArgs {
@@ -210,6 +255,29 @@ impl ServerArgs {
         override_with(&mut settings.reflection, self.reflection);
         if self.metrics_listen.is_some() {
             settings.metrics_listen = self.metrics_listen;
+        }
+        if self.health_listen.is_some() {
+            settings.health_listen = self.health_listen;
+        }
+        if self.tls_cert.is_some() || self.tls_key.is_some() || self.tls_client_ca.is_some() {
+            let current = settings.tls.take();
+            let pick = |flag: &Option<PathBuf>, file: Option<PathBuf>| flag.clone().or(file);
+            settings.tls = Some(TlsSettings {
+                cert_file: pick(
+                    &self.tls_cert,
+                    current.as_ref().map(|t| t.cert_file.clone()),
+                )
+                .unwrap_or_default(),
+                key_file: pick(&self.tls_key, current.as_ref().map(|t| t.key_file.clone()))
+                    .unwrap_or_default(),
+                client_ca_file: pick(&self.tls_client_ca, current.and_then(|t| t.client_ca_file)),
+            });
+        }
+        if self.auth_tokens_file.is_some() {
+            settings.auth.tokens_file.clone_from(&self.auth_tokens_file);
+        }
+        if let Some(tokens) = &self.auth_tokens {
+            settings.auth.tokens = agentrt_core::Secret::new(tokens.clone());
         }
     }
 }

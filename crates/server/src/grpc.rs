@@ -9,7 +9,10 @@ use tonic::{
 use tonic_health::ServingStatus;
 use tracing::{info, warn};
 
-use crate::config::ServerSettings;
+use crate::{
+    config::{ConfigError, ServerSettings},
+    security::AuthLayer,
+};
 
 /// Why a server stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +26,9 @@ pub enum ServerError {
     /// The reflection service could not be built from the descriptors.
     #[error("cannot build the reflection service: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    /// A security setting is unusable (a file that cannot be read, a bad token entry).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
 }
 
 /// A gRPC server around a binary's own services, adding what every server here has:
@@ -62,6 +68,10 @@ impl GrpcServer {
         drain: CancellationToken,
     ) -> Result<(), ServerError> {
         let addr = listener.local_addr()?;
+        // Metrics and the health listener outlive the drain, so that the last calls are
+        // counted and scraped and probes see NOT_SERVING.
+        let metrics_stop = CancellationToken::new();
+        let _metrics_stop = metrics_stop.clone().drop_guard();
         let (health, health_service) = tonic_health::server::health_reporter();
         for service in &self.services {
             health
@@ -69,20 +79,54 @@ impl GrpcServer {
                 .await;
         }
 
+        // Advertise exactly what this server serves: the descriptors of the whole
+        // `agent.v1` package would otherwise list services another binary serves.
+        let advertised: Vec<&'static str> = self
+            .services
+            .iter()
+            .copied()
+            .chain([
+                "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection",
+            ])
+            .collect();
+        let tokens = self.settings.auth.load()?;
+        if let Some(tokens) = &tokens {
+            let unknown = tokens.unknown_services(&advertised);
+            if !unknown.is_empty() {
+                return Err(ConfigError::Invalid {
+                    field: "server.auth",
+                    message: format!(
+                        "tokens grant services this server does not serve: {}; it serves {}",
+                        unknown.join(", "),
+                        advertised.join(", ")
+                    ),
+                }
+                .into());
+            }
+            info!(service = self.name, "bearer-token authentication on");
+        }
+
+        if let Some(health_addr) = self.settings.health_listen {
+            let listener = TcpListener::bind(health_addr).await?;
+            info!(service = self.name, health_addr = %listener.local_addr()?, "health listener ready");
+            let health_only = Server::builder()
+                .tcp_nodelay(true)
+                .add_service(health_service.clone())
+                .serve_with_incoming_shutdown(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    metrics_stop.clone().cancelled_owned(),
+                );
+            tokio::spawn(async move {
+                if let Err(error) = health_only.await {
+                    warn!(%error, "health listener failed");
+                }
+            });
+        }
+
         let mut routes = routes.add_service(health_service);
         if self.settings.reflection {
-            // Advertise exactly what this server serves: the descriptors of the whole
-            // `agent.v1` package would otherwise list services another binary serves.
-            let advertised: Vec<&'static str> = self
-                .services
-                .iter()
-                .copied()
-                .chain([
-                    "grpc.health.v1.Health",
-                    "grpc.reflection.v1.ServerReflection",
-                    "grpc.reflection.v1alpha.ServerReflection",
-                ])
-                .collect();
             let descriptors = || {
                 advertised.iter().fold(
                     tonic_reflection::server::Builder::configure()
@@ -105,14 +149,20 @@ impl GrpcServer {
         }
 
         let stop_accepting = CancellationToken::new();
-        // Metrics outlive the drain, so that the last calls are counted and scraped.
-        let metrics_stop = CancellationToken::new();
-        let _metrics_stop = metrics_stop.clone().drop_guard();
         if let Some(metrics_addr) = self.settings.metrics_listen {
             let listener = TcpListener::bind(metrics_addr).await?;
             tokio::spawn(crate::metrics::serve_metrics(listener, metrics_stop));
         }
-        let server = Server::builder()
+        let mut builder = Server::builder();
+        if let Some(tls) = &self.settings.tls {
+            builder = builder.tls_config(tls.server_config()?)?;
+            info!(
+                service = self.name,
+                mutual = tls.client_ca_file.is_some(),
+                "TLS on"
+            );
+        }
+        let server = builder
             .tcp_nodelay(true)
             .max_concurrent_streams(self.settings.max_concurrent_streams)
             // Thousands of streams opening at once on one connection exhaust h2's default
@@ -122,6 +172,7 @@ impl GrpcServer {
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
             .layer(crate::metrics::RpcMetricsLayer)
+            .layer(AuthLayer::new(tokens))
             .add_routes(routes)
             .serve_with_incoming_shutdown(
                 TcpIncoming::from(listener).with_nodelay(Some(true)),

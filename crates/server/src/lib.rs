@@ -5,12 +5,14 @@
 //! - [`GrpcServer`]: health, reflection v1 and v1alpha, limits, and a drain with a grace
 //!   period around the services a binary registers.
 //! - [`metrics`]: per-call gRPC metrics and the Prometheus endpoint.
+//! - [`security`]: TLS settings and bearer-token authentication.
 
 pub mod config;
 pub mod shutdown;
 
 mod grpc;
 pub mod metrics;
+pub mod security;
 
 pub use grpc::{GrpcServer, ServerError};
 pub mod status;

@@ -143,6 +143,31 @@ impl Server {
         self.logs.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// An address the process logged as `key=ADDR` (e.g. `metrics_addr`), waiting up to
+    /// 5 s for the line; panics with the log when it never comes.
+    pub async fn logged_addr(&self, key: &str) -> SocketAddr {
+        let needle = format!("{key}=");
+        for _ in 0..100 {
+            if let Some(addr) = self.logs().lines().find_map(|line| {
+                let at = line.find(&needle)?;
+                // Not a longer key ending in this one (`health_addr` for `addr`).
+                if line[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_') {
+                    return None;
+                }
+                line[at + needle.len()..]
+                    .split_whitespace()
+                    .next()?
+                    .trim_matches('"')
+                    .parse()
+                    .ok()
+            }) {
+                return addr;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("the server never logged `{key}=`:\n{}", self.logs())
+    }
+
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         if let Some(pid) = self.child.id() {

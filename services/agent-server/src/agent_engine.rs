@@ -55,7 +55,11 @@ impl From<&crate::settings::RunSettings> for RequestLimits {
 }
 
 impl AgentEngineImpl {
-    pub fn new(engines: Arc<dyn EngineStore>, runs: Arc<RunManager>, limits: RequestLimits) -> Self {
+    pub fn new(
+        engines: Arc<dyn EngineStore>,
+        runs: Arc<RunManager>,
+        limits: RequestLimits,
+    ) -> Self {
         Self {
             engines,
             runs,

@@ -72,8 +72,23 @@ pub async fn serve(
     let tools = Arc::new(
         tool_client::GrpcToolClient::new(
             &settings.tool_executor,
-            settings.tool_executor_timeout,
-            settings.server.max_message_bytes,
+            tool_client::ToolClientOptions {
+                timeout: settings.tool_executor_timeout,
+                max_message_bytes: settings.server.max_message_bytes,
+                tls: if settings.tool_executor.starts_with("https://") {
+                    Some(
+                        settings
+                            .tool_executor_tls
+                            .client_config("tool_executor_tls")
+                            .map_err(|e| StartError::ToolExecutor(e.to_string()))?,
+                    )
+                } else {
+                    None
+                },
+                token: settings
+                    .tool_executor_token()
+                    .map_err(|e| StartError::ToolExecutor(e.to_string()))?,
+            },
         )
         .map_err(StartError::ToolExecutor)?,
     );
@@ -115,8 +130,8 @@ pub async fn serve(
             runs.clone(),
             agent_engine::RequestLimits::from(&settings.runs),
         ))
-            .max_decoding_message_size(max)
-            .max_encoding_message_size(max),
+        .max_decoding_message_size(max)
+        .max_encoding_message_size(max),
     );
     // On shutdown, running runs end with an ERROR event (stop reason shutdown), so that
     // their streams finish within the drain grace.

@@ -1,7 +1,11 @@
-use std::{collections::BTreeMap, net::SocketAddr, time::Duration};
+use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
 
+use agentrt_core::Secret;
 use agentrt_models::ProviderSettings;
-use agentrt_server::config::{self, CommonArgs, ConfigError, ServerSettings, parse_duration};
+use agentrt_server::{
+    config::{self, CommonArgs, ConfigError, ServerSettings, parse_duration},
+    security::ClientTlsSettings,
+};
 use serde::{Deserialize, Serialize};
 
 /// The agent server's settings, as a config file writes them.
@@ -15,6 +19,16 @@ pub struct Settings {
     /// How long a call to the tool executor may take to connect and answer `ListTools`.
     #[serde(with = "config::duration")]
     pub tool_executor_timeout: Duration,
+    /// TLS towards an `https://` tool executor: its CA, and this server's certificate
+    /// when the tool executor requires mutual TLS.
+    #[serde(skip_serializing_if = "ClientTlsSettings::is_unset")]
+    pub tool_executor_tls: ClientTlsSettings,
+    /// The bearer token sent to the tool executor, when it requires one.
+    #[serde(skip_serializing_if = "Secret::is_empty")]
+    pub tool_executor_token: Secret,
+    /// A file holding that token (a mounted Secret), read at start-up.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_executor_token_file: Option<PathBuf>,
     /// The engine registry's bounds.
     pub engines: EngineSettings,
     /// Bounds of runs and their events.
@@ -116,6 +130,9 @@ impl Default for Settings {
             server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50051))),
             tool_executor: "http://127.0.0.1:50052".into(),
             tool_executor_timeout: Duration::from_secs(5),
+            tool_executor_tls: ClientTlsSettings::default(),
+            tool_executor_token: Secret::default(),
+            tool_executor_token_file: None,
             engines: EngineSettings::default(),
             runs: RunSettings::default(),
             sessions: SessionSettings::default(),
@@ -126,6 +143,19 @@ impl Default for Settings {
 }
 
 impl Settings {
+    /// The bearer token for the tool executor, from the setting or its file; `None` when
+    /// none is configured.
+    pub fn tool_executor_token(&self) -> Result<Option<Secret>, ConfigError> {
+        if let Some(path) = &self.tool_executor_token_file {
+            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
+                field: "tool_executor_token_file",
+                message: format!("cannot read {}: {e}", path.display()),
+            })?;
+            return Ok(Some(Secret::new(text.trim())));
+        }
+        Ok((!self.tool_executor_token.is_empty()).then(|| self.tool_executor_token.clone()))
+    }
+
     /// Checks ranges once at start-up.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
@@ -138,6 +168,32 @@ impl Settings {
                     "{:?} must be an http:// or https:// URL",
                     self.tool_executor
                 ),
+            });
+        }
+        if self.tool_executor.starts_with("https://") {
+            // Reads the files now, so that a bad path fails the start, not the first call.
+            self.tool_executor_tls.client_config("tool_executor_tls")?;
+        } else if self.tool_executor_tls.is_set() {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_tls",
+                message: format!(
+                    "TLS settings need an https:// tool executor, not {:?}",
+                    self.tool_executor
+                ),
+            });
+        }
+        if !self.tool_executor_token.is_empty() && self.tool_executor_token_file.is_some() {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_token",
+                message: "give the token or a token file, not both".into(),
+            });
+        }
+        if let Some(token) = self.tool_executor_token()?
+            && (token.is_empty() || token.expose().contains(char::is_whitespace))
+        {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_token",
+                message: "must be one token, without whitespace".into(),
             });
         }
         if self.tool_executor_timeout.is_zero()
@@ -206,6 +262,22 @@ pub struct Cli {
     /// Time limit for reaching the tool executor, e.g. `5s`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub tool_executor_timeout: Option<Duration>,
+    /// CA certificates (PEM) of an `https://` tool executor.
+    #[arg(long, value_name = "FILE")]
+    pub tool_executor_ca: Option<PathBuf>,
+    /// This server's certificate (PEM) for a tool executor that requires mutual TLS.
+    #[arg(long, value_name = "FILE")]
+    pub tool_executor_cert: Option<PathBuf>,
+    /// The private key (PEM) of `--tool-executor-cert`.
+    #[arg(long, value_name = "FILE")]
+    pub tool_executor_key: Option<PathBuf>,
+    /// The bearer token for the tool executor. Prefer the environment variable or
+    /// `--tool-executor-token-file`: command lines are visible to other processes.
+    #[arg(long, value_name = "TOKEN", hide_env_values = true)]
+    pub tool_executor_token: Option<String>,
+    /// A file holding the bearer token for the tool executor.
+    #[arg(long, value_name = "FILE")]
+    pub tool_executor_token_file: Option<PathBuf>,
     /// Unused engines expire after this long, e.g. `1h`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub engine_ttl: Option<Duration>,
@@ -244,6 +316,24 @@ impl Cli {
             &mut settings.tool_executor_timeout,
             self.tool_executor_timeout,
         );
+        let tls = &mut settings.tool_executor_tls;
+        if self.tool_executor_ca.is_some() {
+            tls.ca_file.clone_from(&self.tool_executor_ca);
+        }
+        if self.tool_executor_cert.is_some() {
+            tls.cert_file.clone_from(&self.tool_executor_cert);
+        }
+        if self.tool_executor_key.is_some() {
+            tls.key_file.clone_from(&self.tool_executor_key);
+        }
+        if let Some(token) = &self.tool_executor_token {
+            settings.tool_executor_token = Secret::new(token.clone());
+        }
+        if self.tool_executor_token_file.is_some() {
+            settings
+                .tool_executor_token_file
+                .clone_from(&self.tool_executor_token_file);
+        }
         config::override_with(&mut settings.engines.ttl, self.engine_ttl);
         config::override_with(&mut settings.engines.max_engines, self.max_engines);
         config::override_with(&mut settings.runs.max_active, self.max_active_runs);

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use agentrt::v1::{self, tool_executor_client::ToolExecutorClient};
+use agentrt_core::Secret;
 use agentrt_core::{
     Reference, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError, ToolSource,
     ToolSpec,
@@ -10,7 +11,8 @@ use agentrt_core::{
 use async_trait::async_trait;
 use tonic::{
     Code,
-    transport::{Channel, Endpoint},
+    metadata::{Ascii, MetadataValue},
+    transport::{Channel, ClientTlsConfig, Endpoint},
 };
 
 /// A lazily connected gRPC client of `agent.v1.ToolExecutor`.
@@ -19,14 +21,47 @@ pub struct GrpcToolClient {
     endpoint: String,
     client: ToolExecutorClient<Channel>,
     timeout: Duration,
+    authorization: Option<MetadataValue<Ascii>>,
+}
+
+/// How to reach the tool executor.
+pub struct ToolClientOptions {
+    /// Each call gives up after this long, connecting included.
+    pub timeout: Duration,
+    /// Largest message either way.
+    pub max_message_bytes: usize,
+    /// TLS, for an `https://` URL.
+    pub tls: Option<ClientTlsConfig>,
+    /// The bearer token to send.
+    pub token: Option<Secret>,
 }
 
 impl GrpcToolClient {
-    /// A client of the tool executor at `url`; nothing is dialled until the first call,
-    /// and each call gives up after `timeout` (connecting included).
-    pub fn new(url: &str, timeout: Duration, max_message_bytes: usize) -> Result<Self, String> {
-        let channel = Endpoint::from_shared(url.to_owned())
-            .map_err(|e| format!("invalid tool executor URL {url:?}: {e}"))?
+    /// A client of the tool executor at `url`; nothing is dialled until the first call.
+    pub fn new(url: &str, options: ToolClientOptions) -> Result<Self, String> {
+        let ToolClientOptions {
+            timeout,
+            max_message_bytes,
+            tls,
+            token,
+        } = options;
+        let mut endpoint = Endpoint::from_shared(url.to_owned())
+            .map_err(|e| format!("invalid tool executor URL {url:?}: {e}"))?;
+        if let Some(tls) = tls {
+            endpoint = endpoint
+                .tls_config(tls)
+                .map_err(|e| format!("invalid TLS settings for {url:?}: {e}"))?;
+        }
+        let authorization = token
+            .map(|token| {
+                let mut value = MetadataValue::try_from(format!("Bearer {}", token.expose()))
+                    .map_err(|_| "the tool executor token has characters a header cannot carry")?;
+                // Keeps the token out of HPACK's dynamic table.
+                value.set_sensitive(true);
+                Ok::<_, String>(value)
+            })
+            .transpose()?;
+        let channel = endpoint
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
@@ -38,7 +73,20 @@ impl GrpcToolClient {
                 .max_decoding_message_size(max_message_bytes)
                 .max_encoding_message_size(max_message_bytes),
             timeout,
+            authorization,
         })
+    }
+
+    /// Wraps `message` with the deadline and credentials every call carries.
+    fn request<T>(&self, message: T, timeout: Duration) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(timeout);
+        if let Some(value) = &self.authorization {
+            request
+                .metadata_mut()
+                .insert("authorization", value.clone());
+        }
+        request
     }
 
     fn unavailable(&self, reason: String) -> ToolServiceError {
@@ -52,8 +100,7 @@ impl GrpcToolClient {
 #[async_trait]
 impl ToolCatalog for GrpcToolClient {
     async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
-        let mut request = tonic::Request::new(v1::ListToolsRequest {});
-        request.set_timeout(self.timeout);
+        let request = self.request(v1::ListToolsRequest {}, self.timeout);
         let mut client = self.client.clone();
         let call = client.list_tools(request);
         // The client enforces the limit itself too: a server that accepts the connection
@@ -89,16 +136,18 @@ impl ToolCatalog for GrpcToolClient {
 impl ToolRunner for GrpcToolClient {
     async fn run(&self, call: ToolInvocation, timeout: Duration) -> ToolResult {
         let name = call.name.clone();
-        let mut request = tonic::Request::new(v1::ExecuteToolRequest {
-            call_id: call.call_id,
-            tool_name: call.name,
-            arguments: agentrt::json::json_to_struct(&call.arguments),
-            run_id: call.run_id,
-            session_id: call.session_id,
-        });
         // The deadline travels to the tool executor, which stops the work when it passes;
         // the local timer covers an executor that does not answer at all.
-        request.set_timeout(timeout);
+        let request = self.request(
+            v1::ExecuteToolRequest {
+                call_id: call.call_id,
+                tool_name: call.name,
+                arguments: agentrt::json::json_to_struct(&call.arguments),
+                run_id: call.run_id,
+                session_id: call.session_id,
+            },
+            timeout,
+        );
         let mut client = self.client.clone();
         let timed_out =
             || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
