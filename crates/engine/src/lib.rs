@@ -101,6 +101,8 @@ enum Outcome {
 #[derive(Clone, Copy)]
 struct RoundSetup<'a> {
     model: &'a Arc<dyn ChatModel>,
+    /// The provider's name, for spans.
+    provider: &'a str,
     react: bool,
     timeout: Duration,
     cancel: &'a CancellationToken,
@@ -153,11 +155,16 @@ impl Engine {
     ) {
         let span = info_span!(
             "invoke_agent",
+            otel.name = %format!("invoke_agent {}", spec.config.name),
             gen_ai.operation.name = "invoke_agent",
             gen_ai.agent.name = %spec.config.name,
+            gen_ai.conversation.id = %spec.session_id,
             run_id = %spec.run_id,
-            session_id = %spec.session_id,
+            gen_ai.input.messages = tracing::field::Empty,
         );
+        if agentrt_telemetry::capture_content() {
+            span.record("gen_ai.input.messages", spec.query.as_str());
+        }
         let metrics = Metrics::global();
         let _active = metrics.run_started();
         let mut emitter = Emitter::new(publisher, state);
@@ -215,6 +222,7 @@ impl Engine {
         let react = config.strategy == Strategy::React;
         let round_setup = RoundSetup {
             model: &model,
+            provider: &config.model.provider,
             react,
             timeout: config.timeouts.model_call,
             cancel,
@@ -417,6 +425,7 @@ impl Engine {
     ) -> Result<Round, Outcome> {
         let RoundSetup {
             model,
+            provider,
             react,
             timeout,
             cancel,
@@ -424,7 +433,9 @@ impl Engine {
         let span = info_span!(
             "chat",
             otel.name = %format!("chat {}", request.model),
+            otel.kind = "client",
             gen_ai.operation.name = "chat",
+            gen_ai.system = %provider,
             gen_ai.request.model = %request.model,
             gen_ai.usage.input_tokens = tracing::field::Empty,
             gen_ai.usage.output_tokens = tracing::field::Empty,
@@ -592,7 +603,14 @@ impl Engine {
                         gen_ai.operation.name = "execute_tool",
                         gen_ai.tool.name = %invocation.name,
                         gen_ai.tool.call.id = %invocation.call_id,
+                        gen_ai.tool.call.arguments = tracing::field::Empty,
                     );
+                    if agentrt_telemetry::capture_content() {
+                        span.record(
+                            "gen_ai.tool.call.arguments",
+                            invocation.arguments.to_string().as_str(),
+                        );
+                    }
                     runner.run(invocation, timeout).instrument(span).await
                 }
                 Err(refused) => refused,

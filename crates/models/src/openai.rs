@@ -101,6 +101,12 @@ impl OpenAiChat {
         if !self.api_key.is_empty() {
             request = request.bearer_auth(&self.api_key);
         }
+        if agentrt_telemetry::tracing_enabled() {
+            // The model call joins the caller's trace: `traceparent` of the `chat` span.
+            let mut headers = reqwest::header::HeaderMap::new();
+            agentrt_telemetry::inject(&mut headers);
+            request = request.headers(headers);
+        }
         let response = request
             .send()
             .await

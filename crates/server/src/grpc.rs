@@ -172,6 +172,7 @@ impl GrpcServer {
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
             .layer(crate::metrics::RpcMetricsLayer)
+            .layer(crate::trace::RpcSpanLayer)
             .layer(AuthLayer::new(tokens))
             .add_routes(routes)
             .serve_with_incoming_shutdown(

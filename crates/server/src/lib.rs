@@ -6,6 +6,7 @@
 //!   period around the services a binary registers.
 //! - [`metrics`]: per-call gRPC metrics and the Prometheus endpoint.
 //! - [`security`]: TLS settings and bearer-token authentication.
+//! - [`trace`]: a span per call, joined to the caller's trace.
 
 pub mod config;
 pub mod shutdown;
@@ -13,6 +14,7 @@ pub mod shutdown;
 mod grpc;
 pub mod metrics;
 pub mod security;
+pub mod trace;
 
 pub use grpc::{GrpcServer, ServerError};
 pub mod status;

@@ -20,7 +20,7 @@ async fn main() -> anyhow::Result<()> {
         print!("{}", agentrt_server::config::to_toml(&settings));
         return Ok(());
     }
-    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let _telemetry = agentrt_telemetry::init("agent-server").map_err(anyhow::Error::msg)?;
     // Before binding: a signal that arrives while starting must still drain and exit.
     let shutdown = agentrt_server::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.server.listen)

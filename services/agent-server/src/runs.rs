@@ -13,7 +13,7 @@ use std::{
 use agentrt_engine::{Engine, RunControl, RunSpec, RunState, StopReason};
 use agentrt_events::{BusError, EventBus, EventStream};
 use tokio::{sync::watch, time::Instant};
-use tracing::info;
+use tracing::{Instrument, info};
 
 /// A run, as the server tracks it.
 pub struct RunHandle {
@@ -164,12 +164,18 @@ impl RunManager {
         let run_id = spec.run_id.clone();
         // The run is owned by the manager: it always ends (it is bounded by its timeout and
         // stopped by `stop_all` on shutdown), and then deregisters itself.
-        tokio::spawn(async move {
-            manager.engine.run(spec, publisher, state, control).await;
-            manager.active.fetch_sub(1, Ordering::AcqRel);
-            manager.lock().ended.push_back((Instant::now(), run_id));
-            let _ = done.send(true);
-        });
+        // The run belongs to the call that started it: its spans are children of the
+        // call's span (and so of the caller's trace).
+        let call_span = tracing::Span::current();
+        tokio::spawn(
+            async move {
+                manager.engine.run(spec, publisher, state, control).await;
+                manager.active.fetch_sub(1, Ordering::AcqRel);
+                manager.lock().ended.push_back((Instant::now(), run_id));
+                let _ = done.send(true);
+            }
+            .instrument(call_span),
+        );
         Ok(Started::New(handle))
     }
 

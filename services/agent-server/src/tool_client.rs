@@ -86,6 +86,21 @@ impl GrpcToolClient {
                 .metadata_mut()
                 .insert("authorization", value.clone());
         }
+        if agentrt_telemetry::tracing_enabled() {
+            // The tool executor's span joins this trace, under the current
+            // `execute_tool` span.
+            let mut headers = tonic::codegen::http::HeaderMap::new();
+            agentrt_telemetry::inject(&mut headers);
+            for (name, value) in &headers {
+                if let (Ok(key), Ok(value)) = (
+                    tonic::metadata::MetadataKey::from_bytes(name.as_str().as_bytes()),
+                    value.to_str().map(MetadataValue::try_from),
+                ) && let Ok(value) = value
+                {
+                    request.metadata_mut().insert(key, value);
+                }
+            }
+        }
         request
     }
 

@@ -198,9 +198,14 @@ async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
 
 async fn chat_completions(
     State(sim): State<Arc<Simulator>>,
+    headers: axum::http::HeaderMap,
     Json(request): Json<Value>,
 ) -> Response {
     let model = request["model"].as_str().unwrap_or_default().to_owned();
+    // Shows that callers propagate their trace context (W3C `traceparent`).
+    if let Some(traceparent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        info!(%model, traceparent, "chat completion request");
+    }
     let conversation = Conversation::of(&request);
     let turn = match sim.scenarios.scenarios.get(&model) {
         Some(scenario) => scenario.turn(&conversation),

@@ -7,7 +7,7 @@ use anyhow::Context;
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
     let settings = cli.settings();
-    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let _telemetry = agentrt_telemetry::init("model-simulator").map_err(anyhow::Error::msg)?;
     // Before binding: a signal that arrives while starting must still drain and exit.
     let shutdown = agentrt_server::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.listen)

@@ -33,7 +33,7 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    agentrt_telemetry::init().map_err(anyhow::Error::msg)?;
+    let _telemetry = agentrt_telemetry::init("agent-stack").map_err(anyhow::Error::msg)?;
     // Before binding: a Ctrl-C while starting must still stop everything cleanly.
     let first_signal = agentrt_server::shutdown::signal();
 
