@@ -18,3 +18,9 @@ pub mod trace;
 
 pub use grpc::{GrpcServer, ServerError};
 pub mod status;
+
+/// The service and method of a gRPC call's path (`/package.Service/Method`); `None` for
+/// anything else.
+pub(crate) fn grpc_route(path: &str) -> Option<(&str, &str)> {
+    path.strip_prefix('/')?.split_once('/')
+}

@@ -55,11 +55,7 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let started = Instant::now();
         // `/package.Service/Method`; anything else is not a gRPC call and is not counted.
-        let (service, method) = request
-            .uri()
-            .path()
-            .trim_start_matches('/')
-            .split_once('/')
+        let (service, method) = crate::grpc_route(request.uri().path())
             .map(|(s, m)| (s.to_owned(), m.to_owned()))
             .unzip();
         let response = self.inner.call(request);

@@ -345,12 +345,7 @@ where
 }
 
 fn authorize<B>(tokens: &TokenSet, request: &Request<B>) -> Result<(), Status> {
-    let service = request
-        .uri()
-        .path()
-        .trim_start_matches('/')
-        .split_once('/')
-        .map_or("", |(service, _)| service);
+    let service = crate::grpc_route(request.uri().path()).map_or("", |(service, _)| service);
     if service == HEALTH_SERVICE {
         return Ok(());
     }

@@ -48,8 +48,7 @@ where
 }
 
 fn rpc_span<B>(request: &Request<B>) -> Span {
-    let Some((service, method)) = request.uri().path().trim_start_matches('/').split_once('/')
-    else {
+    let Some((service, method)) = crate::grpc_route(request.uri().path()) else {
         return Span::none();
     };
     if service == "grpc.health.v1.Health" {
