@@ -12,7 +12,7 @@ use agentrt::v1::{
 };
 use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
 use tokio_stream::StreamExt;
-use tonic::{Code, transport::Channel};
+use tonic::{Code, Streaming, transport::Channel};
 use tonic_types::StatusExt;
 
 const SCENARIOS: &str = r#"{"scenarios": {
@@ -69,16 +69,50 @@ fn message(role: v1::Role, content: &str) -> v1::ChatMessage {
     }
 }
 
-async fn answer(engine: &mut AgentEngineClient<Channel>, request: v1::ExecuteRequest) -> String {
-    let mut stream = engine.execute(request).await.unwrap().into_inner();
+fn execute(engine_id: &str, query: &str) -> v1::ExecuteRequest {
+    v1::ExecuteRequest {
+        engine_id: engine_id.into(),
+        query: query.into(),
+        ..Default::default()
+    }
+}
+
+/// The answer text of `events`, from `first` (already read, if any) to the end.
+async fn final_text(
+    first: Option<v1::AgentStreamEvent>,
+    mut events: Streaming<v1::AgentStreamEvent>,
+) -> String {
     let mut text = String::new();
-    while let Some(event) = stream.next().await {
-        let event = event.unwrap();
-        if event.r#type == v1::EventType::FinalAnswer as i32 {
+    let mut next = first;
+    loop {
+        if let Some(event) = next.take()
+            && event.r#type == v1::EventType::FinalAnswer as i32
+        {
             text.push_str(&event.content);
         }
+        match events.next().await {
+            Some(event) => next = Some(event.unwrap()),
+            None => return text,
+        }
     }
-    text
+}
+
+async fn answer(engine: &mut AgentEngineClient<Channel>, request: v1::ExecuteRequest) -> String {
+    final_text(None, engine.execute(request).await.unwrap().into_inner()).await
+}
+
+/// Starts the run and waits for its first event, so that it surely holds its slot.
+async fn start_slow(
+    engine: &mut AgentEngineClient<Channel>,
+    engine_id: &str,
+) -> (v1::AgentStreamEvent, Streaming<v1::AgentStreamEvent>) {
+    let mut running = engine
+        .execute(execute(engine_id, "take your time"))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = running.next().await.unwrap().unwrap();
+    (first, running)
 }
 
 #[tokio::test]
@@ -149,11 +183,7 @@ async fn messages_beyond_the_size_limit_are_refused_and_the_server_goes_on() {
     let engine_id = engine_for(&mut s.service, "quick").await;
     let status = s
         .engine
-        .execute(v1::ExecuteRequest {
-            engine_id: engine_id.clone(),
-            query: "q".repeat(5000),
-            ..Default::default()
-        })
+        .execute(execute(&engine_id, &"q".repeat(5000)))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
@@ -162,11 +192,7 @@ async fn messages_beyond_the_size_limit_are_refused_and_the_server_goes_on() {
         "{status:?}"
     );
     // The same connection still serves calls within the limit.
-    let small = v1::ExecuteRequest {
-        engine_id,
-        query: "q".repeat(3000),
-        ..Default::default()
-    };
+    let small = execute(&engine_id, &"q".repeat(3000));
     assert_eq!(answer(&mut s.engine, small).await, "quick");
 }
 
@@ -175,27 +201,9 @@ async fn runs_beyond_the_limit_are_resource_exhausted_with_a_retry_hint() {
     let mut s = stack(&["--max-active-runs", "1"]).await;
     let slow = engine_for(&mut s.service, "slow").await;
     let quick = engine_for(&mut s.service, "quick").await;
-    let mut running = s
-        .engine
-        .execute(v1::ExecuteRequest {
-            engine_id: slow,
-            query: "take your time".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let first = running.next().await.unwrap().unwrap();
+    let (first, running) = start_slow(&mut s.engine, &slow).await;
 
-    let status = s
-        .engine
-        .execute(v1::ExecuteRequest {
-            engine_id: quick.clone(),
-            query: "now".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
+    let status = s.engine.execute(execute(&quick, "now")).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert!(
         status.message().contains("already runs 1 runs"),
@@ -206,23 +214,11 @@ async fn runs_beyond_the_limit_are_resource_exhausted_with_a_retry_hint() {
     assert!(details.retry_info().unwrap().retry_delay.is_some());
 
     // Nothing accepted is lost: the running run finishes, and then there is room again.
-    let mut text = String::new();
-    if first.r#type == v1::EventType::FinalAnswer as i32 {
-        text.push_str(&first.content);
-    }
-    while let Some(event) = running.next().await {
-        let event = event.unwrap();
-        if event.r#type == v1::EventType::FinalAnswer as i32 {
-            text.push_str(&event.content);
-        }
-    }
-    assert_eq!(text, "a slow answer, one character at a time");
-    let retried = v1::ExecuteRequest {
-        engine_id: quick,
-        query: "now".into(),
-        ..Default::default()
-    };
-    assert_eq!(answer(&mut s.engine, retried).await, "quick");
+    assert_eq!(
+        final_text(Some(first), running).await,
+        "a slow answer, one character at a time"
+    );
+    assert_eq!(answer(&mut s.engine, execute(&quick, "now")).await, "quick");
 }
 
 #[tokio::test]
@@ -230,31 +226,11 @@ async fn streams_per_connection_are_capped_and_queue_until_one_ends() {
     let mut s = stack(&["--max-concurrent-streams", "1"]).await;
     let slow_id = engine_for(&mut s.service, "slow").await;
     let quick = engine_for(&mut s.service, "quick").await;
-    let mut running = s
-        .engine
-        .execute(v1::ExecuteRequest {
-            engine_id: slow_id.clone(),
-            query: "take your time".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    running.next().await.unwrap().unwrap();
+    let (_, running) = start_slow(&mut s.engine, &slow_id).await;
 
     // The connection's only stream is taken: a second call on it waits...
     let mut engine = s.engine.clone();
-    let queued = tokio::spawn(async move {
-        answer(
-            &mut engine,
-            v1::ExecuteRequest {
-                engine_id: quick,
-                query: "queued".into(),
-                ..Default::default()
-            },
-        )
-        .await
-    });
+    let queued = tokio::spawn(async move { answer(&mut engine, execute(&quick, "queued")).await });
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(!queued.is_finished(), "the second stream must wait");
     // ... while another connection is served at once.
