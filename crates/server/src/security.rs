@@ -80,32 +80,35 @@ pub struct ClientTlsSettings {
 }
 
 impl ClientTlsSettings {
+    /// Checks that the settings go together, without reading the files; `field` names
+    /// these settings in errors.
+    pub fn check(&self, field: &'static str) -> Result<(), ConfigError> {
+        if self.ca_file.is_none() {
+            return Err(ConfigError::Invalid {
+                field,
+                message: "an https:// endpoint needs `ca_file`, the CA its certificate chains to"
+                    .into(),
+            });
+        }
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err(ConfigError::Invalid {
+                field,
+                message: "`cert_file` and `key_file` go together".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Reads the files into tonic's client TLS configuration; `field` names these settings
     /// in errors.
     pub fn client_config(&self, field: &'static str) -> Result<ClientTlsConfig, ConfigError> {
+        self.check(field)?;
         let mut config = ClientTlsConfig::new();
-        match &self.ca_file {
-            Some(ca) => config = config.ca_certificate(Certificate::from_pem(read(field, ca)?)),
-            None => {
-                return Err(ConfigError::Invalid {
-                    field,
-                    message: "an https:// endpoint needs `ca_file`, the CA its certificate \
-                              chains to"
-                        .into(),
-                });
-            }
+        if let Some(ca) = &self.ca_file {
+            config = config.ca_certificate(Certificate::from_pem(read(field, ca)?));
         }
-        match (&self.cert_file, &self.key_file) {
-            (Some(cert), Some(key)) => {
-                config = config.identity(Identity::from_pem(read(field, cert)?, read(field, key)?));
-            }
-            (None, None) => {}
-            _ => {
-                return Err(ConfigError::Invalid {
-                    field,
-                    message: "`cert_file` and `key_file` go together".into(),
-                });
-            }
+        if let (Some(cert), Some(key)) = (&self.cert_file, &self.key_file) {
+            config = config.identity(Identity::from_pem(read(field, cert)?, read(field, key)?));
         }
         if let Some(domain) = &self.domain {
             config = config.domain_name(domain.clone());

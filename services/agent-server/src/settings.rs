@@ -145,15 +145,26 @@ impl Default for Settings {
 impl Settings {
     /// The bearer token for the tool executor, from the setting or its file; `None` when
     /// none is configured.
+    /// Read once, when the server starts.
     pub fn tool_executor_token(&self) -> Result<Option<Secret>, ConfigError> {
-        if let Some(path) = &self.tool_executor_token_file {
-            let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
-                field: "tool_executor_token_file",
-                message: format!("cannot read {}: {e}", path.display()),
-            })?;
-            return Ok(Some(Secret::new(text.trim())));
+        let token = match &self.tool_executor_token_file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Invalid {
+                    field: "tool_executor_token_file",
+                    message: format!("cannot read {}: {e}", path.display()),
+                })?;
+                Secret::new(text.trim())
+            }
+            None if self.tool_executor_token.is_empty() => return Ok(None),
+            None => self.tool_executor_token.clone(),
+        };
+        if token.is_empty() || token.expose().contains(char::is_whitespace) {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_token",
+                message: "must be one token, without whitespace".into(),
+            });
         }
-        Ok((!self.tool_executor_token.is_empty()).then(|| self.tool_executor_token.clone()))
+        Ok(Some(token))
     }
 
     /// Checks ranges once at start-up.
@@ -171,8 +182,8 @@ impl Settings {
             });
         }
         if self.tool_executor.starts_with("https://") {
-            // Reads the files now, so that a bad path fails the start, not the first call.
-            self.tool_executor_tls.client_config("tool_executor_tls")?;
+            // The files are read once, when the server starts, before it listens.
+            self.tool_executor_tls.check("tool_executor_tls")?;
         } else if self.tool_executor_tls.is_set() {
             return Err(ConfigError::Invalid {
                 field: "tool_executor_tls",
@@ -186,14 +197,6 @@ impl Settings {
             return Err(ConfigError::Invalid {
                 field: "tool_executor_token",
                 message: "give the token or a token file, not both".into(),
-            });
-        }
-        if let Some(token) = self.tool_executor_token()?
-            && (token.is_empty() || token.expose().contains(char::is_whitespace))
-        {
-            return Err(ConfigError::Invalid {
-                field: "tool_executor_token",
-                message: "must be one token, without whitespace".into(),
             });
         }
         if self.tool_executor_timeout.is_zero()
