@@ -235,8 +235,8 @@ impl Engine {
             Some(messages) => Exchange::group(messages.clone(), counter),
             None => self.sessions.history(&spec.session_id),
         };
-        let definitions: Vec<ToolDefinition> = if react {
-            Vec::new()
+        let definitions: Arc<[ToolDefinition]> = if react {
+            Arc::default()
         } else {
             spec.tools
                 .iter()
@@ -360,7 +360,7 @@ impl Engine {
             0,
             config.context.max_prompt_tokens,
         );
-        let request = self.request(config, fitted.messages, Vec::new(), react);
+        let request = self.request(config, fitted.messages, Arc::default(), react);
         match self.model_round(&round_setup, request, em, iteration).await {
             Ok(
                 Round::Answer(answer)
@@ -380,7 +380,7 @@ impl Engine {
         &self,
         config: &AgentConfig,
         messages: Vec<ChatMessage>,
-        tools: Vec<ToolDefinition>,
+        tools: Arc<[ToolDefinition]>,
         react: bool,
     ) -> ChatRequest {
         ChatRequest {
@@ -406,13 +406,17 @@ impl Engine {
         answer: &str,
         counter: &TokenCounter,
     ) {
-        let mut messages: Vec<ChatMessage> = current.iter().map(|(m, _)| m.clone()).collect();
-        messages.push(ChatMessage::Assistant {
+        // The turn's messages were counted as they were added; only the answer is new.
+        let answer = ChatMessage::Assistant {
             content: answer.to_owned(),
             tool_calls: Vec::new(),
-        });
+        };
+        let tokens = current.iter().map(|(_, t)| t).sum::<u32>() + counter.message(&answer);
+        let mut messages = Vec::with_capacity(current.len() + 1);
+        messages.extend(current.iter().map(|(m, _)| m.clone()));
+        messages.push(answer);
         self.sessions
-            .append(&spec.session_id, Exchange::new(messages, counter));
+            .append(&spec.session_id, Exchange { messages, tokens });
     }
 
     /// One model call, streamed into events.

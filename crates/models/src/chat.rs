@@ -56,8 +56,9 @@ pub struct ChatRequest {
     pub model: String,
     /// The conversation.
     pub messages: Vec<ChatMessage>,
-    /// Tools offered for native calling; empty offers none.
-    pub tools: Vec<ToolDefinition>,
+    /// Tools offered for native calling; empty offers none. Shared: every round of a run
+    /// offers the same tools.
+    pub tools: std::sync::Arc<[ToolDefinition]>,
     /// Whether the model may ask for several tools in one round.
     pub parallel_tool_calls: bool,
     /// Sampling temperature; `None` leaves the provider's default.

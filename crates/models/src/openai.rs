@@ -2,9 +2,8 @@
 
 use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
-use eventsource_stream::Eventsource;
 use futures_util::{Stream, StreamExt, TryStreamExt};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
@@ -54,7 +53,8 @@ impl RetryPolicy {
 #[derive(Clone)]
 pub struct OpenAiChat {
     http: reqwest::Client,
-    url: String,
+    /// Parsed once: parsing it on every call costs more than the rest of the request.
+    url: reqwest::Url,
     api_key: String,
     retry: RetryPolicy,
 }
@@ -80,12 +80,15 @@ impl OpenAiChat {
         let http = http
             .build()
             .map_err(|e| ModelError::Connect(format!("cannot build the HTTP client: {e}")))?;
+        let url = format!(
+            "{}/chat/completions",
+            settings.base_url.trim_end_matches('/')
+        );
+        let url = reqwest::Url::parse(&url)
+            .map_err(|e| ModelError::Connect(format!("invalid base URL {url:?}: {e}")))?;
         Ok(Self {
             http,
-            url: format!(
-                "{}/chat/completions",
-                settings.base_url.trim_end_matches('/')
-            ),
+            url,
             api_key: settings.api_key.expose().to_owned(),
             retry,
         })
@@ -94,7 +97,7 @@ impl OpenAiChat {
     async fn send_once(&self, body: &bytes::Bytes) -> Result<reqwest::Response, ModelError> {
         let mut request = self
             .http
-            .post(&self.url)
+            .post(self.url.clone())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .body(body.clone());
@@ -125,7 +128,9 @@ impl ChatModel for OpenAiChat {
         request: ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ChatStream, ModelError> {
-        let body = bytes::Bytes::from(request_body(&request).to_string());
+        let body = bytes::Bytes::from(request_body(&request));
+        // The body is all that is sent; the messages need not wait with it for the reply.
+        drop(request);
         let mut attempt = 0;
         loop {
             let outcome = tokio::select! {
@@ -207,153 +212,281 @@ async fn http_error(response: reqwest::Response) -> ModelError {
     }
 }
 
-/// The JSON body of a streaming chat completions request.
-pub(crate) fn request_body(request: &ChatRequest) -> Value {
-    let messages: Vec<Value> = request.messages.iter().map(message_json).collect();
-    let mut body = json!({
-        "model": request.model,
-        "messages": messages,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-    });
-    if !request.tools.is_empty() {
-        body["tools"] = request
-            .tools
-            .iter()
-            .map(|t| {
-                json!({"type": "function", "function": {
-                    "name": t.name, "description": t.description, "parameters": t.parameters,
-                }})
-            })
-            .collect();
-        body["parallel_tool_calls"] = json!(request.parallel_tool_calls);
-    }
-    if let Some(t) = request.temperature {
-        body["temperature"] = json!(t);
-    }
-    if let Some(n) = request.max_tokens {
-        body["max_tokens"] = json!(n);
-    }
-    if !request.stop.is_empty() {
-        body["stop"] = json!(request.stop);
-    }
-    body
+/// The JSON body of a streaming chat completions request, serialized straight from the
+/// request (no intermediate JSON tree: this runs on every model call).
+pub(crate) fn request_body(request: &ChatRequest) -> Vec<u8> {
+    let body = Body {
+        model: &request.model,
+        messages: request.messages.iter().map(WireMessage).collect(),
+        stream: true,
+        stream_options: StreamOptions {
+            include_usage: true,
+        },
+        tools: request.tools.iter().map(WireTool::new).collect(),
+        parallel_tool_calls: (!request.tools.is_empty()).then_some(request.parallel_tool_calls),
+        temperature: request.temperature,
+        max_tokens: request.max_tokens,
+        stop: &request.stop,
+    };
+    // Serializing borrowed strings, numbers and JSON values into a Vec cannot fail.
+    serde_json::to_vec(&body).unwrap_or_default()
 }
 
-fn message_json(message: &ChatMessage) -> Value {
-    match message {
-        ChatMessage::System(text) => json!({"role": "system", "content": text}),
-        ChatMessage::User(text) => json!({"role": "user", "content": text}),
-        ChatMessage::Assistant {
-            content,
-            tool_calls,
-        } if tool_calls.is_empty() => {
-            json!({"role": "assistant", "content": content})
-        }
-        ChatMessage::Assistant {
-            content,
-            tool_calls,
-        } => json!({
-            "role": "assistant",
-            "content": if content.is_empty() { Value::Null } else { json!(content) },
-            "tool_calls": tool_calls.iter().map(|c| json!({
-                "id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": c.arguments},
-            })).collect::<Vec<_>>(),
-        }),
-        ChatMessage::Tool { call_id, content } => {
-            json!({"role": "tool", "tool_call_id": call_id, "content": content})
+#[derive(serde::Serialize)]
+struct Body<'a> {
+    model: &'a str,
+    messages: Vec<WireMessage<'a>>,
+    stream: bool,
+    stream_options: StreamOptions,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<WireTool<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    temperature: Option<f32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    stop: &'a [String],
+}
+
+#[derive(serde::Serialize)]
+struct StreamOptions {
+    include_usage: bool,
+}
+
+#[derive(serde::Serialize)]
+struct WireTool<'a> {
+    r#type: &'static str,
+    function: WireFunction<'a>,
+}
+
+impl<'a> WireTool<'a> {
+    fn new(tool: &'a crate::ToolDefinition) -> Self {
+        Self {
+            r#type: "function",
+            function: WireFunction {
+                name: &tool.name,
+                description: Some(&tool.description),
+                parameters: Some(&tool.parameters),
+                arguments: None,
+            },
         }
     }
 }
 
-/// Reads what follows `[DONE]` to the end of the response, so that the body is complete
-/// when it is dropped. A body dropped early is reset: an HTTP/1.1 connection then cannot
-/// be reused, and over HTTP/2 the frames still in flight for the reset stream count as
-/// protocol errors, of which h2 tolerates 1,024 per connection before it closes it with
-/// every call on it. A server that keeps the stream open after `[DONE]` gets a short grace.
-async fn drain<S: Stream + Unpin>(events: &mut S) {
-    const GRACE: Duration = Duration::from_millis(200);
-    const MAX_TRAILING_EVENTS: usize = 16;
-    let rest = async {
-        for _ in 0..MAX_TRAILING_EVENTS {
-            if events.next().await.is_none() {
-                return;
+#[derive(serde::Serialize)]
+struct WireFunction<'a> {
+    name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    description: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parameters: Option<&'a Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    arguments: Option<&'a str>,
+}
+
+#[derive(serde::Serialize)]
+struct WireCall<'a> {
+    id: &'a str,
+    r#type: &'static str,
+    function: WireFunction<'a>,
+}
+
+/// One message as the chat completions API takes it.
+struct WireMessage<'a>(&'a ChatMessage);
+
+impl serde::Serialize for WireMessage<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        match self.0 {
+            ChatMessage::System(text) => {
+                map.serialize_entry("role", "system")?;
+                map.serialize_entry("content", text)?;
+            }
+            ChatMessage::User(text) => {
+                map.serialize_entry("role", "user")?;
+                map.serialize_entry("content", text)?;
+            }
+            ChatMessage::Assistant {
+                content,
+                tool_calls,
+            } if tool_calls.is_empty() => {
+                map.serialize_entry("role", "assistant")?;
+                map.serialize_entry("content", content)?;
+            }
+            ChatMessage::Assistant {
+                content,
+                tool_calls,
+            } => {
+                map.serialize_entry("role", "assistant")?;
+                map.serialize_entry("content", &(!content.is_empty()).then_some(content))?;
+                let calls: Vec<WireCall<'_>> = tool_calls
+                    .iter()
+                    .map(|c| WireCall {
+                        id: &c.id,
+                        r#type: "function",
+                        function: WireFunction {
+                            name: &c.name,
+                            description: None,
+                            parameters: None,
+                            arguments: Some(&c.arguments),
+                        },
+                    })
+                    .collect();
+                map.serialize_entry("tool_calls", &calls)?;
+            }
+            ChatMessage::Tool { call_id, content } => {
+                map.serialize_entry("role", "tool")?;
+                map.serialize_entry("tool_call_id", call_id)?;
+                map.serialize_entry("content", content)?;
             }
         }
-    };
-    let mut rest = std::pin::pin!(rest);
-    // The end usually arrives with `[DONE]`: no timer then.
-    if futures_util::FutureExt::now_or_never(&mut rest).is_some() {
-        return;
+        map.end()
     }
-    let _ = tokio::time::timeout(GRACE, rest).await;
 }
 
+/// Trailing events read after `[DONE]` so that the body is complete when it is dropped. A
+/// body dropped early is reset: an HTTP/1.1 connection then cannot be reused, and over
+/// HTTP/2 the frames still in flight for the reset stream count as protocol errors, of
+/// which h2 tolerates 1,024 per connection before it closes it with every call on it.
+const MAX_TRAILING_EVENTS: usize = 16;
+/// How long a server that keeps the stream open after `[DONE]` is given to close it.
+const DRAIN_GRACE: Duration = Duration::from_millis(200);
+
 /// Turns an SSE byte stream into deltas.
-fn decode<S, E>(bytes: S) -> impl Stream<Item = Result<ChatDelta, ModelError>> + Send
+fn decode<S, E>(bytes: S) -> Decoder<S>
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Send + Unpin + 'static,
     E: std::error::Error + Send + Sync + 'static,
 {
-    let events = bytes.eventsource();
-    let state = (events, Assembler::default(), VecDeque::new(), false);
-    futures_util::stream::unfold(
-        state,
-        |(mut events, mut assembler, mut ready, mut ended)| async move {
-            loop {
-                if let Some(delta) = ready.pop_front() {
-                    return Some((Ok(delta), (events, assembler, ready, ended)));
+    Decoder {
+        events: sse_stream::SseByteStream::new(bytes),
+        assembler: Assembler::default(),
+        ready: VecDeque::new(),
+        failure: None,
+        state: DecodeState::Streaming,
+    }
+}
+
+/// The deltas of one response: a plain state machine polled in place, so that nothing
+/// is moved or boxed per event.
+struct Decoder<S: futures_util::TryStream> {
+    events: sse_stream::SseByteStream<S>,
+    assembler: Assembler,
+    /// Deltas decoded and not yet taken.
+    ready: VecDeque<ChatDelta>,
+    /// Why the stream broke; given after the deltas decoded before it.
+    failure: Option<ModelError>,
+    state: DecodeState,
+}
+
+enum DecodeState {
+    Streaming,
+    /// After `[DONE]`: reading what is left of the body before the last deltas go out.
+    Draining {
+        left: usize,
+        grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    },
+    /// Nothing more is read; the deltas still ready go out, then the stream ends.
+    Ended,
+}
+
+impl<S, E> Stream for Decoder<S>
+where
+    S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    type Item = Result<ChatDelta, ModelError>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            match &mut this.state {
+                DecodeState::Streaming => {
+                    if let Some(delta) = this.ready.pop_front() {
+                        return Poll::Ready(Some(Ok(delta)));
+                    }
                 }
-                if ended {
-                    return None;
-                }
-                match events.next().await {
-                    Some(Ok(event)) => {
-                        let data = event.data.trim();
-                        if data.is_empty() {
-                            continue;
-                        }
-                        if data == "[DONE]" {
-                            assembler.finish(&mut ready);
-                            ended = true;
-                            drain(&mut events).await;
-                            continue;
-                        }
-                        let chunk = match serde_json::from_str::<Chunk<'_>>(data) {
-                            Ok(chunk) => chunk,
-                            Err(e) => {
-                                ended = true;
-                                let shown: String = data.chars().take(200).collect();
-                                let error = ModelError::Stream(format!(
-                                    "invalid JSON in the stream ({e}): {shown}"
-                                ));
-                                return Some((Err(error), (events, assembler, ready, ended)));
+                DecodeState::Draining { left, grace } => {
+                    match this.events.poll_next_unpin(cx) {
+                        Poll::Ready(Some(_)) if *left > 1 => *left -= 1,
+                        Poll::Ready(_) => this.state = DecodeState::Ended,
+                        Poll::Pending => {
+                            // The end usually arrives with `[DONE]`: a timer only when not.
+                            let grace = grace
+                                .get_or_insert_with(|| Box::pin(tokio::time::sleep(DRAIN_GRACE)));
+                            if grace.as_mut().poll(cx).is_pending() {
+                                return Poll::Pending;
                             }
-                        };
-                        if let Err(error) = assembler.chunk(chunk, &mut ready) {
-                            ended = true;
-                            return Some((Err(error), (events, assembler, ready, ended)));
+                            this.state = DecodeState::Ended;
                         }
                     }
-                    Some(Err(e)) => {
-                        ended = true;
-                        let error = ModelError::Stream(format!(
-                            "connection lost mid-stream: {}",
-                            error_chain(&e)
-                        ));
-                        return Some((Err(error), (events, assembler, ready, ended)));
-                    }
-                    None => {
-                        // No `[DONE]`: some servers just close. What arrived stands.
-                        debug!("model stream ended without [DONE]");
-                        assembler.finish(&mut ready);
-                        ended = true;
-                    }
+                    continue;
+                }
+                DecodeState::Ended => {
+                    return Poll::Ready(match this.ready.pop_front() {
+                        Some(delta) => Some(Ok(delta)),
+                        None => this.failure.take().map(Err),
+                    });
                 }
             }
-        },
-    )
+            let Some(event) = std::task::ready!(this.events.poll_next_unpin(cx)) else {
+                // No `[DONE]`: some servers just close. What arrived stands.
+                debug!("model stream ended without [DONE]");
+                this.assembler.finish(&mut this.ready);
+                this.state = DecodeState::Ended;
+                continue;
+            };
+            let event = match event {
+                Ok(event) => event,
+                Err(sse_stream::Error::Body(e)) => {
+                    this.state = DecodeState::Ended;
+                    let message = format!("connection lost mid-stream: {}", error_chain(&*e));
+                    this.failure = Some(ModelError::Stream(message));
+                    continue;
+                }
+                Err(e) => {
+                    this.state = DecodeState::Ended;
+                    let message = format!("malformed event stream: {}", error_chain(&e));
+                    this.failure = Some(ModelError::Stream(message));
+                    continue;
+                }
+            };
+            let data = event.data.as_deref().unwrap_or_default().trim();
+            if data.is_empty() {
+                continue;
+            }
+            if data == "[DONE]" {
+                this.assembler.finish(&mut this.ready);
+                this.state = DecodeState::Draining {
+                    left: MAX_TRAILING_EVENTS,
+                    grace: None,
+                };
+                continue;
+            }
+            let chunk = match serde_json::from_str::<Chunk<'_>>(data) {
+                Ok(chunk) => chunk,
+                Err(e) => {
+                    this.state = DecodeState::Ended;
+                    let shown: String = data.chars().take(200).collect();
+                    let error =
+                        ModelError::Stream(format!("invalid JSON in the stream ({e}): {shown}"));
+                    this.failure = Some(error);
+                    continue;
+                }
+            };
+            if let Err(error) = this.assembler.chunk(chunk, &mut this.ready) {
+                this.state = DecodeState::Ended;
+                this.failure = Some(error);
+            }
+        }
+    }
 }
 
 /// One streamed chunk, borrowing its strings from the event where it can: most chunks
@@ -546,6 +679,7 @@ fn piece_delta(piece: Piece) -> ChatDelta {
 mod tests {
     use super::*;
     use crate::ToolDefinition;
+    use serde_json::json;
 
     async fn run(sse: &str) -> Vec<Result<ChatDelta, ModelError>> {
         let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = sse
@@ -697,17 +831,26 @@ mod tests {
                     content: "42".into(),
                 },
             ],
-            tools: vec![ToolDefinition {
+            tools: [ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
                 parameters: json!({"type": "object"}),
-            }],
+            }]
+            .into(),
             parallel_tool_calls: true,
             temperature: Some(0.5),
             max_tokens: Some(10),
             stop: vec!["Observation:".into()],
         });
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["stream"], true);
+        assert_eq!(body["model"], "m");
         assert_eq!(body["stream_options"]["include_usage"], true);
+        assert_eq!(
+            body["messages"][0],
+            json!({"role": "system", "content": "s"})
+        );
+        assert_eq!(body["messages"][1], json!({"role": "user", "content": "u"}));
         assert_eq!(body["messages"][2]["content"], Value::Null);
         assert_eq!(
             body["messages"][2]["tool_calls"][0]["function"]["name"],
@@ -715,8 +858,35 @@ mod tests {
         );
         assert_eq!(body["messages"][3]["tool_call_id"], "c");
         assert_eq!(body["tools"][0]["function"]["parameters"]["type"], "object");
+        assert_eq!(
+            body["messages"][2]["tool_calls"][0],
+            json!({"id": "c", "type": "function", "function": {"name": "t", "arguments": "{}"}})
+        );
+        assert_eq!(
+            body["tools"][0],
+            json!({"type": "function", "function": {
+                "name": "t", "description": "d", "parameters": {"type": "object"}}})
+        );
+        assert_eq!(body["parallel_tool_calls"], true);
+        assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["stop"][0], "Observation:");
         assert_eq!(body["max_tokens"], 10);
+
+        // Nothing optional is sent when the request leaves it out.
+        let plain = request_body(&ChatRequest {
+            model: "m".into(),
+            messages: vec![ChatMessage::Assistant {
+                content: "a".into(),
+                tool_calls: Vec::new(),
+            }],
+            ..ChatRequest::default()
+        });
+        let plain: Value = serde_json::from_slice(&plain).unwrap();
+        assert_eq!(
+            plain,
+            json!({"model": "m", "messages": [{"role": "assistant", "content": "a"}],
+                "stream": true, "stream_options": {"include_usage": true}})
+        );
     }
 
     #[test]

@@ -65,7 +65,8 @@ fn request(model: &str) -> ChatRequest {
             name: "calculator".into(),
             description: "d".into(),
             parameters: json!({"type": "object"}),
-        }],
+        }]
+        .into(),
         ..Default::default()
     }
 }
