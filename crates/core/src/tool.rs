@@ -19,8 +19,9 @@ pub struct ToolSpec {
     pub name: String,
     /// What the tool does, written for the model.
     pub description: String,
-    /// JSON Schema of the arguments object.
-    pub input_schema: serde_json::Value,
+    /// JSON Schema of the arguments object, shared by every engine and run that offers
+    /// the tool to a model.
+    pub input_schema: std::sync::Arc<serde_json::Value>,
     /// Where the tool comes from.
     pub source: ToolSource,
 }

@@ -6,7 +6,7 @@ use std::{
 };
 
 use agentrt_core::ToolResult;
-use agentrt_events::{EventKind, RunEvent, RunPublisher};
+use agentrt_events::{EventData, EventKind, RunEvent, RunFailure, RunPublisher, RunSummary};
 use agentrt_models::Usage;
 use serde_json::{Value, json};
 
@@ -108,8 +108,15 @@ impl Emitter {
         record.usage.completion_tokens += usage.completion_tokens;
     }
 
+    /// Makes room in the round's record for `count` tool calls.
+    pub(crate) fn expect_tool_calls(&mut self, count: usize) {
+        let mut record = self.state.lock();
+        self.step(&mut record).tool_calls.reserve_exact(count);
+    }
+
     pub(crate) fn tool_call(&mut self, id: &str, name: &str, arguments: Value) {
         let mut record = self.state.lock();
+        let arguments = Arc::new(arguments);
         self.step(&mut record).tool_calls.push(ToolCallRecord {
             id: id.into(),
             name: name.into(),
@@ -118,7 +125,11 @@ impl Emitter {
             is_error: false,
             duration: Duration::ZERO,
         });
-        let data = json!({"id": id, "name": name, "arguments": arguments});
+        let data = EventData::ToolCall {
+            id: id.into(),
+            name: name.into(),
+            arguments,
+        };
         self.publish(
             RunEvent::new(
                 EventKind::ToolCall,
@@ -149,10 +160,13 @@ impl Emitter {
             call.duration = duration;
         }
         let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
-        let data = json!({
-            "id": id, "name": name, "output": result.output,
-            "is_error": result.is_error, "duration_ms": duration_ms,
-        });
+        let data = EventData::ToolResult {
+            id: id.into(),
+            name: name.into(),
+            output: result.output.clone(),
+            is_error: result.is_error,
+            duration_ms,
+        };
         self.publish(
             RunEvent::new(
                 EventKind::ToolResult,
@@ -168,7 +182,10 @@ impl Emitter {
                 .iter()
                 .map(|r| json!({"title": r.title, "url": r.url, "snippet": r.snippet, "score": r.score, "source": r.source}))
                 .collect();
-            let data = json!({"tool_call_id": id, "references": references});
+            let data = EventData::References {
+                tool_call_id: id.into(),
+                references,
+            };
             self.publish(
                 RunEvent::new(
                     EventKind::References,
@@ -181,17 +198,14 @@ impl Emitter {
         }
     }
 
-    fn summary(&self, record: &RunRecord, reason: StopReason) -> Value {
-        let usage = record.usage;
-        json!({
-            "stop_reason": reason.as_str(),
-            "usage": {
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            },
-            "iterations": self.iteration,
-        })
+    fn summary(&self, record: &RunRecord, reason: StopReason) -> RunSummary {
+        RunSummary {
+            stop_reason: reason.as_str(),
+            prompt_tokens: record.usage.prompt_tokens,
+            completion_tokens: record.usage.completion_tokens,
+            iterations: self.iteration,
+            error: None,
+        }
     }
 
     pub(crate) fn finish_answered(self, reason: StopReason) {
@@ -210,7 +224,7 @@ impl Emitter {
                 EventKind::FinalAnswer,
                 self.iteration.max(1),
                 String::new(),
-                Some(data),
+                Some(EventData::End(data)),
             )
         };
         self.publish(event, &mut record);
@@ -221,17 +235,19 @@ impl Emitter {
         record.status = reason.status();
         record.stop_reason = Some(reason);
         let mut data = self.summary(&record, reason);
-        data["code"] = json!(error.code);
-        data["message"] = json!(error.message);
-        data["category"] = json!(error.category);
-        data["retryable"] = json!(error.retryable);
+        data.error = Some(RunFailure {
+            code: error.code.clone(),
+            message: error.message.clone(),
+            category: error.category,
+            retryable: error.retryable,
+        });
         let event = RunEvent {
             done: true,
             ..RunEvent::new(
                 EventKind::Error,
                 self.iteration.max(1),
                 error.message.clone(),
-                Some(data),
+                Some(EventData::End(data)),
             )
         };
         record.error = Some(error);

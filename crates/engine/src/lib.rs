@@ -561,6 +561,7 @@ impl Engine {
         em: &mut Emitter,
     ) -> Vec<ToolResult> {
         let config = &spec.config;
+        em.expect_tool_calls(calls.len());
         let prepared: Vec<Result<ToolInvocation, ToolResult>> = calls
             .iter()
             .map(|call| {
@@ -630,14 +631,24 @@ impl Engine {
         } else {
             1
         };
-        let mut running = futures_util::stream::iter(
-            prepared.into_iter().enumerate().map(|(i, p)| execute(i, p)),
-        )
-        .buffer_unordered(concurrency);
-        while let Some((index, result, duration)) = running.next().await {
+        let mut finished = |(index, result, duration): (usize, ToolResult, Duration)| {
             let call = &calls[index];
             em.tool_result(&call.id, &call.name, &result, duration);
             results[index] = Some(result);
+        };
+        if concurrency == 1 || prepared.len() == 1 {
+            // One at a time: awaited in place, without a task set to allocate.
+            for (index, prepared) in prepared.into_iter().enumerate() {
+                finished(execute(index, prepared).await);
+            }
+        } else {
+            let mut running = futures_util::stream::iter(
+                prepared.into_iter().enumerate().map(|(i, p)| execute(i, p)),
+            )
+            .buffer_unordered(concurrency);
+            while let Some(done) = running.next().await {
+                finished(done);
+            }
         }
         results.into_iter().map(Option::unwrap_or_default).collect()
     }

@@ -249,7 +249,7 @@ mod tests {
         let tools = [ToolSpec {
             name: "calculator".into(),
             description: "math".into(),
-            input_schema: serde_json::json!({"type": "object"}),
+            input_schema: serde_json::json!({"type": "object"}).into(),
             source: agentrt_core::ToolSource::Builtin,
         }];
         let text = instructions(&tools);

@@ -162,7 +162,7 @@ fn spec_tool(name: &str) -> ToolSpec {
     ToolSpec {
         name: name.into(),
         description: "echo".into(),
-        input_schema: json!({"type": "object"}),
+        input_schema: json!({"type": "object"}).into(),
         source: ToolSource::Builtin,
     }
 }
@@ -265,12 +265,15 @@ async fn a_tool_using_run_streams_every_step_and_ends_once() {
         ]
     );
     assert_eq!(
-        events[1].data.as_ref().unwrap()["arguments"],
+        events[1].data.as_ref().unwrap().to_json()["arguments"],
         json!({"x": 1})
     );
-    assert_eq!(events[2].data.as_ref().unwrap()["output"], "echo:{\"x\":1}");
+    assert_eq!(
+        events[2].data.as_ref().unwrap().to_json()["output"],
+        "echo:{\"x\":1}"
+    );
     assert_eq!((events[0].iteration, events[3].iteration), (1, 2));
-    let done = events.last().unwrap().data.as_ref().unwrap();
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
     assert_eq!(done["stop_reason"], "final_answer");
     assert_eq!(done["usage"]["total_tokens"], 25);
     assert_eq!(record.status, RunStatus::Succeeded);
@@ -312,10 +315,15 @@ async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
         2,
         "at most max_parallel_tool_calls at once"
     );
-    let finished: Vec<&str> = events
+    let finished: Vec<String> = events
         .iter()
         .filter(|e| e.kind == EventKind::ToolResult)
-        .map(|e| e.data.as_ref().unwrap()["id"].as_str().unwrap())
+        .map(|e| {
+            e.data.as_ref().unwrap().to_json()["id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
         .collect();
     assert_eq!(
         finished,
@@ -359,10 +367,10 @@ async fn bad_calls_become_results_the_model_can_read() {
         )
         .await;
     assert_eq!(record.status, RunStatus::Succeeded);
-    let results: Vec<&serde_json::Value> = events
+    let results: Vec<serde_json::Value> = events
         .iter()
         .filter(|e| e.kind == EventKind::ToolResult)
-        .map(|e| e.data.as_ref().unwrap())
+        .map(|e| e.data.as_ref().unwrap().to_json())
         .collect();
     assert_eq!(results.len(), 3);
     assert!(results.iter().all(|r| r["is_error"] == true));
@@ -390,7 +398,7 @@ async fn bad_calls_become_results_the_model_can_read() {
         "no bad call reached the tools"
     );
     assert_eq!(
-        events[1].data.as_ref().unwrap()["arguments"],
+        events[1].data.as_ref().unwrap().to_json()["arguments"],
         r#"{"x": "#,
         "truncated arguments are shown raw"
     );
@@ -417,7 +425,7 @@ async fn max_iterations_ends_with_a_tool_less_answer() {
         )
         .await;
     assert_eq!(
-        events.last().unwrap().data.as_ref().unwrap()["stop_reason"],
+        events.last().unwrap().data.as_ref().unwrap().to_json()["stop_reason"],
         "max_iterations"
     );
     assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
@@ -476,7 +484,10 @@ async fn cancelling_stops_running_tools_at_once() {
     );
     let done = events.last().unwrap();
     assert_eq!(done.kind, EventKind::Error);
-    assert_eq!(done.data.as_ref().unwrap()["stop_reason"], "cancelled");
+    assert_eq!(
+        done.data.as_ref().unwrap().to_json()["stop_reason"],
+        "cancelled"
+    );
     assert_eq!(record.status, RunStatus::Cancelled);
     assert_well_formed(&events);
 }
@@ -495,14 +506,14 @@ async fn timeouts_end_runs_and_model_calls() {
     };
     let (events, record) = h.run("r1", cfg.clone(), Arc::default()).await;
     assert_eq!(
-        events.last().unwrap().data.as_ref().unwrap()["code"],
+        events.last().unwrap().data.as_ref().unwrap().to_json()["code"],
         "MODEL_TIMEOUT"
     );
     assert_eq!(record.stop_reason, Some(StopReason::Timeout));
     cfg.timeouts.run = Duration::from_secs(2);
     let (events, _) = h.run("r2", cfg, Arc::default()).await;
     assert_eq!(
-        events.last().unwrap().data.as_ref().unwrap()["code"],
+        events.last().unwrap().data.as_ref().unwrap().to_json()["code"],
         "RUN_TIMEOUT"
     );
 }
@@ -520,7 +531,7 @@ async fn model_failures_end_the_run_with_an_error() {
     let (events, record) = h
         .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
         .await;
-    let data = events.last().unwrap().data.as_ref().unwrap();
+    let data = events.last().unwrap().data.as_ref().unwrap().to_json();
     assert_eq!(data["code"], "MODEL_HTTP_503");
     assert_eq!(data["category"], "model");
     assert_eq!(data["retryable"], true);

@@ -43,7 +43,7 @@ pub struct RunEvent {
     /// Text delta, or an error message.
     pub content: String,
     /// Structured payload; `None` on plain text deltas, which keeps them cheap.
-    pub data: Option<serde_json::Value>,
+    pub data: Option<EventData>,
     /// Whether this is the run's last event.
     pub done: bool,
     /// The model round, from 1.
@@ -56,12 +56,7 @@ pub struct RunEvent {
 
 impl RunEvent {
     /// A new event; its sequence is assigned when it is published.
-    pub fn new(
-        kind: EventKind,
-        iteration: u32,
-        content: String,
-        data: Option<serde_json::Value>,
-    ) -> Self {
+    pub fn new(kind: EventKind, iteration: u32, content: String, data: Option<EventData>) -> Self {
         Self {
             kind,
             content,
@@ -70,6 +65,118 @@ impl RunEvent {
             iteration,
             sequence: 0,
             time: SystemTime::now(),
+        }
+    }
+}
+
+/// The structured payload of an event, typed: a JSON tree per event cost more memory than
+/// the rest of a run. Clients see it as the object [`EventData::to_json`] gives.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EventData {
+    /// A complete tool call.
+    ToolCall {
+        /// The call's id.
+        id: String,
+        /// The tool.
+        name: String,
+        /// The parsed arguments (the raw text as a string when they were not valid
+        /// JSON), shared with the run's record.
+        arguments: Arc<serde_json::Value>,
+    },
+    /// A tool's result.
+    ToolResult {
+        /// The call's id.
+        id: String,
+        /// The tool.
+        name: String,
+        /// What the model is given.
+        output: String,
+        /// Whether the call failed.
+        is_error: bool,
+        /// How long it took.
+        duration_ms: u64,
+    },
+    /// References a tool returned.
+    References {
+        /// The call that returned them.
+        tool_call_id: String,
+        /// Objects with `title`, `url`, `snippet`, `score` and `source`.
+        references: Vec<serde_json::Value>,
+    },
+    /// The end of a run.
+    End(RunSummary),
+}
+
+/// How a run ended: the payload of its `done` event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    /// Why it ended, e.g. `final_answer` or `cancelled`.
+    pub stop_reason: &'static str,
+    /// Tokens in prompts.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub completion_tokens: u64,
+    /// Model rounds.
+    pub iterations: u32,
+    /// Why it failed, when it did.
+    pub error: Option<RunFailure>,
+}
+
+/// Why a run failed, in its `done` event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunFailure {
+    /// Stable machine-readable code.
+    pub code: String,
+    /// For people.
+    pub message: String,
+    /// `model`, `tool`, `timeout`, `cancelled` or `internal`.
+    pub category: &'static str,
+    /// Whether sending the same request again may succeed.
+    pub retryable: bool,
+}
+
+impl EventData {
+    /// The payload as the JSON object clients see.
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        match self {
+            Self::ToolCall {
+                id,
+                name,
+                arguments,
+            } => json!({"id": id, "name": name, "arguments": **arguments}),
+            Self::ToolResult {
+                id,
+                name,
+                output,
+                is_error,
+                duration_ms,
+            } => json!({
+                "id": id, "name": name, "output": output,
+                "is_error": is_error, "duration_ms": duration_ms,
+            }),
+            Self::References {
+                tool_call_id,
+                references,
+            } => json!({"tool_call_id": tool_call_id, "references": references}),
+            Self::End(summary) => {
+                let mut data = json!({
+                    "stop_reason": summary.stop_reason,
+                    "usage": {
+                        "prompt_tokens": summary.prompt_tokens,
+                        "completion_tokens": summary.completion_tokens,
+                        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+                    },
+                    "iterations": summary.iterations,
+                });
+                if let Some(error) = &summary.error {
+                    data["code"] = json!(error.code);
+                    data["message"] = json!(error.message);
+                    data["category"] = json!(error.category);
+                    data["retryable"] = json!(error.retryable);
+                }
+                data
+            }
         }
     }
 }
@@ -301,18 +408,22 @@ impl Drop for Publisher {
     /// run) still ends exactly once, so that no reader waits forever.
     fn drop(&mut self) {
         if !lock(&self.log.state).done {
-            let data = serde_json::json!({
-                "code": "INTERNAL", "message": "the run ended without a final event",
-                "category": "internal", "retryable": true, "stop_reason": "internal_error",
+            let message = "the run ended without a final event";
+            let data = EventData::End(RunSummary {
+                stop_reason: "internal_error",
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                iterations: 0,
+                error: Some(RunFailure {
+                    code: "INTERNAL".into(),
+                    message: message.into(),
+                    category: "internal",
+                    retryable: true,
+                }),
             });
             self.publish(RunEvent {
                 done: true,
-                ..RunEvent::new(
-                    EventKind::Error,
-                    0,
-                    "the run ended without a final event".into(),
-                    Some(data),
-                )
+                ..RunEvent::new(EventKind::Error, 0, message.into(), Some(data))
             });
         }
     }

@@ -46,7 +46,7 @@ pub struct ToolDefinition {
     /// What it does.
     pub description: String,
     /// JSON Schema of its arguments.
-    pub parameters: serde_json::Value,
+    pub parameters: std::sync::Arc<serde_json::Value>,
 }
 
 /// One streaming chat call.

@@ -8,6 +8,7 @@
 //!   DeepSeek, ...).
 
 mod chat;
+mod h2c;
 mod openai;
 mod providers;
 mod think;

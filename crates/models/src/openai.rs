@@ -2,7 +2,9 @@
 
 use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
-use futures_util::{Stream, StreamExt, TryStreamExt};
+use futures_util::{Stream, StreamExt};
+use http_body_util::BodyDataStream;
+use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -10,6 +12,7 @@ use tracing::{debug, warn};
 use crate::{
     ChatDelta, ChatMessage, ChatModel, ChatRequest, ChatStream, FinishReason, ModelError,
     ModelToolCall, ProviderSettings, Usage,
+    h2c::H2cClient,
     think::{Piece, ThinkSplitter},
 };
 
@@ -52,72 +55,145 @@ impl RetryPolicy {
 /// A client of one OpenAI-compatible provider.
 #[derive(Clone)]
 pub struct OpenAiChat {
-    http: reqwest::Client,
-    /// Parsed once: parsing it on every call costs more than the rest of the request.
-    url: reqwest::Url,
-    api_key: String,
+    transport: std::sync::Arc<Transport>,
+    /// The headers of every call, built once (the key marked sensitive).
+    headers: HeaderMap,
     retry: RetryPolicy,
 }
+
+/// How calls reach the provider.
+enum Transport {
+    /// The general client: HTTP/1.1 or HTTP/2, TLS, proxies.
+    General {
+        http: reqwest::Client,
+        /// Parsed once: parsing it on every call costs more than the rest of the request.
+        url: reqwest::Url,
+    },
+    /// Cleartext HTTP/2 with prior knowledge, one shared connection.
+    H2c(H2cClient),
+}
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl OpenAiChat {
     /// A client for `settings`, retrying as `retry` says.
     pub fn new(settings: &ProviderSettings, retry: RetryPolicy) -> Result<Self, ModelError> {
-        // TLS uses ring; installing it twice is harmless, so ignore "already installed".
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let mut http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(10))
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(90))
-            // Over HTTP/2 many calls share a connection: large windows so that streaming
-            // calls never wait on flow control, and pings to notice a dead peer.
-            .http2_initial_connection_window_size(16 * 1024 * 1024)
-            .http2_initial_stream_window_size(1024 * 1024)
-            .http2_keep_alive_interval(Duration::from_secs(30))
-            .http2_keep_alive_timeout(Duration::from_secs(10));
-        if settings.http2_prior_knowledge {
-            http = http.http2_prior_knowledge();
-        }
-        let http = http
-            .build()
-            .map_err(|e| ModelError::Connect(format!("cannot build the HTTP client: {e}")))?;
         let url = format!(
             "{}/chat/completions",
             settings.base_url.trim_end_matches('/')
         );
-        let url = reqwest::Url::parse(&url)
-            .map_err(|e| ModelError::Connect(format!("invalid base URL {url:?}: {e}")))?;
+        let invalid = |e: &dyn std::fmt::Display| {
+            ModelError::Connect(format!("invalid base URL {url:?}: {e}"))
+        };
+        let transport = if settings.http2_prior_knowledge && url.starts_with("http://") {
+            Transport::H2c(H2cClient::new(&url, CONNECT_TIMEOUT).map_err(|e| invalid(&e))?)
+        } else {
+            Transport::General {
+                http: general_client(settings.http2_prior_knowledge)?,
+                url: reqwest::Url::parse(&url).map_err(|e| invalid(&e))?,
+            }
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.insert(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        let key = settings.api_key.expose();
+        if !key.is_empty() {
+            let mut value = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+                ModelError::Connect("the API key holds characters a header cannot carry".into())
+            })?;
+            value.set_sensitive(true);
+            headers.insert(AUTHORIZATION, value);
+        }
         Ok(Self {
-            http,
-            url,
-            api_key: settings.api_key.expose().to_owned(),
+            transport: std::sync::Arc::new(transport),
+            headers,
             retry,
         })
     }
 
-    async fn send_once(&self, body: &bytes::Bytes) -> Result<reqwest::Response, ModelError> {
-        let mut request = self
-            .http
-            .post(self.url.clone())
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .body(body.clone());
-        if !self.api_key.is_empty() {
-            request = request.bearer_auth(&self.api_key);
-        }
+    async fn send_once(&self, body: &bytes::Bytes) -> Result<ResponseBody, ModelError> {
+        let mut headers = self.headers.clone();
         if agentrt_telemetry::tracing_enabled() {
             // The model call joins the caller's trace: `traceparent` of the `chat` span.
-            let mut headers = reqwest::header::HeaderMap::new();
             agentrt_telemetry::inject(&mut headers);
-            request = request.headers(headers);
         }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| ModelError::Connect(error_chain(&e)))?;
-        if response.status().is_success() {
-            return Ok(response);
+        match &*self.transport {
+            Transport::General { http, url } => {
+                let mut response = http
+                    .post(url.clone())
+                    .headers(headers)
+                    .body(body.clone())
+                    .send()
+                    .await
+                    .map_err(|e| ModelError::Connect(error_chain(&e)))?;
+                let status = response.status().as_u16();
+                let headers = std::mem::take(response.headers_mut());
+                let body = ResponseBody::General(BodyDataStream::new(response.into()));
+                checked(status, &headers, body).await
+            }
+            Transport::H2c(client) => {
+                let (parts, body) = client.post(body.clone(), headers).await?.into_parts();
+                let body = ResponseBody::H2c(BodyDataStream::new(body));
+                checked(parts.status.as_u16(), &parts.headers, body).await
+            }
         }
-        Err(http_error(response).await)
+    }
+}
+
+/// The general client, with the HTTP/2 settings of [`H2cClient`] for servers that
+/// negotiate HTTP/2.
+fn general_client(http2_prior_knowledge: bool) -> Result<reqwest::Client, ModelError> {
+    // TLS uses ring; installing it twice is harmless, so ignore "already installed".
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let mut http = reqwest::Client::builder()
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .pool_idle_timeout(Duration::from_secs(90))
+        // Over HTTP/2 many calls share a connection: large windows so that streaming
+        // calls never wait on flow control, and pings to notice a dead peer.
+        .http2_initial_connection_window_size(16 * 1024 * 1024)
+        .http2_initial_stream_window_size(1024 * 1024)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .http2_keep_alive_timeout(Duration::from_secs(10));
+    if http2_prior_knowledge {
+        http = http.http2_prior_knowledge();
+    }
+    http.build()
+        .map_err(|e| ModelError::Connect(format!("cannot build the HTTP client: {e}")))
+}
+
+/// The body of a successful response; a failed one becomes its error.
+async fn checked(
+    status: u16,
+    headers: &HeaderMap,
+    body: ResponseBody,
+) -> Result<ResponseBody, ModelError> {
+    if (200..300).contains(&status) {
+        Ok(body)
+    } else {
+        Err(http_error(status, headers, body).await)
+    }
+}
+
+/// A response body, from either transport, as a stream of bytes.
+enum ResponseBody {
+    General(BodyDataStream<reqwest::Body>),
+    H2c(BodyDataStream<hyper::body::Incoming>),
+}
+
+impl Stream for ResponseBody {
+    type Item = Result<bytes::Bytes, std::io::Error>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        // The SSE parser shows only the top error; keep the causes in the text.
+        let lost = |e: &dyn std::error::Error| std::io::Error::other(error_chain(e));
+        match self.get_mut() {
+            Self::General(body) => body.poll_next_unpin(cx).map_err(|e| lost(&e)),
+            Self::H2c(body) => body.poll_next_unpin(cx).map_err(|e| lost(&e)),
+        }
     }
 }
 
@@ -138,13 +214,7 @@ impl ChatModel for OpenAiChat {
                 () = cancel.cancelled() => return Err(ModelError::Cancelled),
             };
             let error = match outcome {
-                Ok(response) => {
-                    // The SSE parser shows only the top error; keep the causes in the text.
-                    let bytes = response
-                        .bytes_stream()
-                        .map_err(|e| std::io::Error::other(error_chain(&e)));
-                    return Ok(Box::pin(decode(bytes)));
-                }
+                Ok(body) => return Ok(Box::pin(decode(body))),
                 Err(error) => error,
             };
             if !error.is_retryable() || attempt >= self.retry.max_retries {
@@ -165,7 +235,7 @@ impl ChatModel for OpenAiChat {
     }
 }
 
-fn error_chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -177,16 +247,13 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 }
 
 /// Reads a failed response: the provider's JSON `error.message` when there is one.
-async fn http_error(response: reqwest::Response) -> ModelError {
-    let status = response.status().as_u16();
-    let retry_after = response
-        .headers()
-        .get(reqwest::header::RETRY_AFTER)
+async fn http_error(status: u16, headers: &HeaderMap, mut chunks: ResponseBody) -> ModelError {
+    let retry_after = headers
+        .get(RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok());
     let mut body = Vec::new();
-    let mut chunks = response.bytes_stream();
     while let Some(Ok(chunk)) = chunks.next().await {
         body.extend_from_slice(&chunk);
         if body.len() >= MAX_ERROR_BODY {
@@ -268,7 +335,7 @@ impl<'a> WireTool<'a> {
             function: WireFunction {
                 name: &tool.name,
                 description: Some(&tool.description),
-                parameters: Some(&tool.parameters),
+                parameters: Some(&*tool.parameters),
                 arguments: None,
             },
         }
@@ -834,7 +901,7 @@ mod tests {
             tools: [ToolDefinition {
                 name: "t".into(),
                 description: "d".into(),
-                parameters: json!({"type": "object"}),
+                parameters: json!({"type": "object"}).into(),
             }]
             .into(),
             parallel_tool_calls: true,

@@ -14,6 +14,13 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 async fn simulator(scenarios: serde_json::Value) -> (String, CancellationToken) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    (url, serve_on(listener, scenarios))
+}
+
+/// Serves the simulator with `scenarios` on `listener` until the token is cancelled.
+fn serve_on(listener: tokio::net::TcpListener, scenarios: serde_json::Value) -> CancellationToken {
     let dir = std::env::temp_dir().join(format!(
         "agentrt-sim-{}-{}",
         std::process::id(),
@@ -26,15 +33,13 @@ async fn simulator(scenarios: serde_json::Value) -> (String, CancellationToken) 
         scenarios: Some(file),
         ..Default::default()
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/v1", listener.local_addr().unwrap());
     let stop = CancellationToken::new();
     tokio::spawn(agentrt_simulator::serve(
         settings,
         listener,
         stop.clone().cancelled_owned(),
     ));
-    (url, stop)
+    stop
 }
 
 fn client(url: &str) -> OpenAiChat {
@@ -64,7 +69,7 @@ fn request(model: &str) -> ChatRequest {
         tools: vec![ToolDefinition {
             name: "calculator".into(),
             description: "d".into(),
-            parameters: json!({"type": "object"}),
+            parameters: json!({"type": "object"}).into(),
         }]
         .into(),
         ..Default::default()
@@ -81,8 +86,16 @@ async fn collect(
 
 #[tokio::test]
 async fn demo_streams_reasoning_and_a_fragmented_tool_call() {
-    let (url, _stop) = simulator(json!({})).await;
-    let deltas = collect(&client(&url), request("demo")).await.unwrap();
+    for http2 in [false, true] {
+        let (url, _stop) = simulator(json!({})).await;
+        let deltas = collect(&client_with(&url, http2), request("demo"))
+            .await
+            .unwrap();
+        demo_deltas_are_complete(deltas);
+    }
+}
+
+fn demo_deltas_are_complete(deltas: Vec<Result<ChatDelta, ModelError>>) {
     let deltas: Vec<ChatDelta> = deltas.into_iter().map(Result::unwrap).collect();
     let reasoning: String = deltas
         .iter()
@@ -121,12 +134,18 @@ async fn demo_streams_reasoning_and_a_fragmented_tool_call() {
 
 #[tokio::test]
 async fn transient_errors_are_retried_and_retry_after_is_honoured() {
+    for http2 in [false, true] {
+        transient_errors_are_retried_over(http2).await;
+    }
+}
+
+async fn transient_errors_are_retried_over(http2: bool) {
     let (url, _stop) = simulator(json!({"scenarios": {
         "flaky": {"turns": [{"content": "ok", "error": {"status": 503, "message": "busy", "times": 2}}]},
         "limited": {"turns": [{"content": "ok", "error": {"status": 429, "message": "slow down", "times": 1, "retry_after": 0.3}}]},
         "broken": {"turns": [{"error": {"status": 400, "message": "bad request: messages is required"}}]}
     }})).await;
-    let model = client(&url);
+    let model = client_with(&url, http2);
     let deltas = collect(&model, request("flaky")).await.unwrap();
     assert_eq!(
         deltas[0].as_ref().unwrap(),
@@ -154,12 +173,18 @@ async fn transient_errors_are_retried_and_retry_after_is_honoured() {
 
 #[tokio::test]
 async fn broken_streams_end_with_an_error() {
+    for http2 in [false, true] {
+        broken_streams_end_with_an_error_over(http2).await;
+    }
+}
+
+async fn broken_streams_end_with_an_error_over(http2: bool) {
     let (url, _stop) = simulator(json!({"scenarios": {
         "dropped": {"turns": [{"content": "a long answer that will not arrive whole", "chunk_chars": 4, "drop_after_chunks": 3}]},
         "garbage": {"turns": [{"content": "hello", "malformed": true}]},
         "abrupt": {"turns": [{"content": "no finish chunk", "omit_finish": true}]}
     }})).await;
-    let model = client(&url);
+    let model = client_with(&url, http2);
     let deltas = collect(&model, request("dropped")).await.unwrap();
     assert!(
         matches!(deltas.last().unwrap(), Err(ModelError::Stream(_))),
@@ -212,10 +237,11 @@ async fn unreachable_providers_fail_with_a_connect_error() {
         .unwrap()
         .local_addr()
         .unwrap();
-    let err = collect(&client(&format!("http://{addr}/v1")), request("demo"))
-        .await
-        .unwrap_err();
-    assert!(matches!(err, ModelError::Connect(_)), "{err:?}");
+    for http2 in [false, true] {
+        let model = client_with(&format!("http://{addr}/v1"), http2);
+        let err = collect(&model, request("demo")).await.unwrap_err();
+        assert!(matches!(err, ModelError::Connect(_)), "{err:?}");
+    }
 }
 
 /// Thousands of calls at once share one HTTP/2 connection and every one completes, also
@@ -247,4 +273,38 @@ async fn many_calls_share_one_http2_connection() {
     for result in results {
         assert_eq!(result.unwrap(), "forty-two");
     }
+}
+
+async fn answer(model: &OpenAiChat) -> String {
+    let mut text = String::new();
+    for delta in collect(model, request("short")).await.unwrap() {
+        if let ChatDelta::Content(t) = delta.unwrap() {
+            text.push_str(&t);
+        }
+    }
+    text
+}
+
+/// The shared HTTP/2 connection is replaced when the server goes away: a call after a
+/// restart of the server succeeds.
+#[tokio::test]
+async fn a_closed_http2_connection_is_replaced() {
+    let scenarios = json!({"scenarios": {"short": {"turns": [{"content": "forty-two"}]}}});
+    let (url, stop) = simulator(scenarios.clone()).await;
+    let model = client_with(&url, true);
+    assert_eq!(answer(&model).await, "forty-two");
+    stop.cancel();
+    let addr = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .to_owned();
+    // The old server closes its connections; a new one takes over the same port.
+    let listener = loop {
+        match tokio::net::TcpListener::bind(&addr).await {
+            Ok(listener) => break listener,
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    };
+    let _stop = serve_on(listener, scenarios);
+    assert_eq!(answer(&model).await, "forty-two");
 }

@@ -30,7 +30,7 @@ fn builtin_spec(name: &str, description: &str, input_schema: serde_json::Value) 
     ToolSpec {
         name: name.into(),
         description: description.into(),
-        input_schema,
+        input_schema: input_schema.into(),
         source: ToolSource::Builtin,
     }
 }

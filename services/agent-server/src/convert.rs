@@ -7,7 +7,7 @@ use agentrt_core::{
     AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
 };
 use agentrt_engine::{RunRecord, RunStatus, StopReason};
-use agentrt_events::{EventKind, RunEvent};
+use agentrt_events::{EventData, EventKind, RunEvent};
 
 /// Converts a config that passed validation (defaults applied, every field in range).
 /// Fields validation guarantees are read with their defaults as a fallback, never a panic.
@@ -122,7 +122,7 @@ pub fn event_to_wire(
             EventKind::Error => v1::EventType::Error,
         } as i32,
         content: event.content.clone(),
-        data: event.data.as_ref().and_then(agentrt::json::json_to_struct),
+        data: event.data.as_ref().map(event_data_to_wire),
         done: event.done,
         iteration: i32::try_from(event.iteration).unwrap_or(i32::MAX),
         run_id: run_id.to_owned(),
@@ -131,6 +131,60 @@ pub fn event_to_wire(
         sequence: event.sequence,
         create_time: Some(timestamp(event.time)),
     }
+}
+
+/// An event's payload for the wire: the object [`EventData::to_json`] gives. Tool calls
+/// and results, a few per run, are built straight into the `Struct`.
+pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
+    use prost_types::{Value, value::Kind};
+    let text = |s: &str| Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    };
+    let fields = match data {
+        EventData::ToolCall {
+            id,
+            name,
+            arguments,
+        } => [
+            ("id", text(id)),
+            ("name", text(name)),
+            ("arguments", agentrt::json::json_to_value(arguments)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
+        EventData::ToolResult {
+            id,
+            name,
+            output,
+            is_error,
+            duration_ms,
+        } => [
+            ("id", text(id)),
+            ("name", text(name)),
+            ("output", text(output)),
+            (
+                "is_error",
+                Value {
+                    kind: Some(Kind::BoolValue(*is_error)),
+                },
+            ),
+            (
+                "duration_ms",
+                Value {
+                    #[allow(clippy::cast_precision_loss)] // durations stay far below 2^53 ms
+                    kind: Some(Kind::NumberValue(*duration_ms as f64)),
+                },
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect(),
+        EventData::References { .. } | EventData::End(_) => {
+            return agentrt::json::json_to_struct(&data.to_json()).unwrap_or_default();
+        }
+    };
+    prost_types::Struct { fields }
 }
 
 /// A run status for the wire.
@@ -180,7 +234,7 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
                     .map(|call| v1::ToolCallRecord {
                         id: call.id.clone(),
                         name: call.name.clone(),
-                        arguments: match &call.arguments {
+                        arguments: match &*call.arguments {
                             serde_json::Value::Object(_) => {
                                 agentrt::json::json_to_struct(&call.arguments)
                             }
@@ -221,6 +275,63 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every payload reaches the wire as the object `EventData::to_json` describes.
+    #[test]
+    fn event_payloads_reach_the_wire_as_their_json() {
+        use agentrt_events::{RunFailure, RunSummary};
+        let payloads = [
+            EventData::ToolCall {
+                id: "c1".into(),
+                name: "calculator".into(),
+                arguments: std::sync::Arc::new(
+                    serde_json::json!({"expression": "6 * 7", "n": [1, 2.5]}),
+                ),
+            },
+            EventData::ToolResult {
+                id: "c1".into(),
+                name: "calculator".into(),
+                output: "42".into(),
+                is_error: false,
+                duration_ms: 3,
+            },
+            EventData::References {
+                tool_call_id: "c1".into(),
+                references: vec![serde_json::json!({"title": "t", "url": "u", "score": 0.5})],
+            },
+            EventData::End(RunSummary {
+                stop_reason: "model_error",
+                prompt_tokens: 10,
+                completion_tokens: 5,
+                iterations: 2,
+                error: Some(RunFailure {
+                    code: "MODEL_HTTP_500".into(),
+                    message: "boom".into(),
+                    category: "model",
+                    retryable: true,
+                }),
+            }),
+        ];
+        for data in payloads {
+            let wire = agentrt::json::struct_to_json(&event_data_to_wire(&data));
+            assert_eq!(wire, data.to_json(), "{data:?}");
+        }
+        let done = EventData::End(RunSummary {
+            stop_reason: "final_answer",
+            prompt_tokens: 10,
+            completion_tokens: 5,
+            iterations: 2,
+            error: None,
+        });
+        assert_eq!(
+            done.to_json(),
+            serde_json::json!({
+                "stop_reason": "final_answer",
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+                "iterations": 2,
+            })
+        );
+    }
 
     #[test]
     fn an_effective_config_survives_the_round_trip() {

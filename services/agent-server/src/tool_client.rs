@@ -134,7 +134,8 @@ impl ToolCatalog for GrpcToolClient {
                 input_schema: tool
                     .input_schema
                     .as_ref()
-                    .map_or(serde_json::Value::Null, agentrt::json::struct_to_json),
+                    .map_or(serde_json::Value::Null, agentrt::json::struct_to_json)
+                    .into(),
                 source: match v1::ToolSource::try_from(tool.source) {
                     Ok(v1::ToolSource::Http) => ToolSource::Http,
                     Ok(v1::ToolSource::Mcp) => ToolSource::Mcp,

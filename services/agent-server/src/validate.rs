@@ -412,7 +412,7 @@ mod tests {
         ToolSpec {
             name: "calculator".into(),
             description: String::new(),
-            input_schema: serde_json::json!({}),
+            input_schema: serde_json::json!({}).into(),
             source: ToolSource::Builtin,
         }
     }
