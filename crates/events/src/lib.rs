@@ -42,8 +42,9 @@ pub struct RunEvent {
     pub kind: EventKind,
     /// Text delta, or an error message.
     pub content: String,
-    /// Structured payload; `None` on plain text deltas, which keeps them cheap.
-    pub data: Option<EventData>,
+    /// Structured payload; `None` on plain text deltas, which keeps them cheap (boxed, so
+    /// that a delta does not carry the room of the largest payload).
+    pub data: Option<Box<EventData>>,
     /// Whether this is the run's last event.
     pub done: bool,
     /// The model round, from 1.
@@ -60,7 +61,7 @@ impl RunEvent {
         Self {
             kind,
             content,
-            data,
+            data: data.map(Box::new),
             done: false,
             iteration,
             sequence: 0,

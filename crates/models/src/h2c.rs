@@ -77,9 +77,12 @@ impl H2cClient {
         let _ = stream.set_nodelay(true);
         let (sender, connection) = http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
-            // Large windows so that streaming calls never wait on flow control, and pings
-            // to notice a dead peer.
-            .initial_connection_window_size(16 * 1024 * 1024)
+            // Large windows so that streaming calls never wait on flow control. The
+            // connection window also sets h2's budget for small DATA frames not yet read
+            // (half the window): SSE sends an event per frame, and when thousands of calls
+            // answer at once, a small window makes h2 close the connection with every call
+            // on it ("too_many_data_frames"). Pings notice a dead peer.
+            .initial_connection_window_size(64 * 1024 * 1024)
             .initial_stream_window_size(1024 * 1024)
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10))

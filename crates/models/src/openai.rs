@@ -150,8 +150,9 @@ fn general_client(http2_prior_knowledge: bool) -> Result<reqwest::Client, ModelE
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(90))
         // Over HTTP/2 many calls share a connection: large windows so that streaming
-        // calls never wait on flow control, and pings to notice a dead peer.
-        .http2_initial_connection_window_size(16 * 1024 * 1024)
+        // calls never wait on flow control nor exhaust h2's budget for small DATA frames
+        // (see `H2cClient`), and pings to notice a dead peer.
+        .http2_initial_connection_window_size(64 * 1024 * 1024)
         .http2_initial_stream_window_size(1024 * 1024)
         .http2_keep_alive_interval(Duration::from_secs(30))
         .http2_keep_alive_timeout(Duration::from_secs(10));

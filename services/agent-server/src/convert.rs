@@ -122,7 +122,7 @@ pub fn event_to_wire(
             EventKind::Error => v1::EventType::Error,
         } as i32,
         content: event.content.clone(),
-        data: event.data.as_ref().map(event_data_to_wire),
+        data: event.data.as_deref().map(event_data_to_wire),
         done: event.done,
         iteration: i32::try_from(event.iteration).unwrap_or(i32::MAX),
         run_id: run_id.to_owned(),

@@ -66,6 +66,10 @@ impl GrpcToolClient {
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
             .keep_alive_while_idle(true)
+            // Every call in flight shares the connection, and each result arrives as a
+            // small DATA frame: h2 allows unread small frames up to half the connection
+            // window, so thousands of results at once need a large one.
+            .initial_connection_window_size(16 * 1024 * 1024)
             .connect_lazy();
         Ok(Self {
             endpoint: url.to_owned(),

@@ -23,6 +23,11 @@ use clap::Parser;
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+/// mimalloc, as in the servers: the bench client shares the cores with the stack it
+/// measures, so its own allocation costs should stay small.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Benchmarks the real stack and prints the figures.
 #[derive(Debug, Parser)]
 #[command(name = "agentrt-bench", version, about)]

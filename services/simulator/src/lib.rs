@@ -220,6 +220,21 @@ async fn chat_completions(
             );
         }
     };
+    let stops: Vec<String> = match &request["stop"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(items) => items
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_owned))
+            .collect(),
+        _ => Vec::new(),
+    };
+    let include_usage = request["stream_options"]["include_usage"]
+        .as_bool()
+        .unwrap_or(false);
+    let prompt_chars = serialized_len(&request["messages"]);
+    // Only what the reply needs is kept over the latency: ten thousand requests waiting
+    // at once must not hold their whole JSON.
+    drop((request, headers));
     let latency = sim.latency + Duration::from_millis(turn.latency_ms);
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
@@ -239,18 +254,6 @@ async fn chat_completions(
             return error_response(error.status, &error.message, error.retry_after);
         }
     }
-    let stops: Vec<String> = match &request["stop"] {
-        Value::String(s) => vec![s.clone()],
-        Value::Array(items) => items
-            .iter()
-            .filter_map(|s| s.as_str().map(str::to_owned))
-            .collect(),
-        _ => Vec::new(),
-    };
-    let include_usage = request["stream_options"]["include_usage"]
-        .as_bool()
-        .unwrap_or(false);
-    let prompt_chars: usize = request["messages"].to_string().len();
     let chunks = sse_chunks(&model, turn.clone(), &stops, include_usage, prompt_chars);
     let delay = Duration::from_millis(turn.chunk_delay_ms);
     let linger = Duration::from_millis(turn.linger_ms);
@@ -280,6 +283,24 @@ async fn chat_completions(
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
+}
+
+/// The length of `value` written as JSON, counted without building the text.
+fn serialized_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // Writing to a counter cannot fail.
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
 }
 
 fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {

@@ -3,6 +3,11 @@
 use agentrt_simulator::Cli;
 use anyhow::Context;
 
+/// mimalloc: the system allocator took a third of the simulator's CPU under load, and
+/// the simulator shares the machine with the servers it feeds.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);

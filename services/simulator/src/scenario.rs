@@ -138,7 +138,9 @@ impl Conversation {
             .as_array()
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let role = |m: &Value| m["role"].as_str().unwrap_or_default().to_owned();
+        fn role(message: &Value) -> &str {
+            message["role"].as_str().unwrap_or_default()
+        }
         let text = |m: &Value| m["content"].as_str().unwrap_or_default().to_owned();
         let turn = messages.iter().filter(|m| role(m) == "assistant").count();
         let user_messages = messages.iter().filter(|m| role(m) == "user").count();
