@@ -15,14 +15,13 @@ const PER_MESSAGE: u32 = 4;
 /// differ by a few percent, which the budget's margin absorbs.
 pub struct TokenCounter {
     bpe: Option<tiktoken_rs::CoreBPE>,
-    /// Counts of longer texts by hash: tool schemas, system prompts and tool outputs come
-    /// back run after run, and BPE costs tens of microseconds where hashing costs one.
+    /// Counts of texts by hash: tool names, descriptions and schemas, system prompts and
+    /// tool outputs come back run after run, and BPE (with its regex pre-tokenizer) costs
+    /// microseconds even for a word, where hashing costs tens of nanoseconds.
     memo: Mutex<HashMap<u64, u32>>,
     hasher: RandomState,
 }
 
-/// Texts shorter than this are counted directly; caching them would cost more than it saves.
-const MEMO_MIN_LEN: usize = 64;
 /// Entries the memo holds before it starts over, which bounds its memory (~100 KB).
 const MEMO_CAPACITY: usize = 4096;
 
@@ -56,9 +55,6 @@ impl TokenCounter {
             return u32::try_from(text.len().div_ceil(4)).unwrap_or(u32::MAX);
         };
         let count = |text: &str| u32::try_from(bpe.encode_ordinary(text).len()).unwrap_or(u32::MAX);
-        if text.len() < MEMO_MIN_LEN {
-            return count(text);
-        }
         let key = self.hasher.hash_one(text);
         if let Some(&tokens) = self.memo().get(&key) {
             return tokens;
