@@ -61,7 +61,9 @@ impl H2cClient {
             return Ok(sender.clone());
         }
         *slot = None;
-        let sender = self.connect().await?;
+        // Boxed: the handshake's state is large, and a future that held it inline would
+        // carry that room through every call, though only the first call connects.
+        let sender = Box::pin(self.connect()).await?;
         *slot = Some(sender.clone());
         Ok(sender)
     }

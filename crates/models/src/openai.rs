@@ -119,13 +119,16 @@ impl OpenAiChat {
         }
         match &*self.transport {
             Transport::General { http, url } => {
-                let mut response = http
-                    .post(url.clone())
-                    .headers(headers)
-                    .body(body.clone())
-                    .send()
-                    .await
-                    .map_err(|e| ModelError::Connect(error_chain(&e)))?;
+                // Boxed, so that the general client's large request future does not
+                // enlarge every h2c call's future too.
+                let mut response = Box::pin(
+                    http.post(url.clone())
+                        .headers(headers)
+                        .body(body.clone())
+                        .send(),
+                )
+                .await
+                .map_err(|e| ModelError::Connect(error_chain(&e)))?;
                 let status = response.status().as_u16();
                 let headers = std::mem::take(response.headers_mut());
                 let body = ResponseBody::General(BodyDataStream::new(response.into()));
