@@ -6,7 +6,9 @@ use std::{
 };
 
 use agentrt_core::ToolResult;
-use agentrt_events::{EventData, EventKind, RunEvent, RunFailure, RunPublisher, RunSummary};
+use agentrt_events::{
+    EventData, EventKind, JsonText, RunEvent, RunFailure, RunPublisher, RunSummary,
+};
 use agentrt_models::Usage;
 use serde_json::{Value, json};
 
@@ -114,9 +116,9 @@ impl Emitter {
         self.step(&mut record).tool_calls.reserve_exact(count);
     }
 
-    pub(crate) fn tool_call(&mut self, id: &str, name: &str, arguments: Value) {
+    pub(crate) fn tool_call(&mut self, id: &str, name: &str, arguments: &Value) {
         let mut record = self.state.lock();
-        let arguments = Arc::new(arguments);
+        let arguments = JsonText::new(arguments);
         self.step(&mut record).tool_calls.push(ToolCallRecord {
             id: id.into(),
             name: name.into(),

@@ -566,14 +566,14 @@ impl Engine {
             .iter()
             .map(|call| {
                 let arguments = parse_arguments(&call.arguments);
-                em.tool_call(
-                    &call.id,
-                    &call.name,
-                    arguments.as_ref().map_or_else(
-                        |_| serde_json::Value::String(call.arguments.clone()),
-                        Clone::clone,
+                match &arguments {
+                    Ok(parsed) => em.tool_call(&call.id, &call.name, parsed),
+                    Err(_) => em.tool_call(
+                        &call.id,
+                        &call.name,
+                        &serde_json::Value::String(call.arguments.clone()),
                     ),
-                );
+                }
                 let arguments = arguments.map_err(ToolResult::error)?;
                 if !config.tools.iter().any(|t| t == &call.name) {
                     return Err(ToolResult::error(format!(

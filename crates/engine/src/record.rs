@@ -82,7 +82,7 @@ pub struct ToolCallRecord {
     /// The tool.
     pub name: String,
     /// The arguments (the raw text as a string when they were not valid JSON).
-    pub arguments: std::sync::Arc<serde_json::Value>,
+    pub arguments: agentrt_events::JsonText,
     /// The output given to the model.
     pub output: String,
     /// Whether it failed.

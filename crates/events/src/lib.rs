@@ -80,9 +80,9 @@ pub enum EventData {
         id: String,
         /// The tool.
         name: String,
-        /// The parsed arguments (the raw text as a string when they were not valid
-        /// JSON), shared with the run's record.
-        arguments: Arc<serde_json::Value>,
+        /// The arguments (the raw text as a string when they were not valid JSON),
+        /// shared with the run's record.
+        arguments: JsonText,
     },
     /// A tool's result.
     ToolResult {
@@ -106,6 +106,29 @@ pub enum EventData {
     },
     /// The end of a run.
     End(RunSummary),
+}
+
+/// A JSON value kept as its text, shared: a parsed object costs twenty times the memory of
+/// its text, and tool-call arguments are kept for as long as their run's log and record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JsonText(Arc<str>);
+
+impl JsonText {
+    /// The text of `value`.
+    pub fn new(value: &serde_json::Value) -> Self {
+        Self(value.to_string().into())
+    }
+
+    /// The value, parsed again.
+    pub fn value(&self) -> serde_json::Value {
+        // The text was written from a value, so it parses.
+        serde_json::from_str(&self.0).unwrap_or_default()
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
 }
 
 /// How a run ended: the payload of its `done` event.
@@ -145,7 +168,7 @@ impl EventData {
                 id,
                 name,
                 arguments,
-            } => json!({"id": id, "name": name, "arguments": **arguments}),
+            } => json!({"id": id, "name": name, "arguments": arguments.value()}),
             Self::ToolResult {
                 id,
                 name,

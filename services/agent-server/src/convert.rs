@@ -148,7 +148,10 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
         } => [
             ("id", text(id)),
             ("name", text(name)),
-            ("arguments", agentrt::json::json_to_value(arguments)),
+            (
+                "arguments",
+                agentrt::json::json_to_value(&arguments.value()),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))
@@ -234,9 +237,9 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
                     .map(|call| v1::ToolCallRecord {
                         id: call.id.clone(),
                         name: call.name.clone(),
-                        arguments: match &*call.arguments {
-                            serde_json::Value::Object(_) => {
-                                agentrt::json::json_to_struct(&call.arguments)
+                        arguments: match call.arguments.value() {
+                            arguments @ serde_json::Value::Object(_) => {
+                                agentrt::json::json_to_struct(&arguments)
                             }
                             raw => {
                                 agentrt::json::json_to_struct(&serde_json::json!({ "raw": raw }))
@@ -284,8 +287,8 @@ mod tests {
             EventData::ToolCall {
                 id: "c1".into(),
                 name: "calculator".into(),
-                arguments: std::sync::Arc::new(
-                    serde_json::json!({"expression": "6 * 7", "n": [1, 2.5]}),
+                arguments: agentrt_events::JsonText::new(
+                    &serde_json::json!({"expression": "6 * 7", "n": [1, 2.5]}),
                 ),
             },
             EventData::ToolResult {
