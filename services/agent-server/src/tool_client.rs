@@ -158,11 +158,14 @@ impl ToolRunner for GrpcToolClient {
         let name = call.name.clone();
         // The deadline travels to the tool executor, which stops the work when it passes;
         // the local timer covers an executor that does not answer at all.
+        let arguments = agentrt::json::json_to_struct(&call.arguments);
+        // The parsed arguments are not needed while the call runs, which may be long.
+        drop(call.arguments);
         let request = self.request(
             v1::ExecuteToolRequest {
                 call_id: call.call_id,
                 tool_name: call.name,
-                arguments: agentrt::json::json_to_struct(&call.arguments),
+                arguments,
                 run_id: call.run_id,
                 session_id: call.session_id,
             },
