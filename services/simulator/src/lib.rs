@@ -318,6 +318,33 @@ fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Respo
 
 type Chunk = Result<Bytes, std::io::Error>;
 
+/// One streamed chunk, written straight from borrowed parts (a JSON tree per chunk was most
+/// of the simulator's cost under load). Fields in the order a JSON object map writes them.
+#[derive(serde::Serialize)]
+struct ChunkOut<'a> {
+    choices: [ChoiceOut; 1],
+    created: u64,
+    id: &'a str,
+    model: &'a str,
+    object: &'static str,
+}
+
+#[derive(serde::Serialize)]
+struct ChoiceOut {
+    delta: Value,
+    finish_reason: Value,
+    index: u32,
+}
+
+/// `value` as one SSE `data:` event.
+fn sse_data(value: &impl serde::Serialize) -> Bytes {
+    let mut out = b"data: ".to_vec();
+    // Writing plain data into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, value);
+    out.extend_from_slice(b"\n\n");
+    Bytes::from(out)
+}
+
 /// The SSE events of a turn, as a real provider would send them.
 fn sse_chunks(
     model: &str,
@@ -328,11 +355,18 @@ fn sse_chunks(
 ) -> Vec<Chunk> {
     let id = format!("chatcmpl-sim-{}", prompt_chars);
     let event = |delta: Value, finish: Value| -> Chunk {
-        let chunk = json!({
-            "id": id, "object": "chat.completion.chunk", "created": 0, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-        });
-        Ok(Bytes::from(format!("data: {chunk}\n\n")))
+        let chunk = ChunkOut {
+            choices: [ChoiceOut {
+                delta,
+                finish_reason: finish,
+                index: 0,
+            }],
+            created: 0,
+            id: &id,
+            model,
+            object: "chat.completion.chunk",
+        };
+        Ok(sse_data(&chunk))
     };
     let size = turn.chunk_chars.max(1);
     let mut events = vec![event(
@@ -426,7 +460,7 @@ fn sse_chunks(
             "usage": {"prompt_tokens": prompt_chars / 4, "completion_tokens": completion_chars.div_ceil(4),
                       "total_tokens": prompt_chars / 4 + completion_chars.div_ceil(4)},
         });
-        events.push(Ok(Bytes::from(format!("data: {usage}\n\n"))));
+        events.push(Ok(sse_data(&usage)));
     }
     events.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
     events
@@ -436,4 +470,31 @@ fn sse_chunks(
 fn pieces(text: &str, size: usize) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     chars.chunks(size).map(|c| c.iter().collect()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunk is written exactly as the JSON object of its fields would be.
+    #[test]
+    fn chunks_are_the_json_objects_providers_send() {
+        let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]});
+        let chunk = ChunkOut {
+            choices: [ChoiceOut {
+                delta: delta.clone(),
+                finish_reason: Value::Null,
+                index: 0,
+            }],
+            created: 0,
+            id: "chatcmpl-sim-7",
+            model: "m",
+            object: "chat.completion.chunk",
+        };
+        let object = json!({
+            "id": "chatcmpl-sim-7", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": null}],
+        });
+        assert_eq!(sse_data(&chunk), Bytes::from(format!("data: {object}\n\n")));
+    }
 }
