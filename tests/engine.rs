@@ -4,6 +4,8 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use agentrt::{
@@ -11,6 +13,7 @@ use agentrt::{
     v1::{self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient},
 };
 use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use common::create_engine;
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 use tonic::{Code, Streaming, transport::Channel};
@@ -80,15 +83,7 @@ fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
 
 impl Stack {
     async fn engine_for(&mut self, config: v1::AgentConfig) -> String {
-        self.service
-            .create_agent_engine(v1::CreateAgentEngineRequest {
-                config: Some(config),
-                session_id: String::new(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .engine_id
+        create_engine(&mut self.service, config).await
     }
 
     async fn start(&mut self, engine_id: &str, query: &str) -> Streaming<v1::AgentStreamEvent> {

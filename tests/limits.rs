@@ -5,12 +5,15 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::time::Duration;
 
 use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
 use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use common::{calculator_agent, create_engine};
 use tokio_stream::StreamExt;
 use tonic::{Code, Streaming, transport::Channel};
 use tonic_types::StatusExt;
@@ -43,22 +46,11 @@ async fn stack(args: &[&str]) -> Stack {
 }
 
 async fn engine_for(service: &mut AgentServiceClient<Channel>, model: &str) -> String {
-    service
-        .create_agent_engine(v1::CreateAgentEngineRequest {
-            config: Some(v1::AgentConfig {
-                name: "limited".into(),
-                model: Some(v1::ModelConfig {
-                    name: model.into(),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
-            session_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .engine_id
+    let config = v1::AgentConfig {
+        tools: Vec::new(),
+        ..calculator_agent("limited", model)
+    };
+    create_engine(service, config).await
 }
 
 fn message(role: v1::Role, content: &str) -> v1::ChatMessage {

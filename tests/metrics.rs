@@ -4,12 +4,15 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::net::SocketAddr;
 
 use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
 use agentrt_test_support::{agent_server_with_model, connect, simulator, tool_executor};
+use common::{calculator_agent, create_engine};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::StreamExt;
 
@@ -46,25 +49,11 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
     )
     .await;
     let channel = connect(&agents.url()).await;
-    let engine_id = AgentServiceClient::new(channel.clone())
-        .create_agent_engine(v1::CreateAgentEngineRequest {
-            config: Some(v1::AgentConfig {
-                name: "metered".into(),
-                model: Some(v1::ModelConfig {
-                    name: "demo".into(),
-                    ..Default::default()
-                }),
-                tools: vec![v1::ToolRef {
-                    name: "calculator".into(),
-                }],
-                ..Default::default()
-            }),
-            session_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .engine_id;
+    let engine_id = create_engine(
+        &mut AgentServiceClient::new(channel.clone()),
+        calculator_agent("metered", "demo"),
+    )
+    .await;
     let mut stream = AgentEngineClient::new(channel)
         .execute(v1::ExecuteRequest {
             engine_id,

@@ -6,6 +6,8 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::path::PathBuf;
 
 use agentrt::v1::{
@@ -13,6 +15,7 @@ use agentrt::v1::{
     tool_executor_client::ToolExecutorClient,
 };
 use agentrt_test_support::{Server, binary, connect, simulator};
+use common::{calculator_agent, create_engine};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     KeyPair,
@@ -122,17 +125,7 @@ async fn connect_tls(server: &Server, tls: ClientTlsConfig) -> Result<Channel, S
 }
 
 fn agent(model: &str) -> v1::AgentConfig {
-    v1::AgentConfig {
-        name: "secure".into(),
-        model: Some(v1::ModelConfig {
-            name: model.into(),
-            ..Default::default()
-        }),
-        tools: vec![v1::ToolRef {
-            name: "calculator".into(),
-        }],
-        ..Default::default()
-    }
+    calculator_agent("secure", model)
 }
 
 /// Runs `adder` on `engine_id` and returns the tool result event's data and the answer.
@@ -213,15 +206,7 @@ async fn tls_on_both_servers_and_mutual_tls_between_them() {
     // tool-executor.
     let channel = connect_tls(&agents, pki.client_tls(None)).await.unwrap();
     let mut service = AgentServiceClient::new(channel.clone());
-    let engine_id = service
-        .create_agent_engine(v1::CreateAgentEngineRequest {
-            config: Some(agent("adder")),
-            session_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .engine_id;
+    let engine_id = create_engine(&mut service, agent("adder")).await;
     let answer = run_adder(
         &mut AgentEngineClient::new(channel),
         Request::new(v1::ExecuteRequest {

@@ -6,6 +6,8 @@
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::{
     sync::{Arc, Mutex},
     time::Duration,
@@ -15,6 +17,7 @@ use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
 use agentrt_test_support::{Server, connect, simulator};
+use common::{calculator_agent, create_engine};
 use opentelemetry_proto::tonic::{
     collector::trace::v1::{
         ExportTraceServiceRequest, ExportTraceServiceResponse,
@@ -124,25 +127,11 @@ async fn one_trace_spans_client_agent_server_model_call_and_tool_executor() {
     .await;
 
     let channel = connect(&agents.url()).await;
-    let engine_id = AgentServiceClient::new(channel.clone())
-        .create_agent_engine(v1::CreateAgentEngineRequest {
-            config: Some(v1::AgentConfig {
-                name: "tracer".into(),
-                model: Some(v1::ModelConfig {
-                    name: "adder".into(),
-                    ..Default::default()
-                }),
-                tools: vec![v1::ToolRef {
-                    name: "calculator".into(),
-                }],
-                ..Default::default()
-            }),
-            session_id: String::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .engine_id;
+    let engine_id = create_engine(
+        &mut AgentServiceClient::new(channel.clone()),
+        calculator_agent("tracer", "adder"),
+    )
+    .await;
     let mut request = Request::new(v1::ExecuteRequest {
         engine_id,
         query: "secret question: add".into(),
