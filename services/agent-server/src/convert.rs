@@ -1,6 +1,9 @@
 //! Conversions between the wire `AgentConfig` and the domain one, at the service edge.
 
-use std::time::{Duration, SystemTime};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, SystemTime},
+};
 
 use agentrt::v1;
 use agentrt_core::{
@@ -140,29 +143,29 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
     let text = |s: &str| Value {
         kind: Some(Kind::StringValue(s.to_owned())),
     };
+    fn fields<const N: usize>(pairs: [(&str, Value); N]) -> BTreeMap<String, Value> {
+        pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+    }
     let fields = match data {
         EventData::ToolCall {
             id,
             name,
             arguments,
-        } => [
+        } => fields([
             ("id", text(id)),
             ("name", text(name)),
             (
                 "arguments",
                 agentrt::json::json_to_value(&arguments.value()),
             ),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect(),
+        ]),
         EventData::ToolResult {
             id,
             name,
             output,
             is_error,
             duration_ms,
-        } => [
+        } => fields([
             ("id", text(id)),
             ("name", text(name)),
             ("output", text(output)),
@@ -179,10 +182,7 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
                     kind: Some(Kind::NumberValue(*duration_ms as f64)),
                 },
             ),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect(),
+        ]),
         EventData::References { .. } | EventData::End(_) => {
             return agentrt::json::json_to_struct(&data.to_json()).unwrap_or_default();
         }
