@@ -2,26 +2,37 @@
 //! (h2c with prior knowledge): vLLM or a simulator beside the server in the same cluster.
 //!
 //! Every call in flight shares one connection, and a call is one HTTP/2 stream on it,
-//! sent straight through hyper. The general client (connection pool, proxies, redirects,
-//! TLS) added about 4.5 KB to each call in flight (measured with `agentrt-bench`), which
-//! adds up when ten thousand runs wait on their model at once. A connection that closes (the
-//! server restarted, sent GOAWAY, stopped answering pings) is replaced by the next call.
+//! driven by the caller's own task through `h2`. The general client (connection pool,
+//! proxies, redirects, TLS) added about 4.5 KB to each call in flight, and a client built
+//! on hyper spawns two tasks per call (one sends the body, one waits for the answer), about
+//! 3 KB more (measured with `agentrt-bench`); that adds up when ten thousand runs wait on
+//! their model at once. Here the body is handed to the stream whole and the answer is read
+//! where it is awaited, so a call spawns nothing. A connection that closes (the server
+//! restarted, sent GOAWAY, stopped answering pings) is replaced by the next call.
 
-use std::time::Duration;
+use std::{
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper::{
-    Request, Response, Uri,
-    body::Incoming,
-    client::conn::http2::{self, SendRequest},
-    header::HeaderMap,
-};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use futures_util::Stream;
+use h2::{RecvStream, client::SendRequest};
+use http::{HeaderMap, HeaderValue, Request, Response, Uri, header::CONTENT_LENGTH};
 use tokio::{net::TcpStream, sync::Mutex};
 use tracing::debug;
 
 use crate::{ModelError, openai::error_chain};
+
+/// How often an open connection is pinged, and how long a pong may take before the
+/// connection counts as dead.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A cleartext HTTP/2 client of one endpoint.
 pub(crate) struct H2cClient {
@@ -30,7 +41,14 @@ pub(crate) struct H2cClient {
     address: String,
     connect_timeout: Duration,
     /// The shared connection; `None` until the first call, replaced once it closes.
-    connection: Mutex<Option<SendRequest<Full<Bytes>>>>,
+    connection: Mutex<Option<Connection>>,
+}
+
+/// One open connection: the handle that opens streams on it, and whether its driver ended.
+#[derive(Clone)]
+struct Connection {
+    sender: SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
 }
 
 impl H2cClient {
@@ -55,20 +73,20 @@ impl H2cClient {
     }
 
     /// The open connection, or a new one when there is none or it closed.
-    async fn sender(&self) -> Result<SendRequest<Full<Bytes>>, ModelError> {
+    async fn connection(&self) -> Result<Connection, ModelError> {
         let mut slot = self.connection.lock().await;
-        if let Some(sender) = slot.as_ref().filter(|s| !s.is_closed()) {
-            return Ok(sender.clone());
+        if let Some(connection) = slot.as_ref().filter(|c| !c.closed.load(Ordering::Acquire)) {
+            return Ok(connection.clone());
         }
         *slot = None;
         // Boxed: the handshake's state is large, and a future that held it inline would
         // carry that room through every call, though only the first call connects.
-        let sender = Box::pin(self.connect()).await?;
-        *slot = Some(sender.clone());
-        Ok(sender)
+        let connection = Box::pin(self.connect()).await?;
+        *slot = Some(connection.clone());
+        Ok(connection)
     }
 
-    async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, ModelError> {
+    async fn connect(&self) -> Result<Connection, ModelError> {
         let unreachable = |e: &dyn std::fmt::Display| {
             ModelError::Connect(format!("cannot connect to {}: {e}", self.address))
         };
@@ -77,45 +95,99 @@ impl H2cClient {
             .map_err(|_| unreachable(&"timed out"))?
             .map_err(|e| unreachable(&e))?;
         let _ = stream.set_nodelay(true);
-        let (sender, connection) = http2::Builder::new(TokioExecutor::new())
-            .timer(TokioTimer::new())
+        let (sender, mut connection) = h2::client::Builder::new()
             // Large windows so that streaming calls never wait on flow control. The
             // connection window also sets h2's budget for small DATA frames not yet read
             // (half the window): SSE sends an event per frame, and when thousands of calls
             // answer at once, a small window makes h2 close the connection with every call
-            // on it ("too_many_data_frames"). Pings notice a dead peer.
+            // on it ("too_many_data_frames").
             .initial_connection_window_size(64 * 1024 * 1024)
-            .initial_stream_window_size(1024 * 1024)
-            .keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10))
-            .handshake(TokioIo::new(stream))
+            .initial_window_size(1024 * 1024)
+            .enable_push(false)
+            .handshake::<_, Bytes>(stream)
             .await
             .map_err(|e| unreachable(&error_chain(&e)))?;
+        let closed = Arc::new(AtomicBool::new(false));
+        let mut pings = connection.ping_pong();
         let address = self.address.clone();
+        let ended = closed.clone();
         tokio::spawn(async move {
-            // Ends when the peer closes or every sender is dropped; calls still on it see
-            // the error on their own streams.
-            if let Err(error) = connection.await {
-                debug!(%address, error = %error_chain(&error), "model connection closed");
-            }
+            // Pings notice a peer that stopped answering; a connection that outlives its
+            // pong is dropped, and the calls on it see the error on their own streams.
+            let keep_alive = async {
+                let Some(pings) = pings.as_mut() else {
+                    return std::future::pending().await;
+                };
+                loop {
+                    tokio::time::sleep(KEEP_ALIVE_INTERVAL).await;
+                    match tokio::time::timeout(KEEP_ALIVE_TIMEOUT, pings.ping(h2::Ping::opaque()))
+                        .await
+                    {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(error)) => return error_chain(&error),
+                        Err(_) => return "no answer to a keep-alive ping".to_owned(),
+                    }
+                }
+            };
+            // Ends when the peer closes or every sender is dropped.
+            let reason = tokio::select! {
+                ended = &mut connection => match ended {
+                    Ok(()) => "closed".to_owned(),
+                    Err(error) => error_chain(&error),
+                },
+                reason = keep_alive => reason,
+            };
+            ended.store(true, Ordering::Release);
+            debug!(%address, %reason, "model connection closed");
         });
         debug!(address = %self.address, "model connection open");
-        Ok(sender)
+        Ok(Connection { sender, closed })
     }
 
     /// POSTs `body` with `headers`; the response, its body still to read.
     pub(crate) async fn post(
         &self,
         body: Bytes,
-        headers: HeaderMap,
-    ) -> Result<Response<Incoming>, ModelError> {
-        let mut sender = self.sender().await?;
+        mut headers: HeaderMap,
+    ) -> Result<Response<H2Body>, ModelError> {
+        let connection = self.connection().await?;
+        let lost = |e: h2::Error| {
+            if e.is_go_away() || e.is_io() {
+                // Not usable for new calls: the next call opens another connection.
+                connection.closed.store(true, Ordering::Release);
+            }
+            ModelError::Connect(error_chain(&e))
+        };
+        let mut sender = connection.sender.clone().ready().await.map_err(lost)?;
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
         let mut request = Request::post(self.uri.clone())
-            .body(Full::new(body))
+            .body(())
             .map_err(|e| ModelError::Connect(format!("invalid request: {e}")))?;
         *request.headers_mut() = headers;
-        let lost = |e: hyper::Error| ModelError::Connect(error_chain(&e));
-        sender.ready().await.map_err(lost)?;
-        sender.send_request(request).await.map_err(lost)
+        let (response, mut stream) = sender.send_request(request, false).map_err(lost)?;
+        // The whole body is queued at once; h2 sends it as the stream's window allows.
+        stream.send_data(body, true).map_err(lost)?;
+        let response = response.await.map_err(lost)?;
+        Ok(response.map(|body| H2Body { body }))
+    }
+}
+
+/// A response body as a stream of bytes, each chunk's room given back to the peer as it
+/// is taken. Dropped before its end, it resets the stream, and the server stops.
+pub(crate) struct H2Body {
+    body: RecvStream,
+}
+
+impl Stream for H2Body {
+    type Item = Result<Bytes, h2::Error>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let body = &mut self.get_mut().body;
+        let chunk = std::task::ready!(body.poll_data(cx));
+        if let Some(Ok(chunk)) = &chunk {
+            // Giving back what was read cannot fail while the stream is open.
+            let _ = body.flow_control().release_capacity(chunk.len());
+        }
+        Poll::Ready(chunk)
     }
 }

@@ -3,8 +3,8 @@
 use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
 use futures_util::{Stream, StreamExt};
+use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
 use http_body_util::BodyDataStream;
-use hyper::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -136,7 +136,7 @@ impl OpenAiChat {
             }
             Transport::H2c(client) => {
                 let (parts, body) = client.post(body.clone(), headers).await?.into_parts();
-                let body = ResponseBody::H2c(BodyDataStream::new(body));
+                let body = ResponseBody::H2c(body);
                 checked(parts.status.as_u16(), &parts.headers, body).await
             }
         }
@@ -182,7 +182,7 @@ async fn checked(
 /// A response body, from either transport, as a stream of bytes.
 enum ResponseBody {
     General(BodyDataStream<reqwest::Body>),
-    H2c(BodyDataStream<hyper::body::Incoming>),
+    H2c(crate::h2c::H2Body),
 }
 
 impl Stream for ResponseBody {

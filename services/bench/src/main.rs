@@ -398,6 +398,9 @@ async fn main() -> anyhow::Result<()> {
 
     let engines = stack.engines("three_calls", cli.concurrent).await?;
     let rss_before = rss_kib(agents_pid)?;
+    let model_pid = stack.model.pid().context("model-simulator exited")?;
+    let bench_pid = std::process::id();
+    let (m0, b0) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
     let (a0, t0) = cpu()?;
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
     let sampler = {
@@ -429,13 +432,18 @@ async fn main() -> anyhow::Result<()> {
     }
     sampler.abort();
     let (a1, t1) = cpu()?;
+    let (m1, b1) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
     let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;
     let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
     println!(
-        "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {failed}",
+        "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {failed}  [CPU in s: agent-server {:.2}, tool-executor {:.2}, simulator {:.2}, bench client {:.2}]",
         cli.concurrent,
         cli.latency_ms,
-        wall.as_secs_f64()
+        wall.as_secs_f64(),
+        (a1 - a0).as_secs_f64(),
+        (t1 - t0).as_secs_f64(),
+        (m1 - m0).as_secs_f64(),
+        (b1 - b0).as_secs_f64(),
     );
     println!(
         "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
