@@ -13,7 +13,7 @@ pub use config::{
 };
 pub use secret::Secret;
 pub use tool::{
-    Reference, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError, ToolSource,
-    ToolSpec,
+    Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError,
+    ToolSource, ToolSpec,
 };
 pub use violation::Violation;

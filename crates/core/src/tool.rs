@@ -1,4 +1,71 @@
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
+use serde_json::{Value, value::RawValue};
+
+/// A JSON value shared read-only, written out once: tool schemas go into every model
+/// request and token count of every run, and writing the same tree again each time was a
+/// visible share of a run's CPU. It dereferences to the value and serializes as its text.
+#[derive(Clone)]
+pub struct SharedJson(Arc<SharedJsonInner>);
+
+struct SharedJsonInner {
+    value: Value,
+    /// The text; `None` only if writing failed, which a `Value` never does.
+    text: Option<Box<RawValue>>,
+}
+
+impl SharedJson {
+    /// The JSON text, as written once.
+    pub fn text(&self) -> std::borrow::Cow<'_, str> {
+        match &self.0.text {
+            Some(text) => text.get().into(),
+            None => self.0.value.to_string().into(),
+        }
+    }
+}
+
+impl From<Value> for SharedJson {
+    fn from(value: Value) -> Self {
+        let text = serde_json::value::to_raw_value(&value).ok();
+        Self(Arc::new(SharedJsonInner { value, text }))
+    }
+}
+
+impl std::ops::Deref for SharedJson {
+    type Target = Value;
+
+    fn deref(&self) -> &Value {
+        &self.0.value
+    }
+}
+
+impl PartialEq for SharedJson {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.value == other.0.value
+    }
+}
+
+impl std::fmt::Debug for SharedJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.0.value, f)
+    }
+}
+
+impl std::fmt::Display for SharedJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text())
+    }
+}
+
+impl Serialize for SharedJson {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match &self.0.text {
+            Some(text) => text.serialize(serializer),
+            None => self.0.value.serialize(serializer),
+        }
+    }
+}
 
 /// Where a tool comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,7 +88,7 @@ pub struct ToolSpec {
     pub description: String,
     /// JSON Schema of the arguments object, shared by every engine and run that offers
     /// the tool to a model.
-    pub input_schema: std::sync::Arc<serde_json::Value>,
+    pub input_schema: SharedJson,
     /// Where the tool comes from.
     pub source: ToolSource,
 }
@@ -106,4 +173,36 @@ impl ToolResult {
 pub trait ToolRunner: Send + Sync {
     /// Runs one call within `timeout`.
     async fn run(&self, call: ToolInvocation, timeout: std::time::Duration) -> ToolResult;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn shared_json_writes_as_its_value_would() {
+        let value = json!({"type": "object", "properties": {"q": {"type": "string", "description": "a \"quoted\" é"}}});
+        let shared = SharedJson::from(value.clone());
+        assert_eq!(*shared, value);
+        assert_eq!(shared.text(), value.to_string());
+        assert_eq!(shared.to_string(), value.to_string());
+        let nested = json!({"parameters": &value, "name": "t"});
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            parameters: &'a SharedJson,
+            name: &'a str,
+        }
+        let written = serde_json::to_string(&Wire {
+            parameters: &shared,
+            name: "t",
+        })
+        .unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(&written).unwrap(),
+            nested,
+            "{written}"
+        );
+        assert_eq!(shared.clone(), shared);
+    }
 }

@@ -1,9 +1,6 @@
 //! Publishes a run's events and keeps its record in step with them.
 
-use std::{
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{sync::Arc, time::Duration};
 
 use agentrt_core::ToolResult;
 use agentrt_events::{
@@ -46,8 +43,8 @@ impl Emitter {
     /// wakes readers at once.
     fn publish(&self, event: RunEvent, record: &mut RunRecord) {
         let structured = event.data.is_some();
+        record.update_time = event.time;
         record.last_sequence = self.publisher.publish(event);
-        record.update_time = SystemTime::now();
         if structured {
             self.publisher.flush();
         }

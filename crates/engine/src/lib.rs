@@ -252,7 +252,7 @@ impl Engine {
             .map(|d| {
                 counter.text(&d.name)
                     + counter.text(&d.description)
-                    + counter.text(&d.parameters.to_string())
+                    + counter.text(&d.parameters.text())
             })
             .sum();
         let user = ChatMessage::User(spec.query.clone());

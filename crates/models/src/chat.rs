@@ -45,8 +45,8 @@ pub struct ToolDefinition {
     pub name: String,
     /// What it does.
     pub description: String,
-    /// JSON Schema of its arguments.
-    pub parameters: std::sync::Arc<serde_json::Value>,
+    /// JSON Schema of its arguments, written out once.
+    pub parameters: agentrt_core::SharedJson,
 }
 
 /// One streaming chat call.

@@ -339,7 +339,7 @@ impl<'a> WireTool<'a> {
             function: WireFunction {
                 name: &tool.name,
                 description: Some(&tool.description),
-                parameters: Some(&*tool.parameters),
+                parameters: Some(&tool.parameters),
                 arguments: None,
             },
         }
@@ -352,7 +352,7 @@ struct WireFunction<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     description: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    parameters: Option<&'a Value>,
+    parameters: Option<&'a agentrt_core::SharedJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     arguments: Option<&'a str>,
 }
@@ -565,12 +565,41 @@ where
 /// the per-delta cost.
 #[derive(serde::Deserialize)]
 struct Chunk<'a> {
-    #[serde(default, borrow)]
-    choices: Option<Vec<Choice<'a>>>,
+    /// The first choice: `n` is never set, so there is one (or, on the usage chunk, none).
+    #[serde(default, borrow, deserialize_with = "first_choice")]
+    choices: Option<Choice<'a>>,
     #[serde(default)]
     usage: Option<ChunkUsage>,
     #[serde(default)]
     error: Option<Value>,
+}
+
+/// The first element of `choices`, read without collecting the others.
+fn first_choice<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Choice<'de>>, D::Error> {
+    struct First;
+    impl<'de> serde::de::Visitor<'de> for First {
+        type Value = Option<Choice<'de>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of choices")
+        }
+
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            let first = seq.next_element()?;
+            while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+            Ok(first)
+        }
+    }
+    deserializer.deserialize_any(First)
 }
 
 #[derive(serde::Deserialize)]
@@ -653,7 +682,7 @@ impl Assembler {
                 completion_tokens: usage.completion_tokens.unwrap_or(0),
             });
         }
-        let Some(choice) = chunk.choices.into_iter().flatten().next() else {
+        let Some(choice) = chunk.choices else {
             return Ok(());
         };
         if let Some(delta) = choice.delta {
@@ -667,9 +696,8 @@ impl Assembler {
             }
             if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
                 self.saw_content = true;
-                let mut pieces = Vec::new();
-                self.think.push(&text, &mut pieces);
-                out.extend(pieces.into_iter().map(piece_delta));
+                self.think
+                    .push(text, |piece| out.push_back(piece_delta(piece)));
             }
             for (position, call) in delta.tool_calls.into_iter().flatten().enumerate() {
                 let index = call.index.unwrap_or(position as u64);
@@ -710,9 +738,7 @@ impl Assembler {
             return;
         }
         self.finished = true;
-        let mut pieces = Vec::new();
-        self.think.finish(&mut pieces);
-        out.extend(pieces.into_iter().map(piece_delta));
+        self.think.finish(|piece| out.push_back(piece_delta(piece)));
         let calls = std::mem::take(&mut self.calls);
         let had_calls = !calls.is_empty();
         for (index, call) in calls {
@@ -860,6 +886,25 @@ mod tests {
             ok(run(sse).await),
             [
                 ChatDelta::Content("hi".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                }
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn the_first_choice_counts_and_null_choices_are_none() {
+        let sse = concat!(
+            "data: {\"choices\":null,\"id\":\"x\"}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"a <b> \\\"c\\\"\"}},{\"delta\":{\"content\":\"ignored\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"},{\"delta\":{\"content\":[1,{}]}}]}\n\n",
+        );
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Content("a <b> \"c\"".into()),
                 ChatDelta::Finish {
                     reason: FinishReason::Stop,
                     usage: None

@@ -1,6 +1,8 @@
 //! Splits `<think>...</think>` out of streamed answer text, for models (DeepSeek-R1,
 //! Qwen3, ...) that put their reasoning inline. Tags may be split across chunks.
 
+use std::borrow::Cow;
+
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 
@@ -22,14 +24,19 @@ pub struct ThinkSplitter {
 }
 
 impl ThinkSplitter {
-    /// Routes `chunk`, appending the pieces it completes to `out`.
-    pub fn push(&mut self, chunk: &str, out: &mut Vec<Piece>) {
-        self.pending.push_str(chunk);
+    /// Routes `chunk`, handing the pieces it completes to `out`.
+    pub fn push(&mut self, chunk: Cow<'_, str>, mut out: impl FnMut(Piece)) {
+        // Most chunks hold no tag nor the start of one: they pass whole, uncopied.
+        if self.pending.is_empty() && !chunk.contains('<') {
+            self.emit(chunk.into_owned(), &mut out);
+            return;
+        }
+        self.pending.push_str(&chunk);
         loop {
             let tag = if self.inside { CLOSE } else { OPEN };
             if let Some(at) = self.pending.find(tag) {
                 let before: String = self.pending[..at].to_owned();
-                self.emit(before, out);
+                self.emit(before, &mut out);
                 self.pending.drain(..at + tag.len());
                 self.inside = !self.inside;
                 continue;
@@ -38,24 +45,25 @@ impl ThinkSplitter {
             let keep = partial_suffix(&self.pending, tag);
             let ready = self.pending.len() - keep;
             if ready > 0 {
-                let text: String = self.pending.drain(..ready).collect();
-                self.emit(text, out);
+                let text = self.pending[..ready].to_owned();
+                self.pending.drain(..ready);
+                self.emit(text, &mut out);
             }
             return;
         }
     }
 
     /// Flushes what is held back at the end of the stream.
-    pub fn finish(&mut self, out: &mut Vec<Piece>) {
+    pub fn finish(&mut self, mut out: impl FnMut(Piece)) {
         let rest = std::mem::take(&mut self.pending);
-        self.emit(rest, out);
+        self.emit(rest, &mut out);
     }
 
-    fn emit(&self, text: String, out: &mut Vec<Piece>) {
+    fn emit(&self, text: String, out: &mut impl FnMut(Piece)) {
         if text.is_empty() {
             return;
         }
-        out.push(if self.inside {
+        out(if self.inside {
             Piece::Reasoning(text)
         } else {
             Piece::Content(text)
@@ -83,9 +91,9 @@ mod tests {
         let mut splitter = ThinkSplitter::default();
         let mut out = Vec::new();
         for chunk in chunks {
-            splitter.push(chunk, &mut out);
+            splitter.push((*chunk).into(), |p| out.push(p));
         }
-        splitter.finish(&mut out);
+        splitter.finish(|p| out.push(p));
         // Merge neighbours of the same kind, as a reader of the deltas would.
         let mut merged: Vec<Piece> = Vec::new();
         for piece in out {
@@ -122,7 +130,7 @@ mod tests {
     fn nothing_is_held_back_longer_than_needed() {
         let mut splitter = ThinkSplitter::default();
         let mut out = Vec::new();
-        splitter.push("abc<", &mut out);
+        splitter.push("abc<".into(), |p| out.push(p));
         assert_eq!(out, [Piece::Content("abc".into())]);
     }
 }
