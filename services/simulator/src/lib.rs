@@ -34,7 +34,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tracing::{info, warn};
 
-use scenario::{Conversation, Scenarios, Turn};
+use scenario::{ChatRequestIn, Conversation, Scenarios, Turn};
 
 /// The simulator's settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -199,14 +199,28 @@ async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
 async fn chat_completions(
     State(sim): State<Arc<Simulator>>,
     headers: axum::http::HeaderMap,
-    Json(request): Json<Value>,
+    body: Bytes,
 ) -> Response {
-    let model = request["model"].as_str().unwrap_or_default().to_owned();
+    // Read typed and borrowed: a JSON tree of every request (tool schemas included) was
+    // the larger part of the simulator's cost under load.
+    let parsed = std::str::from_utf8(&body)
+        .map_err(|e| e.to_string())
+        .and_then(|text| ChatRequestIn::parse(text).map_err(|e| e.to_string()))
+        .and_then(|request| {
+            let conversation = Conversation::of(&request).map_err(|e| e.to_string())?;
+            Ok((request, conversation))
+        });
+    let (request, conversation) = match parsed {
+        Ok(parsed) => parsed,
+        Err(error) => {
+            return error_response(400, &format!("invalid request body: {error}"), None);
+        }
+    };
+    let model = request.model.clone().into_owned();
     // Shows that callers propagate their trace context (W3C `traceparent`).
     if let Some(traceparent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
         info!(%model, traceparent, "chat completion request");
     }
-    let conversation = Conversation::of(&request);
     let turn = match sim.scenarios.scenarios.get(&model) {
         Some(scenario) => scenario.turn(&conversation),
         None if model == "demo" => scenario::demo(&conversation),
@@ -220,21 +234,24 @@ async fn chat_completions(
             );
         }
     };
-    let stops: Vec<String> = match &request["stop"] {
-        Value::String(s) => vec![s.clone()],
-        Value::Array(items) => items
+    let stops: Vec<String> = match &request.stop {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
             .iter()
             .filter_map(|s| s.as_str().map(str::to_owned))
             .collect(),
         _ => Vec::new(),
     };
-    let include_usage = request["stream_options"]["include_usage"]
-        .as_bool()
+    let include_usage = request
+        .stream_options
+        .as_ref()
+        .and_then(|o| o["include_usage"].as_bool())
         .unwrap_or(false);
-    let prompt_chars = serialized_len(&request["messages"]);
+    let prompt_chars = request.messages.get().len();
     // Only what the reply needs is kept over the latency: ten thousand requests waiting
-    // at once must not hold their whole JSON.
-    drop((request, headers));
+    // at once must not hold their whole body.
+    drop(request);
+    drop((body, headers));
     let latency = sim.latency + Duration::from_millis(turn.latency_ms);
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
@@ -285,24 +302,6 @@ async fn chat_completions(
     response
 }
 
-/// The length of `value` written as JSON, counted without building the text.
-fn serialized_len(value: &Value) -> usize {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    // Writing to a counter cannot fail.
-    let _ = serde_json::to_writer(&mut count, value);
-    count.0
-}
-
 fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let body =
@@ -322,7 +321,7 @@ type Chunk = Result<Bytes, std::io::Error>;
 /// of the simulator's cost under load). Fields in the order a JSON object map writes them.
 #[derive(serde::Serialize)]
 struct ChunkOut<'a> {
-    choices: [ChoiceOut; 1],
+    choices: [ChoiceOut<'a>; 1],
     created: u64,
     id: &'a str,
     model: &'a str,
@@ -330,10 +329,51 @@ struct ChunkOut<'a> {
 }
 
 #[derive(serde::Serialize)]
-struct ChoiceOut {
-    delta: Value,
-    finish_reason: Value,
+struct ChoiceOut<'a> {
+    delta: DeltaOut<'a>,
+    finish_reason: Option<&'a str>,
     index: u32,
+}
+
+/// A chunk's delta, one shape per kind of chunk; fields in the order a JSON object map
+/// writes them.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum DeltaOut<'a> {
+    /// The first chunk.
+    Role {
+        content: &'static str,
+        role: &'static str,
+    },
+    Reasoning {
+        content: Option<&'a str>,
+        reasoning_content: &'a str,
+    },
+    Content {
+        content: &'a str,
+    },
+    Call {
+        tool_calls: [CallOut<'a>; 1],
+    },
+    /// The finish chunk.
+    Empty {},
+}
+
+#[derive(serde::Serialize)]
+struct CallOut<'a> {
+    function: FunctionOut<'a>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    index: usize,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+}
+
+#[derive(serde::Serialize)]
+struct FunctionOut<'a> {
+    arguments: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
 }
 
 /// `value` as one SSE `data:` event.
@@ -354,7 +394,7 @@ fn sse_chunks(
     prompt_chars: usize,
 ) -> Vec<Chunk> {
     let id = format!("chatcmpl-sim-{}", prompt_chars);
-    let event = |delta: Value, finish: Value| -> Chunk {
+    let event = |delta: DeltaOut<'_>, finish: Option<&str>| -> Chunk {
         let chunk = ChunkOut {
             choices: [ChoiceOut {
                 delta,
@@ -370,8 +410,11 @@ fn sse_chunks(
     };
     let size = turn.chunk_chars.max(1);
     let mut events = vec![event(
-        json!({"role": "assistant", "content": ""}),
-        Value::Null,
+        DeltaOut::Role {
+            content: "",
+            role: "assistant",
+        },
+        None,
     )];
 
     let mut content = turn.content.clone();
@@ -384,13 +427,16 @@ fn sse_chunks(
     } else {
         for piece in pieces(&turn.reasoning, size) {
             events.push(event(
-                json!({"reasoning_content": piece, "content": null}),
-                Value::Null,
+                DeltaOut::Reasoning {
+                    content: None,
+                    reasoning_content: &piece,
+                },
+                None,
             ));
         }
     }
     for piece in pieces(&content, size) {
-        events.push(event(json!({"content": piece}), Value::Null));
+        events.push(event(DeltaOut::Content { content: &piece }, None));
     }
 
     // Tool calls: a header chunk per call, then argument fragments, interleaved.
@@ -414,8 +460,18 @@ fn sse_chunks(
         .collect();
     for (index, (id, name, _)) in calls.iter().enumerate() {
         events.push(event(
-            json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
-            Value::Null,
+            DeltaOut::Call {
+                tool_calls: [CallOut {
+                    function: FunctionOut {
+                        arguments: "",
+                        name: Some(name),
+                    },
+                    id: Some(id),
+                    index,
+                    kind: Some("function"),
+                }],
+            },
+            None,
         ));
     }
     let longest = calls.iter().map(|(_, _, p)| p.len()).max().unwrap_or(0);
@@ -423,8 +479,18 @@ fn sse_chunks(
         for (index, (_, _, fragments)) in calls.iter().enumerate() {
             if let Some(fragment) = fragments.get(round) {
                 events.push(event(
-                    json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
-                    Value::Null,
+                    DeltaOut::Call {
+                        tool_calls: [CallOut {
+                            function: FunctionOut {
+                                arguments: fragment,
+                                name: None,
+                            },
+                            id: None,
+                            index,
+                            kind: None,
+                        }],
+                    },
+                    None,
                 ));
             }
         }
@@ -453,7 +519,7 @@ fn sse_chunks(
             "tool_calls".into()
         }
     });
-    events.push(event(json!({}), json!(finish)));
+    events.push(event(DeltaOut::Empty {}, Some(&finish)));
     if include_usage {
         let usage = json!({
             "id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
@@ -476,25 +542,108 @@ fn pieces(text: &str, size: usize) -> Vec<String> {
 mod tests {
     use super::*;
 
-    /// A chunk is written exactly as the JSON object of its fields would be.
+    /// Every kind of chunk is written exactly as the JSON object of its fields would be.
     #[test]
     fn chunks_are_the_json_objects_providers_send() {
-        let delta = json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]});
-        let chunk = ChunkOut {
-            choices: [ChoiceOut {
-                delta: delta.clone(),
-                finish_reason: Value::Null,
-                index: 0,
+        let call = |function, id, kind| DeltaOut::Call {
+            tool_calls: [CallOut {
+                function,
+                id,
+                index: 1,
+                kind,
             }],
-            created: 0,
-            id: "chatcmpl-sim-7",
-            model: "m",
-            object: "chat.completion.chunk",
         };
-        let object = json!({
-            "id": "chatcmpl-sim-7", "object": "chat.completion.chunk", "created": 0, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": null}],
-        });
-        assert_eq!(sse_data(&chunk), Bytes::from(format!("data: {object}\n\n")));
+        let cases = [
+            (
+                DeltaOut::Role {
+                    content: "",
+                    role: "assistant",
+                },
+                None,
+                json!({"role": "assistant", "content": ""}),
+            ),
+            (
+                DeltaOut::Reasoning {
+                    content: None,
+                    reasoning_content: "hm\"m",
+                },
+                None,
+                json!({"reasoning_content": "hm\"m", "content": null}),
+            ),
+            (
+                DeltaOut::Content { content: "é\n" },
+                None,
+                json!({"content": "é\n"}),
+            ),
+            (
+                call(
+                    FunctionOut {
+                        arguments: "",
+                        name: Some("calculator"),
+                    },
+                    Some("call_1"),
+                    Some("function"),
+                ),
+                None,
+                json!({"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
+                                       "function": {"name": "calculator", "arguments": ""}}]}),
+            ),
+            (
+                call(
+                    FunctionOut {
+                        arguments: "{\"a\"",
+                        name: None,
+                    },
+                    None,
+                    None,
+                ),
+                None,
+                json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\""}}]}),
+            ),
+            (DeltaOut::Empty {}, Some("stop"), json!({})),
+        ];
+        for (delta, finish_reason, expected) in cases {
+            let chunk = ChunkOut {
+                choices: [ChoiceOut {
+                    delta,
+                    finish_reason,
+                    index: 0,
+                }],
+                created: 0,
+                id: "chatcmpl-sim-7",
+                model: "m",
+                object: "chat.completion.chunk",
+            };
+            let object = json!({
+                "id": "chatcmpl-sim-7", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                "choices": [{"index": 0, "delta": expected, "finish_reason": finish_reason}],
+            });
+            assert_eq!(sse_data(&chunk), Bytes::from(format!("data: {object}\n\n")));
+        }
+    }
+
+    #[test]
+    fn requests_are_read_typed() {
+        let body = json!({
+            "model": "m", "stop": ["Observation:"], "stream_options": {"include_usage": true},
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "parts"}]},
+                {"role": "user", "content": "What is 6 * 7?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "a"}]},
+                {"role": "tool", "tool_call_id": "a", "content": "42"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}],
+        })
+        .to_string();
+        let request = ChatRequestIn::parse(&body).unwrap();
+        assert_eq!(request.model, "m");
+        let conversation = Conversation::of(&request).unwrap();
+        assert_eq!(conversation.turn, 1);
+        assert_eq!(conversation.user_messages, 2);
+        assert_eq!(conversation.query, "What is 6 * 7?");
+        assert_eq!(conversation.tool_results, ["42"]);
+        assert_eq!(conversation.tools, ["calculator"]);
+        assert!(ChatRequestIn::parse(r#"{"model": "m"}"#).is_err());
     }
 }

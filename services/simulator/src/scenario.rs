@@ -5,10 +5,10 @@
 //! across concurrent conversations (past the last turn, the last one repeats).
 //! The built-in `demo` model answers arithmetic with the calculator tool instead.
 
-use std::collections::HashMap;
+use std::{borrow::Cow, collections::HashMap};
 
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Value, value::RawValue};
 
 /// Scenarios by model name, as a scenarios file writes them.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -111,6 +111,103 @@ pub struct ScriptedError {
     pub retry_after: Option<f64>,
 }
 
+/// The parts of a chat completions request the simulator reads, borrowed from its body:
+/// the tools' schemas and everything else are skipped, not built into a JSON tree.
+#[derive(Deserialize)]
+pub struct ChatRequestIn<'a> {
+    /// The scenario to play.
+    #[serde(default, borrow)]
+    pub model: Cow<'a, str>,
+    /// The conversation, as sent.
+    #[serde(borrow)]
+    pub messages: &'a RawValue,
+    /// The tools offered.
+    #[serde(default, borrow)]
+    pub tools: Vec<ToolIn<'a>>,
+    /// Stop sequences: a string or a list of them.
+    #[serde(default)]
+    pub stop: Option<Value>,
+    /// `{"include_usage": true}` asks for a last chunk with usage.
+    #[serde(default)]
+    pub stream_options: Option<Value>,
+}
+
+/// A tool offered.
+#[derive(Deserialize)]
+pub struct ToolIn<'a> {
+    /// The function, named.
+    #[serde(default, borrow)]
+    pub function: Option<NamedIn<'a>>,
+}
+
+/// Something with a name.
+#[derive(Deserialize)]
+pub struct NamedIn<'a> {
+    /// The name.
+    #[serde(default, borrow)]
+    pub name: Option<Cow<'a, str>>,
+}
+
+/// One message, as far as the scenarios look.
+#[derive(Deserialize)]
+struct MessageIn<'a> {
+    #[serde(default, borrow)]
+    role: Cow<'a, str>,
+    /// Text content; anything else (null, a list of parts) counts as none.
+    #[serde(default, borrow, deserialize_with = "text_or_none")]
+    content: Option<Cow<'a, str>>,
+}
+
+fn text_or_none<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Cow<'de, str>>, D::Error> {
+    use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+    struct Text;
+    impl<'de> Visitor<'de> for Text {
+        type Value = Option<Cow<'de, str>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("message content")
+        }
+        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Borrowed(v)))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Owned(v.to_owned())))
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+            Ok(None)
+        }
+    }
+    deserializer.deserialize_any(Text)
+}
+
+impl<'a> ChatRequestIn<'a> {
+    /// Reads a request body.
+    pub fn parse(body: &'a str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(body)
+    }
+}
+
 /// What the simulator knows of a request.
 #[derive(Debug, Clone, Default)]
 pub struct Conversation {
@@ -133,15 +230,12 @@ pub struct Conversation {
 
 impl Conversation {
     /// Reads the parts of a chat completions request the scenarios use.
-    pub fn of(request: &Value) -> Self {
-        let messages = request["messages"]
-            .as_array()
-            .map(Vec::as_slice)
-            .unwrap_or_default();
-        fn role(message: &Value) -> &str {
-            message["role"].as_str().unwrap_or_default()
+    pub fn of(request: &ChatRequestIn<'_>) -> Result<Self, serde_json::Error> {
+        let messages: Vec<MessageIn<'_>> = serde_json::from_str(request.messages.get())?;
+        fn role<'m>(message: &'m MessageIn<'_>) -> &'m str {
+            &message.role
         }
-        let text = |m: &Value| m["content"].as_str().unwrap_or_default().to_owned();
+        let text = |m: &MessageIn<'_>| m.content.as_deref().unwrap_or_default().to_owned();
         let turn = messages.iter().filter(|m| role(m) == "assistant").count();
         let user_messages = messages.iter().filter(|m| role(m) == "user").count();
         let query = messages
@@ -160,15 +254,11 @@ impl Conversation {
             .into_iter()
             .rev()
             .collect();
-        let tools: Vec<String> = request["tools"]
-            .as_array()
-            .map(|tools| {
-                tools
-                    .iter()
-                    .filter_map(|t| t["function"]["name"].as_str().map(str::to_owned))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let tools: Vec<String> = request
+            .tools
+            .iter()
+            .filter_map(|t| t.function.as_ref()?.name.as_deref().map(str::to_owned))
+            .collect();
         let system = messages
             .iter()
             .find(|m| role(m) == "system")
@@ -182,7 +272,7 @@ impl Conversation {
                     .map(|o| o.trim().to_owned())
             })
             .flatten();
-        Self {
+        Ok(Self {
             turn,
             query,
             tool_results,
@@ -190,7 +280,7 @@ impl Conversation {
             tools,
             react,
             observation,
-        }
+        })
     }
 }
 
@@ -298,6 +388,11 @@ mod tests {
         assert_eq!(arithmetic_in("in 2026"), None);
     }
 
+    fn conversation(request: &Value) -> Conversation {
+        let text = request.to_string();
+        Conversation::of(&ChatRequestIn::parse(&text).unwrap()).unwrap()
+    }
+
     #[test]
     fn the_turn_is_the_number_of_assistant_messages() {
         let request = json!({"messages": [
@@ -306,7 +401,7 @@ mod tests {
             {"role": "tool", "tool_call_id": "a", "content": "1"},
             {"role": "tool", "tool_call_id": "b", "content": "2"},
         ], "tools": [{"type": "function", "function": {"name": "calculator"}}]});
-        let conversation = Conversation::of(&request);
+        let conversation = conversation(&request);
         assert_eq!(conversation.turn, 1);
         assert_eq!(conversation.tool_results, ["1", "2"]);
         let scenario = Scenario {
@@ -325,7 +420,7 @@ mod tests {
     fn the_demo_calls_the_calculator_then_answers() {
         let ask = json!({"messages": [{"role": "user", "content": "What is 6 * 7?"}],
                           "tools": [{"type": "function", "function": {"name": "calculator"}}]});
-        let first = demo(&Conversation::of(&ask));
+        let first = demo(&conversation(&ask));
         assert_eq!(
             first.tool_calls[0].arguments,
             json!({"expression": "6 * 7"})
@@ -334,9 +429,6 @@ mod tests {
             {"role": "user", "content": "What is 6 * 7?"},
             {"role": "assistant", "content": null},
             {"role": "tool", "tool_call_id": "a", "content": "42"}]});
-        assert_eq!(
-            demo(&Conversation::of(&answered)).content,
-            "The answer is 42."
-        );
+        assert_eq!(demo(&conversation(&answered)).content, "The answer is 42.");
     }
 }
