@@ -176,7 +176,10 @@ impl GrpcServer {
             .layer(AuthLayer::new(tokens))
             .add_routes(routes)
             .serve_with_incoming_shutdown(
-                TcpIncoming::from(listener).with_nodelay(Some(true)),
+                tokio_stream::StreamExt::map(
+                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    |accepted| accepted.map(agentrt_io::Coalesced::new),
+                ),
                 stop_accepting.clone().cancelled_owned(),
             );
         tokio::pin!(server);

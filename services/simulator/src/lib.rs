@@ -172,7 +172,10 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let connection = http
-            .serve_connection_with_upgrades(TokioIo::new(stream), service.clone())
+            .serve_connection_with_upgrades(
+                TokioIo::new(agentrt_io::Coalesced::new(stream)),
+                service.clone(),
+            )
             .into_owned();
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
