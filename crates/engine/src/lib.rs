@@ -27,7 +27,7 @@ use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, ToolDefinition,
 };
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
@@ -460,13 +460,14 @@ impl Engine {
             loop {
                 // Deltas that are already here are published as one batch; readers are
                 // woken only when the model makes us wait.
-                let next = match stream.next().now_or_never() {
-                    Some(next) => next,
-                    None => {
+                let next = std::future::poll_fn(|cx| {
+                    let next = stream.poll_next_unpin(cx);
+                    if next.is_pending() {
                         em.flush();
-                        stream.next().await
                     }
-                };
+                    next
+                })
+                .await;
                 let Some(delta) = next else { break };
                 first_delta.get_or_insert_with(Instant::now);
                 match delta.map_err(model_failure)? {

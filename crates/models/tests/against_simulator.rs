@@ -308,3 +308,37 @@ async fn a_closed_http2_connection_is_replaced() {
     let _stop = serve_on(listener, scenarios);
     assert_eq!(answer(&model).await, "forty-two");
 }
+
+/// Over HTTP/2 the room of what was read is given back to the server in batches: answers
+/// far larger than a stream's window (1 MiB), and together larger than the connection's
+/// (64 MiB), still stream to their end, several at once on the shared connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_answers_larger_than_the_flow_control_windows_stream_to_the_end() {
+    let content = "0123456789abcdef".repeat(3 * 1024 * 1024 / 16);
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "large": {"turns": [{"content": content, "chunk_chars": 1000}]}
+    }}))
+    .await;
+    let model = std::sync::Arc::new(client_with(&url, true));
+    let calls = futures_util::stream::iter(0..24)
+        .map(|_| {
+            let model = model.clone();
+            async move {
+                let mut length = 0;
+                for delta in collect(&model, request("large")).await? {
+                    if let ChatDelta::Content(t) = delta? {
+                        length += t.len();
+                    }
+                }
+                Ok(length)
+            }
+        })
+        .buffer_unordered(6)
+        .collect::<Vec<Result<usize, ModelError>>>();
+    let lengths = tokio::time::timeout(Duration::from_secs(60), calls)
+        .await
+        .expect("the answers stalled: read room is not given back to the server");
+    for length in lengths {
+        assert_eq!(length.unwrap(), content.len());
+    }
+}
