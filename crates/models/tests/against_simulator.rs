@@ -2,7 +2,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
 use agentrt_core::Secret;
 use agentrt_models::{
@@ -21,6 +27,16 @@ async fn simulator(scenarios: serde_json::Value) -> (String, CancellationToken) 
 
 /// Serves the simulator with `scenarios` on `listener` until the token is cancelled.
 fn serve_on(listener: tokio::net::TcpListener, scenarios: serde_json::Value) -> CancellationToken {
+    serve_with(listener, scenarios, None)
+}
+
+/// Serves the simulator with `scenarios` and at most `max_streams` concurrent HTTP/2
+/// streams per connection.
+fn serve_with(
+    listener: tokio::net::TcpListener,
+    scenarios: serde_json::Value,
+    max_streams: Option<u32>,
+) -> CancellationToken {
     let dir = std::env::temp_dir().join(format!(
         "agentrt-sim-{}-{}",
         std::process::id(),
@@ -31,6 +47,7 @@ fn serve_on(listener: tokio::net::TcpListener, scenarios: serde_json::Value) -> 
     std::fs::write(&file, scenarios.to_string()).unwrap();
     let settings = agentrt_simulator::Settings {
         scenarios: Some(file),
+        max_concurrent_streams: max_streams,
         ..Default::default()
     };
     let stop = CancellationToken::new();
@@ -244,15 +261,15 @@ async fn unreachable_providers_fail_with_a_connect_error() {
     }
 }
 
-/// Thousands of calls at once share one HTTP/2 connection and every one completes, also
+/// Thousands of calls at once share the HTTP/2 connections and every one completes, also
 /// when the server ends each response a little after `[DONE]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_calls_share_one_http2_connection() {
+async fn many_calls_share_http2_connections() {
     let (url, _stop) = simulator(json!({"scenarios": {
         "short": {"turns": [{"content": "forty-two", "chunk_chars": 3, "linger_ms": 20}]}
     }}))
     .await;
-    let model = std::sync::Arc::new(client_with(&url, true));
+    let model = Arc::new(client_with(&url, true));
     let results: Vec<Result<String, ModelError>> = futures_util::stream::iter(0..6_000)
         .map(|_| {
             let model = model.clone();
@@ -319,7 +336,7 @@ async fn http2_answers_larger_than_the_flow_control_windows_stream_to_the_end() 
         "large": {"turns": [{"content": content, "chunk_chars": 1000}]}
     }}))
     .await;
-    let model = std::sync::Arc::new(client_with(&url, true));
+    let model = Arc::new(client_with(&url, true));
     let calls = futures_util::stream::iter(0..24)
         .map(|_| {
             let model = model.clone();
@@ -341,4 +358,56 @@ async fn http2_answers_larger_than_the_flow_control_windows_stream_to_the_end() 
     for length in lengths {
         assert_eq!(length.unwrap(), content.len());
     }
+}
+
+/// Forwards the connections made to an address of its own to `target`, counting them.
+async fn counting_proxy(target: std::net::SocketAddr) -> (String, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let connections = Arc::new(AtomicUsize::new(0));
+    let counted = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (url, connections)
+}
+
+/// A server that takes few streams per connection (`SETTINGS_MAX_CONCURRENT_STREAMS`) gets
+/// more connections, so that calls run at once instead of queueing behind each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_calls_beyond_the_servers_stream_limit_open_more_connections() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let target = listener.local_addr().unwrap();
+    let scenarios = json!({"scenarios": {
+        "slow": {"turns": [{"content": "forty-two", "latency_ms": 500}]}
+    }});
+    let _stop = serve_with(listener, scenarios, Some(4));
+    let (url, connections) = counting_proxy(target).await;
+    let model = Arc::new(client_with(&url, true));
+    let answers: Vec<String> = futures_util::stream::iter(0..40)
+        .map(|_| {
+            let model = model.clone();
+            async move {
+                let mut text = String::new();
+                for delta in collect(&model, request("slow")).await.unwrap() {
+                    if let ChatDelta::Content(t) = delta.unwrap() {
+                        text.push_str(&t);
+                    }
+                }
+                text
+            }
+        })
+        .buffer_unordered(40)
+        .collect()
+        .await;
+    assert!(answers.iter().all(|a| a == "forty-two"), "{answers:?}");
+    // 40 calls at once, 4 streams per connection: 10 connections, none more.
+    assert_eq!(connections.load(Ordering::SeqCst), 10);
 }

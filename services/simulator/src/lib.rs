@@ -47,6 +47,9 @@ pub struct Settings {
     pub latency: Duration,
     /// Scenarios file (JSON); the built-in `demo` model is always there.
     pub scenarios: Option<PathBuf>,
+    /// Most HTTP/2 streams (calls) one connection may have open at once, as real servers
+    /// limit them (often to 100 or so); unset, a connection takes as many as a client opens.
+    pub max_concurrent_streams: Option<u32>,
 }
 
 impl Default for Settings {
@@ -55,6 +58,7 @@ impl Default for Settings {
             listen: SocketAddr::from(([127, 0, 0, 1], 50053)),
             latency: Duration::ZERO,
             scenarios: None,
+            max_concurrent_streams: None,
         }
     }
 }
@@ -76,6 +80,9 @@ pub struct Cli {
     /// Scenarios file (JSON).
     #[arg(long, value_name = "FILE")]
     pub scenarios: Option<PathBuf>,
+    /// Most HTTP/2 streams open at once on one connection (unlimited when unset).
+    #[arg(long, value_name = "N")]
+    pub max_concurrent_streams: Option<u32>,
 }
 
 impl Cli {
@@ -89,6 +96,9 @@ impl Cli {
         agentrt_server::config::override_with(&mut settings.latency, self.latency);
         if self.scenarios.is_some() {
             settings.scenarios.clone_from(&self.scenarios);
+        }
+        if self.max_concurrent_streams.is_some() {
+            settings.max_concurrent_streams = self.max_concurrent_streams;
         }
         settings
     }
@@ -146,12 +156,12 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .with_state(simulator);
     info!(service = "model-simulator", addr = %listener.local_addr()?, "listening");
-    // HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port. HTTP/2 allows as many
-    // concurrent calls per connection as a client opens, so that a load test runs over a
-    // single connection instead of thousands.
+    // HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port. Unless limited, HTTP/2
+    // allows as many concurrent calls per connection as a client opens, so that a load
+    // test runs over a few connections instead of thousands.
     let mut http = auto::Builder::new(TokioExecutor::new());
     http.http2()
-        .max_concurrent_streams(None)
+        .max_concurrent_streams(settings.max_concurrent_streams)
         .initial_connection_window_size(16 * 1024 * 1024)
         .initial_stream_window_size(1024 * 1024);
     let service = TowerToHyperService::new(app);
