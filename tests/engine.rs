@@ -52,9 +52,19 @@ struct Stack {
 }
 
 async fn stack() -> Stack {
+    stack_with(&[]).await
+}
+
+/// The stack, with these extra agent-server arguments.
+async fn stack_with(agent_server_args: &[&str]) -> Stack {
     let model = simulator(SCENARIOS, &[]).await;
     let tools = tool_executor(&[]).await;
-    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    let agents = agent_server_with_model(
+        &tools.url(),
+        &format!("{}/v1", model.url()),
+        agent_server_args,
+    )
+    .await;
     let channel = connect(&agents.url()).await;
     Stack {
         model,
@@ -540,6 +550,52 @@ async fn collect_tail(mut stream: Streaming<v1::AgentStreamEvent>) -> Vec<u64> {
         sequences.push(event.unwrap().sequence);
     }
     sequences
+}
+
+/// Ended runs keep at most `runs.retained_events` events for replay, all together: the
+/// log of the run that ended first goes early, `Subscribe` to it says so precisely, and
+/// `GetRun` still tells how it ended.
+#[tokio::test]
+async fn ended_runs_beyond_the_retained_events_cannot_be_replayed_but_are_still_known() {
+    let dir = std::env::temp_dir().join(format!("agentrt-retained-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("agent-server.toml");
+    std::fs::write(&config, "[runs]\nretained_events = 3\n").unwrap();
+    let mut s = stack_with(&["--config", config.to_str().unwrap()]).await;
+    let engine_id = s.engine_for(agent("memory", &[])).await;
+    let mut runs = Vec::new();
+    for query in ["first", "second"] {
+        let events = rest(s.start(&engine_id, query).await).await;
+        assert_well_formed(&events);
+        assert_eq!(events.len(), 2, "an answer delta and done: {events:?}");
+        runs.push(events[0].run_id.clone());
+    }
+    let subscribe = |run_id: &str| {
+        let mut engine = s.engine.clone();
+        let request = v1::SubscribeRequest {
+            run_id: run_id.into(),
+            after_sequence: 0,
+        };
+        async move { engine.subscribe(request).await }
+    };
+    let dropped = subscribe(&runs[0]).await.unwrap_err();
+    assert_eq!(dropped.code(), Code::OutOfRange, "{dropped:?}");
+    assert!(
+        dropped.message().contains("no longer retained") && dropped.message().contains("GetRun"),
+        "{dropped:?}"
+    );
+    let kept = collect_tail(subscribe(&runs[1]).await.unwrap().into_inner()).await;
+    assert_eq!(kept, [1, 2]);
+    let state = s
+        .engine
+        .get_run(v1::GetRunRequest {
+            run_id: runs[0].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(state.status, v1::RunStatus::Succeeded as i32);
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[tokio::test]

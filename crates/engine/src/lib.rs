@@ -789,11 +789,12 @@ mod tests {
             .expect("the waiting run was not woken")
             .unwrap();
         assert!(control.is_stopped());
-        assert!(control.cancel.is_cancelled(), "calls in flight are cancelled");
-        // Stopped already: resolves on its first poll.
         assert!(
-            futures_util::FutureExt::now_or_never(control.stop_requested()).is_some()
+            control.cancel.is_cancelled(),
+            "calls in flight are cancelled"
         );
+        // Stopped already: resolves on its first poll.
+        assert!(futures_util::FutureExt::now_or_never(control.stop_requested()).is_some());
         control.stop(StopReason::Timeout);
         assert_eq!(control.reason.get(), Some(&StopReason::Cancelled));
     }

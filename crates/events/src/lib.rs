@@ -6,7 +6,8 @@
 //! it missed and follow live until the `done` event. Readers read the log at their own
 //! pace: a slow reader never blocks the run or other readers; if it falls further behind
 //! than the log keeps, it is told exactly which events it lost. After a run ends its log
-//! is kept for a time-to-live, then dropped.
+//! is kept for a time-to-live, then dropped; the logs of ended runs together keep at most
+//! a set number of events, and the oldest go first when more runs end.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -260,6 +261,10 @@ pub struct BusLimits {
     pub events_per_run: usize,
     /// How long a finished run's log stays readable.
     pub retention: Duration,
+    /// Events kept in the logs of finished runs, all together: when a run ends beyond it,
+    /// the logs of the runs that ended first are dropped before their retention is over.
+    /// Readers already following a dropped log still read it to its end.
+    pub retained_events: usize,
 }
 
 impl Default for BusLimits {
@@ -267,6 +272,7 @@ impl Default for BusLimits {
         Self {
             events_per_run: 10_000,
             retention: Duration::from_secs(600),
+            retained_events: 1_000_000,
         }
     }
 }
@@ -280,8 +286,26 @@ pub struct InMemoryBus {
 #[derive(Default)]
 struct BusState {
     runs: HashMap<String, Arc<RunLog>>,
-    /// Finished runs in the order they finished, for expiry.
-    finished: VecDeque<(Instant, String)>,
+    /// Finished runs in the order they finished, with the events their logs keep.
+    finished: VecDeque<Finished>,
+    /// Events in the logs of `finished`, all together.
+    retained: usize,
+}
+
+struct Finished {
+    at: Instant,
+    run_id: String,
+    events: usize,
+}
+
+impl BusState {
+    /// Drops the log of the run that finished first.
+    fn drop_oldest(&mut self) {
+        if let Some(oldest) = self.finished.pop_front() {
+            self.runs.remove(&oldest.run_id);
+            self.retained -= oldest.events;
+        }
+    }
 }
 
 struct RunLog {
@@ -324,13 +348,11 @@ impl InMemoryBus {
 
 fn expire(state: &mut BusState, retention: Duration) {
     let now = Instant::now();
-    while let Some((finished, _)) = state.finished.front() {
-        if now.duration_since(*finished) < retention {
+    while let Some(oldest) = state.finished.front() {
+        if now.duration_since(oldest.at) < retention {
             break;
         }
-        if let Some((_, run_id)) = state.finished.pop_front() {
-            state.runs.remove(&run_id);
-        }
+        state.drop_oldest();
     }
 }
 
@@ -356,6 +378,7 @@ impl EventBus for InMemoryBus {
             run_id: run_id.to_owned(),
             log,
             bus: self.inner.clone(),
+            retained_events: self.limits.retained_events,
         }))
     }
 
@@ -384,12 +407,13 @@ struct Publisher {
     run_id: String,
     log: Arc<RunLog>,
     bus: Arc<Mutex<BusState>>,
+    retained_events: usize,
 }
 
 impl RunPublisher for Publisher {
     fn publish(&self, mut event: RunEvent) -> u64 {
         let done = event.done;
-        let sequence = {
+        let (sequence, kept) = {
             let mut state = lock(&self.log.state);
             if state.done {
                 return 0;
@@ -402,13 +426,20 @@ impl RunPublisher for Publisher {
                 state.events.pop_front();
                 state.first += 1;
             }
-            state.next - 1
+            (state.next - 1, state.events.len())
         };
         if done {
             self.flush();
-            lock(&self.bus)
-                .finished
-                .push_back((Instant::now(), self.run_id.clone()));
+            let mut bus = lock(&self.bus);
+            bus.finished.push_back(Finished {
+                at: Instant::now(),
+                run_id: self.run_id.clone(),
+                events: kept,
+            });
+            bus.retained += kept;
+            while bus.retained > self.retained_events {
+                bus.drop_oldest();
+            }
         }
         sequence
     }
@@ -597,6 +628,49 @@ mod tests {
             "running runs never expire"
         );
         assert_eq!(bus.runs(), 1);
+    }
+
+    #[tokio::test]
+    async fn ended_logs_beyond_the_total_bound_are_dropped_oldest_first() {
+        let bus = InMemoryBus::new(BusLimits {
+            retained_events: 5,
+            ..BusLimits::default()
+        });
+        let first = bus.open("first").unwrap();
+        first.publish(delta("a"));
+        first.publish(done());
+        let following = bus.subscribe("first", 0).unwrap();
+        let running = bus.open("running").unwrap();
+        for text in ["c", "d", "e", "f"] {
+            running.publish(delta(text));
+        }
+        let second = bus.open("second").unwrap();
+        second.publish(delta("b"));
+        second.publish(done());
+        assert!(
+            bus.subscribe("first", 0).is_ok(),
+            "running logs do not count"
+        );
+        let third = bus.open("third").unwrap();
+        third.publish(delta("g"));
+        third.publish(done());
+        // 2 + 2 + 2 events ended: the oldest log goes, and no more.
+        assert_eq!(
+            bus.subscribe("first", 0).err(),
+            Some(BusError::UnknownRun("first".into()))
+        );
+        assert_eq!(
+            read_all(following).await,
+            [Ok(1), Ok(2)],
+            "a reader keeps its log"
+        );
+        assert_eq!(
+            read_all(bus.subscribe("second", 0).unwrap()).await,
+            [Ok(1), Ok(2)]
+        );
+        assert_eq!(read_all(bus.subscribe("third", 1).unwrap()).await, [Ok(2)]);
+        assert!(bus.subscribe("running", 0).is_ok());
+        assert_eq!(bus.runs(), 3);
     }
 
     #[tokio::test]

@@ -67,6 +67,22 @@ impl AgentEngineImpl {
         }
     }
 
+    /// The events of a run the server knows, after `after_sequence`.
+    fn events(&self, run: &RunHandle, after_sequence: u64) -> Result<EventStream, Status> {
+        self.runs
+            .events(&run.run_id, after_sequence)
+            .map_err(|error| match error {
+                // The run is known, so it ended and its log was dropped early to keep the
+                // ended runs' events within `runs.retained_events`.
+                BusError::UnknownRun(_) => Status::out_of_range(format!(
+                    "the events of run {:?} are no longer retained (runs.retained_events); \
+                     GetRun returns how it ended",
+                    run.run_id
+                )),
+                error => bus_status(&error),
+            })
+    }
+
     fn run(&self, run_id: &str) -> Result<Arc<RunHandle>, Status> {
         if run_id.is_empty() {
             return Err(Error::InvalidRequest(vec![Violation::new("run_id", "required")]).into());
@@ -270,10 +286,7 @@ impl AgentEngine for AgentEngineImpl {
             }
             Err(StartError::Bus(error)) => return Err(bus_status(&error)),
         };
-        let events = self
-            .runs
-            .events(&handle.run_id, 0)
-            .map_err(|e| bus_status(&e))?;
+        let events = self.events(&handle, 0)?;
         let guard = owner.then(|| CancelOnDisconnect(handle.clone()));
         Ok(Response::new(stream_events(events, &handle, guard)))
     }
@@ -284,10 +297,7 @@ impl AgentEngine for AgentEngineImpl {
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let request = request.into_inner();
         let handle = self.run(&request.run_id)?;
-        let events = self
-            .runs
-            .events(&handle.run_id, request.after_sequence)
-            .map_err(|e| bus_status(&e))?;
+        let events = self.events(&handle, request.after_sequence)?;
         Ok(Response::new(stream_events(events, &handle, None)))
     }
 

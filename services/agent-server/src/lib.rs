@@ -105,6 +105,7 @@ pub async fn serve(
     let bus = Arc::new(InMemoryBus::new(BusLimits {
         events_per_run: settings.runs.events_per_run,
         retention: settings.runs.retention,
+        retained_events: settings.runs.retained_events,
     }));
     let runs = runs::RunManager::new(
         agentrt_engine::Engine::new(models, tools, sessions)

@@ -67,6 +67,9 @@ pub struct RunSettings {
     pub retention: Duration,
     /// Events kept per run for replay; a reader further behind is told what it lost.
     pub events_per_run: usize,
+    /// Events kept for replay in the logs of ended runs, all together; beyond, the runs
+    /// that ended first can no longer be subscribed to, before their retention is over.
+    pub retained_events: usize,
     /// Longest `query` accepted, in characters; beyond, `Execute` is `INVALID_ARGUMENT`.
     pub max_query_chars: usize,
     /// Most `llm_context` messages one `Execute` may carry.
@@ -84,6 +87,7 @@ impl Default for RunSettings {
             max_active: 20_000,
             retention: Duration::from_secs(600),
             events_per_run: 10_000,
+            retained_events: 1_000_000,
             max_query_chars: 100_000,
             max_context_messages: 1_000,
             max_context_chars: 1_000_000,
@@ -213,10 +217,13 @@ impl Settings {
                 message: "must be positive".into(),
             });
         }
-        if self.runs.max_active == 0 || self.runs.events_per_run == 0 {
+        if self.runs.max_active == 0
+            || self.runs.events_per_run == 0
+            || self.runs.retained_events == 0
+        {
             return Err(ConfigError::Invalid {
                 field: "runs",
-                message: "max_active and events_per_run must be positive".into(),
+                message: "max_active, events_per_run and retained_events must be positive".into(),
             });
         }
         for (field, value) in [
