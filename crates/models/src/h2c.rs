@@ -15,17 +15,18 @@
 //! would take them. At least two connections are kept: a connection's state is locked by
 //! its driver task while it receives, and by every call reading from it, and with two the
 //! worker threads wait on each other less (the agent-server's CPU per streamed delta fell
-//! by about 5%). A connection that closes (the server restarted, sent GOAWAY, stopped
-//! answering pings) is dropped from the pool, and the next call opens another.
+//! by about 5%). Connections beyond those two that took no call for 90 s are closed. A
+//! connection that closes (the server restarted, sent GOAWAY, stopped answering pings) is
+//! dropped from the pool, and the next call opens another.
 
 use std::{
     pin::Pin,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
@@ -46,6 +47,9 @@ const MIN_CONNECTIONS: usize = 2;
 /// Most connections to one endpoint; when all are at the server's stream limit, a call
 /// waits for a stream on the least busy one.
 const MAX_CONNECTIONS: usize = 256;
+/// A connection beyond the minimum that took no call for this long is closed, so that a
+/// burst does not leave its connections open for good.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// A cleartext HTTP/2 client of one endpoint.
 pub(crate) struct H2cClient {
@@ -53,8 +57,11 @@ pub(crate) struct H2cClient {
     /// `host:port` to connect to.
     address: String,
     connect_timeout: Duration,
+    idle_timeout: Duration,
     /// The open connections; empty until the first call.
     pool: Mutex<Vec<Connection>>,
+    /// The origin of the connections' times of last use.
+    epoch: Instant,
 }
 
 /// One open connection: the handle that opens streams on it, whether its driver ended, and
@@ -63,7 +70,15 @@ pub(crate) struct H2cClient {
 struct Connection {
     sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
-    calls: Arc<AtomicUsize>,
+    usage: Arc<Usage>,
+}
+
+/// The calls on a connection, and when it last took one.
+#[derive(Default)]
+struct Usage {
+    calls: AtomicUsize,
+    /// Milliseconds from the client's epoch.
+    last_call: AtomicU64,
 }
 
 impl Connection {
@@ -72,7 +87,7 @@ impl Connection {
     }
 
     fn calls(&self) -> usize {
-        self.calls.load(Ordering::Relaxed)
+        self.usage.calls.load(Ordering::Relaxed)
     }
 
     /// Whether the server takes another stream on it now.
@@ -80,20 +95,26 @@ impl Connection {
         self.calls() < self.sender.current_max_send_streams()
     }
 
-    /// Counts a call on this connection until the guard is dropped.
-    fn call(&self) -> CallGuard {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        CallGuard(self.calls.clone())
+    /// Whether it has had no call since `since` (milliseconds from the client's epoch).
+    fn idle_since(&self, since: u64) -> bool {
+        self.calls() == 0 && self.usage.last_call.load(Ordering::Relaxed) < since
+    }
+
+    /// Counts a call on this connection, made at `now`, until the guard is dropped.
+    fn call(&self, now: u64) -> CallGuard {
+        self.usage.calls.fetch_add(1, Ordering::Relaxed);
+        self.usage.last_call.store(now, Ordering::Relaxed);
+        CallGuard(self.usage.clone())
     }
 }
 
 /// A call counted on its connection, from the moment it took it until its answer is read
 /// or dropped.
-struct CallGuard(Arc<AtomicUsize>);
+struct CallGuard(Arc<Usage>);
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.calls.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -114,15 +135,32 @@ impl H2cClient {
             uri,
             address,
             connect_timeout,
+            idle_timeout: IDLE_TIMEOUT,
             pool: Mutex::new(Vec::new()),
+            epoch: Instant::now(),
         })
+    }
+
+    fn millis_since_epoch(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     /// The connection for the next call, counted on it: the least busy open one with a
     /// stream to spare, or a new one while there are fewer than the minimum or all are full.
     async fn connection(&self) -> Result<(Connection, CallGuard), ModelError> {
         let mut pool = self.pool.lock().await;
+        let now = self.millis_since_epoch();
+        let idle_since =
+            now.saturating_sub(u64::try_from(self.idle_timeout.as_millis()).unwrap_or(u64::MAX));
         pool.retain(Connection::is_open);
+        // Calls are only counted on a connection under this lock, so one found idle here
+        // takes none while it is dropped; its driver ends once its last stream is done.
+        let mut closable = pool.len().saturating_sub(MIN_CONNECTIONS);
+        pool.retain(|connection| {
+            let close = closable > 0 && connection.idle_since(idle_since);
+            closable -= usize::from(close);
+            !close
+        });
         let spare = pool
             .iter()
             .filter(|c| c.has_room())
@@ -150,7 +188,7 @@ impl H2cClient {
                 .cloned()
                 .ok_or_else(|| ModelError::Connect("no connection".into()))?,
         };
-        let guard = chosen.call();
+        let guard = chosen.call(now);
         Ok((chosen, guard))
     }
 
@@ -229,7 +267,7 @@ impl H2cClient {
         Ok(Connection {
             sender,
             closed,
-            calls: Arc::new(AtomicUsize::new(0)),
+            usage: Arc::default(),
         })
     }
 
@@ -314,5 +352,46 @@ impl Stream for H2Body {
             }
             ended => ended,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Connections opened for a burst are closed once idle, down to the minimum.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connections_beyond_the_minimum_close_once_idle() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!(
+            "http://{}/v1/chat/completions",
+            listener.local_addr().unwrap()
+        );
+        let settings = agentrt_simulator::Settings {
+            max_concurrent_streams: Some(1),
+            ..Default::default()
+        };
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(agentrt_simulator::serve(
+            settings,
+            listener,
+            stop.clone().cancelled_owned(),
+        ));
+        let mut client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
+        client.idle_timeout = Duration::from_millis(200);
+        let body = Bytes::from_static(
+            br#"{"model":"demo","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let call = || client.post(body.clone(), HeaderMap::new());
+        // One stream per connection: four calls at once need four connections.
+        let answers = futures_util::future::join_all([call(), call(), call(), call()]).await;
+        assert!(answers.iter().all(Result::is_ok));
+        assert_eq!(client.pool.lock().await.len(), 4);
+        drop(answers);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let answer = call().await.unwrap();
+        assert_eq!(answer.status(), 200);
+        assert_eq!(client.pool.lock().await.len(), MIN_CONNECTIONS);
+        stop.cancel();
     }
 }
