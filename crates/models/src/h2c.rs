@@ -15,7 +15,7 @@
 //! would take them. At least two connections are kept: a connection's state is locked by
 //! its driver task while it receives, and by every call reading from it, and with two the
 //! worker threads wait on each other less (the agent-server's CPU per streamed delta fell
-//! by about 5%). Connections beyond those two that took no call for 90 s are closed. A
+//! by 5 to 10% in `agentrt-bench`). Connections beyond those two that took no call for 90 s are closed. A
 //! connection that closes (the server restarted, sent GOAWAY, stopped answering pings) is
 //! dropped from the pool, and the next call opens another.
 
@@ -42,7 +42,7 @@ use crate::{ModelError, openai::error_chain};
 /// connection counts as dead.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections opened before calls share one.
+/// Connections opened before calls share them, and kept open when idle.
 const MIN_CONNECTIONS: usize = 2;
 /// Most connections to one endpoint; when all are at the server's stream limit, a call
 /// waits for a stream on the least busy one.
