@@ -303,7 +303,7 @@ impl BusState {
     fn drop_oldest(&mut self) {
         if let Some(oldest) = self.finished.pop_front() {
             self.runs.remove(&oldest.run_id);
-            self.retained -= oldest.events;
+            self.retained = self.retained.saturating_sub(oldest.events);
         }
     }
 }
