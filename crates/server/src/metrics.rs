@@ -20,9 +20,17 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-/// Records every call's status code and duration in [`Metrics`].
+/// Records every call's status code and duration in [`Metrics`], and stamps each request
+/// with its [`Arrival`].
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RpcMetricsLayer;
+
+/// When a call reached the server's services, before its body was read: the moment
+/// tonic starts the timer of the call's `grpc-timeout`. A handler that ends its work by
+/// `arrival + timeout`, less a margin, answers before tonic cuts the call off with
+/// `CANCELLED`, however late the handler itself started.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival(pub tokio::time::Instant);
 
 impl<S> tower_layer::Layer<S> for RpcMetricsLayer {
     type Service = RpcMetrics<S>;
@@ -52,8 +60,11 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
         let started = Instant::now();
+        request
+            .extensions_mut()
+            .insert(Arrival(tokio::time::Instant::now()));
         // `/package.Service/Method`; anything else is not a gRPC call and is not counted.
         let (service, method) = crate::grpc_route(request.uri().path())
             .map(|(s, m)| (s.to_owned(), m.to_owned()))

@@ -12,8 +12,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, metadata::MetadataMap};
 use tracing::{Instrument, debug, info_span};
 
-/// Tonic answers CANCELLED itself when the `grpc-timeout` it read passes. Finishing this
-/// much earlier lets the handler answer DEADLINE_EXCEEDED, as gRPC clients expect.
+/// Tonic answers CANCELLED itself when the `grpc-timeout` it read passes, counted from
+/// the call's arrival. Finishing this much earlier, counted from the same moment, lets the
+/// handler answer DEADLINE_EXCEEDED, as gRPC clients expect.
 const DEADLINE_MARGIN: Duration = Duration::from_millis(5);
 
 /// `agent.v1.ToolExecutor` over a registry.
@@ -43,7 +44,19 @@ impl ToolExecutor for ToolExecutorService {
         &self,
         request: Request<v1::ExecuteToolRequest>,
     ) -> Result<Response<v1::ExecuteToolResponse>, Status> {
-        let deadline = grpc_timeout(request.metadata());
+        let limit = grpc_timeout(request.metadata());
+        // Counted from the arrival, as tonic counts it: reading the body and waiting for a
+        // worker under load come out of the call's time, not on top of it.
+        let arrival = request
+            .extensions()
+            .get::<agentrt_server::metrics::Arrival>()
+            .map_or_else(Instant::now, |arrival| arrival.0);
+        let deadline = limit.and_then(|limit| {
+            Some((
+                limit,
+                arrival.checked_add(limit.saturating_sub(DEADLINE_MARGIN))?,
+            ))
+        });
         let request = request.into_inner();
         if request.tool_name.is_empty() {
             return Err(status::invalid_argument(
@@ -76,18 +89,19 @@ impl ToolExecutor for ToolExecutorService {
             .registry
             .execute(&request.tool_name, arguments, &ctx)
             .instrument(span);
-        let outcome = match deadline {
-            Some(limit) => tokio::time::timeout(limit.saturating_sub(DEADLINE_MARGIN), execution)
-                .await
-                .map_err(|_| {
-                    ctx.cancel.cancel();
-                    Status::deadline_exceeded(format!(
-                        "tool {:?} did not finish within the call's deadline of {limit:?}",
-                        request.tool_name
-                    ))
-                })?,
-            None => execution.await,
-        };
+        let outcome =
+            match deadline {
+                Some((limit, deadline)) => tokio::time::timeout_at(deadline, execution)
+                    .await
+                    .map_err(|_| {
+                        ctx.cancel.cancel();
+                        Status::deadline_exceeded(format!(
+                            "tool {:?} did not finish within the call's deadline of {limit:?}",
+                            request.tool_name
+                        ))
+                    })?,
+                None => execution.await,
+            };
         let duration = started.elapsed();
         let output = outcome.map_err(|e| execute_error_to_status(&e))?;
         debug!(tool = %request.tool_name, ?duration, is_error = output.is_error, "tool call finished");
