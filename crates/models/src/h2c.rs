@@ -15,9 +15,11 @@
 //! would take them. At least two connections are kept: a connection's state is locked by
 //! its driver task while it receives, and by every call reading from it, and with two the
 //! worker threads wait on each other less (the agent-server's CPU per streamed delta fell
-//! by 5 to 10% in `agentrt-bench`). Connections beyond those two that took no call for 90 s are closed. A
-//! connection that closes (the server restarted, sent GOAWAY, stopped answering pings) is
-//! dropped from the pool, and the next call opens another.
+//! by 5 to 10% in `agentrt-bench`). Connections beyond those two that took no call for
+//! 90 s are closed. When another connection cannot be opened while some are, calls go on
+//! over those and the next attempt waits 10 s. A connection that closes (the server
+//! restarted, sent GOAWAY, stopped answering pings) is dropped from the pool, and the next
+//! call opens another.
 
 use std::{
     pin::Pin,
@@ -50,6 +52,10 @@ const MAX_CONNECTIONS: usize = 256;
 /// A connection beyond the minimum that took no call for this long is closed, so that a
 /// burst does not leave its connections open for good.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// After a failed attempt to open another connection while some are open, calls use those
+/// for this long before another attempt: a server that takes fewer connections, or one
+/// that stopped answering, must not make every call wait for a connect.
+const CONNECT_BACKOFF: Duration = Duration::from_secs(10);
 
 /// A cleartext HTTP/2 client of one endpoint.
 pub(crate) struct H2cClient {
@@ -58,10 +64,17 @@ pub(crate) struct H2cClient {
     address: String,
     connect_timeout: Duration,
     idle_timeout: Duration,
-    /// The open connections; empty until the first call.
-    pool: Mutex<Vec<Connection>>,
+    pool: Mutex<Pool>,
     /// The origin of the connections' times of last use.
     epoch: Instant,
+}
+
+/// The open connections (none until the first call), and until when no other is opened.
+#[derive(Default)]
+struct Pool {
+    connections: Vec<Connection>,
+    /// Milliseconds from the client's epoch.
+    no_connect_before: u64,
 }
 
 /// One open connection: the handle that opens streams on it, whether its driver ended, and
@@ -136,7 +149,7 @@ impl H2cClient {
             address,
             connect_timeout,
             idle_timeout: IDLE_TIMEOUT,
-            pool: Mutex::new(Vec::new()),
+            pool: Mutex::default(),
             epoch: Instant::now(),
         })
     }
@@ -148,7 +161,11 @@ impl H2cClient {
     /// The connection for the next call, counted on it: the least busy open one with a
     /// stream to spare, or a new one while there are fewer than the minimum or all are full.
     async fn connection(&self) -> Result<(Connection, CallGuard), ModelError> {
-        let mut pool = self.pool.lock().await;
+        let mut guard = self.pool.lock().await;
+        let Pool {
+            connections: pool,
+            no_connect_before,
+        } = &mut *guard;
         let now = self.millis_since_epoch();
         let idle_since =
             now.saturating_sub(u64::try_from(self.idle_timeout.as_millis()).unwrap_or(u64::MAX));
@@ -166,30 +183,35 @@ impl H2cClient {
             .filter(|c| c.has_room())
             .min_by_key(|c| c.calls())
             .cloned();
-        let chosen = match spare {
-            Some(connection) if pool.len() >= MIN_CONNECTIONS => connection,
-            spare if pool.len() < MAX_CONNECTIONS => {
-                // Boxed: the handshake's state is large, and a future that held it inline
-                // would carry that room through every call, though few calls connect.
-                match Box::pin(self.connect()).await {
-                    Ok(connection) => {
-                        pool.push(connection.clone());
-                        connection
-                    }
-                    // Below the minimum, a connection that has room serves instead.
-                    Err(error) => spare.ok_or(error)?,
+        let wanted = pool.len() < MIN_CONNECTIONS || spare.is_none();
+        let allowed =
+            pool.is_empty() || (pool.len() < MAX_CONNECTIONS && now >= *no_connect_before);
+        let mut opened = None;
+        if wanted && allowed {
+            // Boxed: the handshake's state is large, and a future that held it inline
+            // would carry that room through every call, though few calls connect.
+            match Box::pin(self.connect()).await {
+                Ok(connection) => {
+                    pool.push(connection.clone());
+                    opened = Some(connection);
+                }
+                Err(error) if pool.is_empty() => return Err(error),
+                Err(error) => {
+                    debug!(address = %self.address, %error, "no other model connection for now");
+                    *no_connect_before = self.millis_since_epoch().saturating_add(
+                        u64::try_from(CONNECT_BACKOFF.as_millis()).unwrap_or(u64::MAX),
+                    );
                 }
             }
-            // As many connections as allowed, all full: h2 queues the call on the least
-            // busy one until the server takes another stream.
-            _ => pool
-                .iter()
-                .min_by_key(|c| c.calls())
-                .cloned()
-                .ok_or_else(|| ModelError::Connect("no connection".into()))?,
-        };
-        let guard = chosen.call(now);
-        Ok((chosen, guard))
+        }
+        // Else one with a stream to spare; with none, h2 queues the call on the least busy
+        // one until the server takes another stream.
+        let chosen = opened
+            .or(spare)
+            .or_else(|| pool.iter().min_by_key(|c| c.calls()).cloned())
+            .ok_or_else(|| ModelError::Connect("no model connection".into()))?;
+        let call = chosen.call(now);
+        Ok((chosen, call))
     }
 
     async fn connect(&self) -> Result<Connection, ModelError> {
@@ -386,12 +408,12 @@ mod tests {
         // One stream per connection: four calls at once need four connections.
         let answers = futures_util::future::join_all([call(), call(), call(), call()]).await;
         assert!(answers.iter().all(Result::is_ok));
-        assert_eq!(client.pool.lock().await.len(), 4);
+        assert_eq!(client.pool.lock().await.connections.len(), 4);
         drop(answers);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let answer = call().await.unwrap();
         assert_eq!(answer.status(), 200);
-        assert_eq!(client.pool.lock().await.len(), MIN_CONNECTIONS);
+        assert_eq!(client.pool.lock().await.connections.len(), MIN_CONNECTIONS);
         stop.cancel();
     }
 }

@@ -360,15 +360,21 @@ async fn http2_answers_larger_than_the_flow_control_windows_stream_to_the_end() 
     }
 }
 
-/// Forwards the connections made to an address of its own to `target`, counting them.
-async fn counting_proxy(target: std::net::SocketAddr) -> (String, Arc<AtomicUsize>) {
+/// Forwards the connections made to an address of its own to `target`, counting them;
+/// those after the first `forwarded` are closed at once.
+async fn counting_proxy(
+    target: std::net::SocketAddr,
+    forwarded: usize,
+) -> (String, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/v1", listener.local_addr().unwrap());
     let connections = Arc::new(AtomicUsize::new(0));
     let counted = connections.clone();
     tokio::spawn(async move {
         while let Ok((mut inbound, _)) = listener.accept().await {
-            counted.fetch_add(1, Ordering::SeqCst);
+            if counted.fetch_add(1, Ordering::SeqCst) >= forwarded {
+                continue;
+            }
             tokio::spawn(async move {
                 if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
                     let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
@@ -389,7 +395,7 @@ async fn http2_calls_beyond_the_servers_stream_limit_open_more_connections() {
         "slow": {"turns": [{"content": "forty-two", "latency_ms": 500}]}
     }});
     let _stop = serve_with(listener, scenarios, Some(4));
-    let (url, connections) = counting_proxy(target).await;
+    let (url, connections) = counting_proxy(target, usize::MAX).await;
     let model = Arc::new(client_with(&url, true));
     let answers: Vec<String> = futures_util::stream::iter(0..40)
         .map(|_| {
@@ -410,4 +416,29 @@ async fn http2_calls_beyond_the_servers_stream_limit_open_more_connections() {
     assert!(answers.iter().all(|a| a == "forty-two"), "{answers:?}");
     // 40 calls at once, 4 streams per connection: 10 connections, none more.
     assert_eq!(connections.load(Ordering::SeqCst), 10);
+}
+
+/// A server that takes one connection only: opening a second one fails once, and calls go
+/// on over the first without trying again at every call.
+#[tokio::test]
+async fn http2_calls_go_on_over_the_open_connection_when_another_cannot_be_opened() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "short": {"turns": [{"content": "forty-two"}]}
+    }}))
+    .await;
+    let target = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .parse()
+        .unwrap();
+    let (url, connections) = counting_proxy(target, 1).await;
+    let model = client_with(&url, true);
+    for _ in 0..5 {
+        assert_eq!(answer(&model).await, "forty-two");
+    }
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        2,
+        "one connection, one refused, and no other attempt within the backoff"
+    );
 }
