@@ -77,6 +77,11 @@ struct Pool {
     no_connect_before: u64,
 }
 
+/// Whole milliseconds of `duration`, the unit of the pool's times.
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// One open connection: the handle that opens streams on it, whether its driver ended, and
 /// how many calls are on it.
 #[derive(Clone)]
@@ -155,7 +160,7 @@ impl H2cClient {
     }
 
     fn millis_since_epoch(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        millis(self.epoch.elapsed())
     }
 
     /// The connection for the next call, counted on it: the least busy open one with a
@@ -167,8 +172,7 @@ impl H2cClient {
             no_connect_before,
         } = &mut *guard;
         let now = self.millis_since_epoch();
-        let idle_since =
-            now.saturating_sub(u64::try_from(self.idle_timeout.as_millis()).unwrap_or(u64::MAX));
+        let idle_since = now.saturating_sub(millis(self.idle_timeout));
         pool.retain(Connection::is_open);
         // Calls are only counted on a connection under this lock, so one found idle here
         // takes none while it is dropped; its driver ends once its last stream is done.
@@ -198,9 +202,9 @@ impl H2cClient {
                 Err(error) if pool.is_empty() => return Err(error),
                 Err(error) => {
                     debug!(address = %self.address, %error, "no other model connection for now");
-                    *no_connect_before = self.millis_since_epoch().saturating_add(
-                        u64::try_from(CONNECT_BACKOFF.as_millis()).unwrap_or(u64::MAX),
-                    );
+                    *no_connect_before = self
+                        .millis_since_epoch()
+                        .saturating_add(millis(CONNECT_BACKOFF));
                 }
             }
         }
