@@ -4,10 +4,17 @@
 //! 8 KiB read buffer, held as long as the call lives. A server with ten thousand open
 //! `Execute` streams whose events are a few hundred bytes would hold 80 MiB of empty
 //! buffer; this codec starts at 512 bytes and grows by as much as a message needs.
+//!
+//! A message that is not valid Protobuf is the sender's fault: tonic reports it as
+//! `INTERNAL`, this codec as `INVALID_ARGUMENT`, so that a server answers a malformed
+//! request with the code the gRPC status guide gives for a bad request.
 
 use std::marker::PhantomData;
 
-use tonic::codec::{BufferSettings, Codec};
+use tonic::{
+    Code, Status,
+    codec::{BufferSettings, Codec, DecodeBuf, Decoder},
+};
 use tonic_prost::{ProstDecoder, ProstEncoder};
 
 /// Initial size and growth step of encode and decode buffers.
@@ -37,13 +44,39 @@ where
     type Encode = T;
     type Decode = U;
     type Encoder = ProstEncoder<T>;
-    type Decoder = ProstDecoder<U>;
+    type Decoder = LeanDecoder<U>;
 
     fn encoder(&mut self) -> Self::Encoder {
         ProstEncoder::new(settings())
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        ProstDecoder::new(settings())
+        LeanDecoder(ProstDecoder::new(settings()))
+    }
+}
+
+/// [`ProstDecoder`] that reports a message it cannot decode as `INVALID_ARGUMENT`.
+#[derive(Debug)]
+pub struct LeanDecoder<U>(ProstDecoder<U>);
+
+impl<U: prost::Message + Default> Decoder for LeanDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        self.0.decode(src).map_err(|status| {
+            if status.code() == Code::Internal {
+                Status::invalid_argument(format!(
+                    "the message is not valid Protobuf for this method: {}",
+                    status.message()
+                ))
+            } else {
+                status
+            }
+        })
+    }
+
+    fn buffer_settings(&self) -> BufferSettings {
+        self.0.buffer_settings()
     }
 }

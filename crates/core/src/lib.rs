@@ -4,6 +4,7 @@
 //! the edge, so that the engine and the tools never depend on generated code.
 
 mod config;
+pub mod duration;
 mod secret;
 mod tool;
 mod violation;
@@ -11,9 +12,24 @@ mod violation;
 pub use config::{
     AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, limits,
 };
-pub use secret::Secret;
+pub use secret::{Secret, mask_url_credentials};
 pub use tool::{
     Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError,
     ToolSource, ToolSpec,
 };
 pub use violation::Violation;
+
+/// Cuts `text` to at most `max` bytes at a character boundary. Returns how many bytes were
+/// left out and how many there were, when it cut, so that the caller can say so.
+pub fn truncate_at_char_boundary(text: &mut String, max: usize) -> Option<(usize, usize)> {
+    if text.len() <= max {
+        return None;
+    }
+    let total = text.len();
+    let mut cut = max;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    text.truncate(cut);
+    Some((total - cut, total))
+}

@@ -111,12 +111,13 @@ pub struct Reference {
 /// Why the tool service could not answer.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum ToolServiceError {
-    /// It could not be reached or did not answer in time.
-    #[error("tool executor at {endpoint} is unavailable: {reason}")]
+    /// It could not be reached or did not answer in time. The message names neither the
+    /// endpoint nor transport details: it reaches clients, and those go to the log.
+    #[error("the tool executor is unavailable: {reason}")]
     Unavailable {
-        /// Where it was expected.
+        /// Where it was expected (for the log, not for clients).
         endpoint: String,
-        /// What went wrong.
+        /// What went wrong, in terms a client may see.
         reason: String,
     },
 }

@@ -4,20 +4,40 @@ use std::{sync::Arc, time::Duration};
 
 use agentrt_core::ToolResult;
 use agentrt_events::{
-    EventData, EventKind, JsonText, RunEvent, RunFailure, RunPublisher, RunSummary,
+    EventData, EventKind, JsonText, RerankOutcome, RunEvent, RunFailure, RunPublisher, RunSummary,
 };
 use agentrt_models::Usage;
 use serde_json::{Value, json};
 
 use crate::{
     react::Piece,
-    record::{RunError, RunRecord, RunState, StepRecord, StopReason, ToolCallRecord},
+    record::{RunError, RunRecord, RunState, RunStatus, StepRecord, StopReason, ToolCallRecord},
 };
+
+/// The longest text one event carries: a longer delta goes out as several, so that no
+/// event comes near the gRPC message limit however much text a model sends at once.
+pub const MAX_DELTA_BYTES: usize = 64 * 1024;
 
 pub(crate) struct Emitter {
     publisher: Arc<dyn RunPublisher>,
     state: Arc<RunState>,
     iteration: u32,
+}
+
+/// `text` in pieces of at most `max` bytes, cut at character boundaries.
+fn split_text(text: &str, max: usize) -> Vec<String> {
+    let mut pieces = Vec::with_capacity(text.len() / max.max(1) + 1);
+    let mut rest = text;
+    while !rest.is_empty() {
+        let mut cut = max.max(4).min(rest.len());
+        while !rest.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let (piece, tail) = rest.split_at(cut);
+        pieces.push(piece.to_owned());
+        rest = tail;
+    }
+    pieces
 }
 
 impl Emitter {
@@ -72,24 +92,49 @@ impl Emitter {
         self.step(&mut record);
     }
 
-    /// A reasoning delta: a plain event, no structured payload, one lock.
-    pub(crate) fn thought(&mut self, text: String) {
+    /// The run's first event: it says the run exists before the model is called.
+    pub(crate) fn run_started(&mut self, engine_id: &str, agent: &str) {
         let mut record = self.state.lock();
-        self.step(&mut record).thought.push_str(&text);
+        let data = EventData::RunStarted {
+            engine_id: engine_id.to_owned(),
+            agent: agent.to_owned(),
+        };
         self.publish(
-            RunEvent::new(EventKind::Thought, self.iteration, text, None),
+            RunEvent::new(EventKind::RunStarted, 1, String::new(), Some(data)),
             &mut record,
         );
     }
 
+    /// A reasoning delta: a plain event, no structured payload, one lock.
+    pub(crate) fn thought(&mut self, text: String) {
+        self.text(EventKind::Thought, text);
+    }
+
     /// An answer delta.
     pub(crate) fn answer(&mut self, text: String) {
+        self.text(EventKind::FinalAnswer, text);
+    }
+
+    fn text(&mut self, kind: EventKind, text: String) {
+        if text.is_empty() {
+            return;
+        }
         let mut record = self.state.lock();
-        self.step(&mut record).answer.push_str(&text);
-        self.publish(
-            RunEvent::new(EventKind::FinalAnswer, self.iteration, text, None),
-            &mut record,
-        );
+        let step = self.step(&mut record);
+        match kind {
+            EventKind::Thought => step.thought.push_str(&text),
+            _ => step.answer.push_str(&text),
+        }
+        if text.len() <= MAX_DELTA_BYTES {
+            self.publish(RunEvent::new(kind, self.iteration, text, None), &mut record);
+        } else {
+            for piece in split_text(&text, MAX_DELTA_BYTES) {
+                self.publish(
+                    RunEvent::new(kind, self.iteration, piece, None),
+                    &mut record,
+                );
+            }
+        }
     }
 
     pub(crate) fn pieces(&mut self, pieces: impl Iterator<Item = Piece>) {
@@ -101,10 +146,19 @@ impl Emitter {
         }
     }
 
-    pub(crate) fn usage(&mut self, usage: Usage) {
+    /// Adds a model call's usage; `estimated` when the server counted it because the
+    /// provider reported none.
+    pub(crate) fn usage(&mut self, usage: Usage, estimated: bool) {
         let mut record = self.state.lock();
-        record.usage.prompt_tokens += usage.prompt_tokens;
-        record.usage.completion_tokens += usage.completion_tokens;
+        record.usage.prompt_tokens = record
+            .usage
+            .prompt_tokens
+            .saturating_add(usage.prompt_tokens);
+        record.usage.completion_tokens = record
+            .usage
+            .completion_tokens
+            .saturating_add(usage.completion_tokens);
+        record.usage.estimated |= estimated;
     }
 
     /// Makes room in the round's record for `count` tool calls.
@@ -123,6 +177,7 @@ impl Emitter {
             output: String::new(),
             is_error: false,
             duration: Duration::ZERO,
+            references: Vec::new(),
         });
         let data = EventData::ToolCall {
             id: id.into(),
@@ -140,12 +195,14 @@ impl Emitter {
         );
     }
 
+    /// A call's result, then its references (one event), with how reranking went.
     pub(crate) fn tool_result(
         &mut self,
         id: &str,
         name: &str,
         result: &ToolResult,
         duration: Duration,
+        rerank: Option<RerankOutcome>,
     ) {
         let mut record = self.state.lock();
         if let Some(call) = self
@@ -157,6 +214,7 @@ impl Emitter {
             call.output.clone_from(&result.output);
             call.is_error = result.is_error;
             call.duration = duration;
+            call.references.clone_from(&result.references);
         }
         let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
         let data = EventData::ToolResult {
@@ -175,7 +233,9 @@ impl Emitter {
             ),
             &mut record,
         );
-        if !result.references.is_empty() {
+        // A call that returned references has its event, also when reranking kept none of
+        // them: the event then says so.
+        if !result.references.is_empty() || rerank.is_some() {
             let references: Vec<Value> = result
                 .references
                 .iter()
@@ -184,6 +244,7 @@ impl Emitter {
             let data = EventData::References {
                 tool_call_id: id.into(),
                 references,
+                rerank,
             };
             self.publish(
                 RunEvent::new(
@@ -202,7 +263,9 @@ impl Emitter {
             stop_reason: reason.as_str(),
             prompt_tokens: record.usage.prompt_tokens,
             completion_tokens: record.usage.completion_tokens,
+            usage_estimated: record.usage.estimated,
             iterations: self.iteration,
+            note: None,
             error: None,
         }
     }
@@ -211,12 +274,23 @@ impl Emitter {
         let mut record = self.state.lock();
         record.status = reason.status();
         record.stop_reason = Some(reason);
+        // The final answer rule: exactly the answer deltas of the `done` event's round.
+        let iteration = self.iteration.max(1);
         record.final_answer = record
             .steps
-            .last()
-            .map(|s| s.answer.trim().to_owned())
+            .iter()
+            .rev()
+            .find(|s| s.iteration == iteration)
+            .map(|s| s.answer.clone())
             .unwrap_or_default();
-        let data = self.summary(&record, reason);
+        let mut data = self.summary(&record, reason);
+        if reason == StopReason::MaxTokens {
+            data.note = Some(
+                "the model stopped at its token limit (finish_reason: length): the answer is \
+                 cut short; raise model.max_tokens or ask for a shorter answer"
+                    .to_owned(),
+            );
+        }
         let event = RunEvent {
             done: true,
             ..RunEvent::new(
@@ -231,7 +305,12 @@ impl Emitter {
 
     pub(crate) fn finish_failed(self, reason: StopReason, error: RunError) {
         let mut record = self.state.lock();
-        record.status = reason.status();
+        // A run that failed is failed, whatever its stop reason would end it with when
+        // it has an answer (a token limit reached before any answer text).
+        record.status = match reason.status() {
+            RunStatus::Succeeded | RunStatus::Incomplete => RunStatus::Failed,
+            status => status,
+        };
         record.stop_reason = Some(reason);
         let mut data = self.summary(&record, reason);
         data.error = Some(RunFailure {
@@ -251,5 +330,19 @@ impl Emitter {
         };
         record.error = Some(error);
         self.publish(event, &mut record);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_text_is_split_at_character_boundaries() {
+        let text = "é".repeat(10);
+        let pieces = split_text(&text, 5);
+        assert!(pieces.iter().all(|p| p.len() <= 5 && !p.is_empty()));
+        assert_eq!(pieces.concat(), text);
+        assert_eq!(split_text("abc", 5), ["abc"]);
     }
 }

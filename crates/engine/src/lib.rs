@@ -24,12 +24,14 @@ use std::{
 };
 
 use agentrt_context::{Exchange, SessionStore, TokenCounter, fit};
-use agentrt_core::{AgentConfig, Strategy, ToolInvocation, ToolResult, ToolRunner, ToolSpec};
-use agentrt_events::RunPublisher;
+use agentrt_core::{
+    AgentConfig, Reference, Strategy, ToolInvocation, ToolResult, ToolRunner, ToolSpec,
+};
+use agentrt_events::{RerankOutcome, RunPublisher};
 use agentrt_metrics::Metrics;
 use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
-    ModelToolCall, ToolDefinition,
+    ModelToolCall, RerankRequest, ToolDefinition, Usage,
 };
 use futures_util::{StreamExt, task::AtomicWaker};
 use tokio::time::Instant;
@@ -138,12 +140,25 @@ struct RoundSetup<'a> {
 
 /// What a model round produced.
 enum Round {
-    Answer(String),
+    /// An answer; `cut_short` when the model stopped at its token limit.
+    Answer { text: String, cut_short: bool },
+    /// Tool calls, and the text the model wrote before them.
     Tools {
         content: String,
         calls: Vec<ModelToolCall>,
     },
+    /// A ReAct reply that neither acts nor answers: the model is told so and tries again.
+    Unreadable { content: String },
 }
+
+/// What the model is told when a ReAct reply neither acts nor answers.
+const REACT_FORMAT_REMINDER: &str = "Invalid format: your reply had neither `Action:` with \
+    `Action Input:` nor `Final Answer:`. Reply in the format described above.";
+
+/// Deepest nesting of tool-call arguments accepted: each JSON level costs three levels of
+/// Protobuf messages on the wire (`Struct`, map entry, `Value`), and decoders commonly stop
+/// at 100, so deeper arguments would make events that clients cannot decode.
+pub const MAX_ARGUMENT_DEPTH: usize = 20;
 
 /// Asked after the last allowed round, so that the run still ends with an answer.
 const FINAL_REQUEST: &str = "You have used all the steps you may take. Without calling any tool, \
@@ -196,6 +211,7 @@ impl Engine {
         let metrics = Metrics::global();
         let _active = metrics.run_started();
         let mut emitter = Emitter::new(publisher, state);
+        emitter.run_started(&spec.engine_id, &spec.config.name);
         let run_timeout = spec.config.timeouts.run;
         let outcome = {
             let drive = self
@@ -213,7 +229,16 @@ impl Engine {
                     category: "timeout",
                     retryable: true,
                 }),
-                outcome = drive => outcome,
+                outcome = drive => match outcome.unwrap_or_else(|failed| failed) {
+                    // A stop that lands while the run is being polled cancels the calls in
+                    // flight before the stop branch above sees it: the failure it caused
+                    // is the stop's.
+                    Outcome::Failed(..) if control.is_stopped() => {
+                        let reason = control.reason.get().copied().unwrap_or(StopReason::Cancelled);
+                        Outcome::Failed(reason, stopped_error(reason))
+                    }
+                    outcome => outcome,
+                },
             }
         };
         let _entered = span.enter();
@@ -230,10 +255,16 @@ impl Engine {
         }
     }
 
-    async fn drive(&self, spec: &RunSpec, em: &mut Emitter, cancel: &CancellationToken) -> Outcome {
+    /// The rounds of a run; `Err` carries an outcome that ends it early.
+    async fn drive(
+        &self,
+        spec: &RunSpec,
+        em: &mut Emitter,
+        cancel: &CancellationToken,
+    ) -> Result<Outcome, Outcome> {
         let config = &spec.config;
         let Some(model) = self.models.get(&config.model.provider) else {
-            return Outcome::Failed(
+            return Err(Outcome::Failed(
                 StopReason::InternalError,
                 RunError {
                     code: "PROVIDER_NOT_CONFIGURED".into(),
@@ -244,7 +275,7 @@ impl Engine {
                     category: "internal",
                     retryable: false,
                 },
-            );
+            ));
         };
         let counter = TokenCounter::shared();
         let react = config.strategy == Strategy::React;
@@ -303,20 +334,41 @@ impl Engine {
                     "history trimmed to the token budget"
                 );
             }
+            let prompt_tokens = fitted.tokens;
             let request = self.request(config, fitted.messages, definitions.clone(), react);
-            let round = match self.model_round(&round_setup, request, em, iteration).await {
-                Ok(round) => round,
-                Err(outcome) => return outcome,
-            };
+            let round = self
+                .model_round(&round_setup, request, prompt_tokens, em, iteration)
+                .await?;
             let (content, calls) = match round {
-                Round::Answer(answer) => {
-                    self.remember(spec, &current, &answer, counter);
-                    return Outcome::Answered(StopReason::FinalAnswer);
+                Round::Answer { text, cut_short } => {
+                    self.remember(spec, &current, &text, counter);
+                    return Ok(Outcome::Answered(if cut_short {
+                        StopReason::MaxTokens
+                    } else {
+                        StopReason::FinalAnswer
+                    }));
+                }
+                Round::Unreadable { content } => {
+                    push(
+                        &mut current,
+                        ChatMessage::Assistant {
+                            content,
+                            tool_calls: Vec::new(),
+                        },
+                        counter,
+                    );
+                    push(
+                        &mut current,
+                        ChatMessage::User(format!("{} {REACT_FORMAT_REMINDER}", react::STOP)),
+                        counter,
+                    );
+                    continue;
                 }
                 Round::Tools { content, calls } => (content, calls),
             };
-            // A model that asks for the same calls round after round is stuck: stop
-            // asking it for tools and have it answer.
+            // A model that asks for the same calls round after round is stuck: its calls
+            // are not run again (each still gets its events, saying so), and it is asked
+            // for an answer.
             let signature: Vec<(String, String)> = calls
                 .iter()
                 .map(|c| (c.name.clone(), c.arguments.clone()))
@@ -329,9 +381,15 @@ impl Engine {
             previous_calls = Some(signature);
             if repeats >= 2 {
                 debug!("the model repeats the same tool calls; asking for a final answer");
+                refuse_calls(
+                    em,
+                    &calls,
+                    "not run: this exact call was already made twice with the same arguments \
+                     and returned the results above; answer from them",
+                );
                 break;
             }
-            let results = self.run_tools(spec, &calls, em).await;
+            let results = self.run_tools(spec, &calls, em, cancel).await;
             if react {
                 let observation = results
                     .first()
@@ -372,7 +430,8 @@ impl Engine {
             }
         }
 
-        // Out of rounds: one last call without tools, for an answer from what there is.
+        // Out of rounds (or stuck): one last call without tools, for an answer from what
+        // there is.
         let iteration = em.iteration() + 1;
         em.begin_round(iteration);
         let ask = if react {
@@ -388,20 +447,43 @@ impl Engine {
             0,
             config.context.max_prompt_tokens,
         );
+        let prompt_tokens = fitted.tokens;
         let request = self.request(config, fitted.messages, Arc::default(), react);
-        match self.model_round(&round_setup, request, em, iteration).await {
-            Ok(
-                Round::Answer(answer)
-                | Round::Tools {
-                    content: answer, ..
-                },
-            ) => {
-                current.pop();
-                self.remember(spec, &current, &answer, counter);
-                Outcome::Answered(StopReason::MaxIterations)
+        let answer = match self
+            .model_round(&round_setup, request, prompt_tokens, em, iteration)
+            .await?
+        {
+            Round::Answer { text, cut_short } => Some((text, cut_short)),
+            Round::Tools { content, calls } => {
+                // Offered no tools, it called some anyway: none runs, each is said so. Text
+                // it wrote beside them (streamed as this round's answer) still answers.
+                refuse_calls(
+                    em,
+                    &calls,
+                    "not run: no more tool calls are allowed in this run",
+                );
+                (!react && !content.trim().is_empty()).then_some((content, false))
             }
-            Err(outcome) => outcome,
-        }
+            Round::Unreadable { .. } => None,
+        };
+        let Some((answer, cut_short)) = answer else {
+            return Err(Outcome::Failed(
+                StopReason::ModelError,
+                RunError {
+                    code: "MODEL_NO_ANSWER".into(),
+                    message: "asked for a final answer without tools, the model wrote none".into(),
+                    category: "model",
+                    retryable: true,
+                },
+            ));
+        };
+        current.pop();
+        self.remember(spec, &current, &answer, counter);
+        Ok(Outcome::Answered(if cut_short {
+            StopReason::MaxTokens
+        } else {
+            StopReason::MaxIterations
+        }))
     }
 
     fn request(
@@ -447,11 +529,13 @@ impl Engine {
             .append(&spec.session_id, Exchange { messages, tokens });
     }
 
-    /// One model call, streamed into events.
+    /// One model call, streamed into events. `prompt_tokens` is what the prompt counts,
+    /// for the usage of a provider that reports none.
     async fn model_round(
         &self,
         setup: &RoundSetup<'_>,
         request: ChatRequest,
+        prompt_tokens: u32,
         em: &mut Emitter,
         iteration: u32,
     ) -> Result<Round, Outcome> {
@@ -481,10 +565,13 @@ impl Engine {
                 .await
                 .map_err(model_failure)?;
             let mut parser = react.then(react::Parser::default);
+            let mut stop_cut = react::StopCut::default();
             let mut pieces = Vec::new();
             let mut content = String::new();
+            let mut reasoning = String::new();
             let mut calls = Vec::new();
             let mut finish = FinishReason::Unknown;
+            let mut usage = None;
             loop {
                 // Deltas that are already here are published as one batch; readers are
                 // woken only when the model makes us wait.
@@ -499,49 +586,69 @@ impl Engine {
                 let Some(delta) = next else { break };
                 first_delta.get_or_insert_with(Instant::now);
                 match delta.map_err(model_failure)? {
-                    ChatDelta::Reasoning(text) => em.thought(text),
-                    ChatDelta::Content(text) => {
-                        content.push_str(&text);
-                        match parser.as_mut() {
-                            Some(parser) => {
-                                parser.push(&text, &mut pieces);
-                                em.pieces(pieces.drain(..));
-                            }
-                            None => em.answer(text),
-                        }
+                    ChatDelta::Reasoning(text) => {
+                        reasoning.push_str(&text);
+                        em.thought(text);
                     }
-                    ChatDelta::ToolCall(call) => calls.push(call),
-                    ChatDelta::Finish { reason, usage } => {
-                        finish = reason;
-                        if let Some(usage) = usage {
-                            tracing::Span::current()
-                                .record("gen_ai.usage.input_tokens", usage.prompt_tokens);
-                            tracing::Span::current()
-                                .record("gen_ai.usage.output_tokens", usage.completion_tokens);
-                            Metrics::global().tokens(
-                                &model_name,
-                                usage.prompt_tokens,
-                                usage.completion_tokens,
-                            );
-                            em.usage(usage);
+                    ChatDelta::Content(text) => match parser.as_mut() {
+                        Some(parser) => {
+                            // The server may not honour the stop sequence: cut there.
+                            let text = stop_cut.push(&text);
+                            content.push_str(&text);
+                            parser.push(&text, &mut pieces);
+                            em.pieces(pieces.drain(..));
+                            if stop_cut.stopped() {
+                                finish = FinishReason::Stop;
+                                break;
+                            }
                         }
+                        None => {
+                            content.push_str(&text);
+                            em.answer(text);
+                        }
+                    },
+                    ChatDelta::ToolCall(call) => calls.push(call),
+                    ChatDelta::Finish {
+                        reason,
+                        usage: reported,
+                    } => {
+                        finish = reason;
+                        usage = reported;
                     }
                 }
             }
+            drop(stream);
+            let estimated = usage.is_none();
+            let usage = usage.unwrap_or_else(|| Usage {
+                prompt_tokens: u64::from(prompt_tokens),
+                completion_tokens: estimate_completion(&reasoning, &content, &calls),
+            });
+            tracing::Span::current().record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+            tracing::Span::current().record("gen_ai.usage.output_tokens", usage.completion_tokens);
+            Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
+            em.usage(usage, estimated);
             em.flush();
-            debug!(?finish, calls = calls.len(), "model round finished");
+            debug!(
+                ?finish,
+                calls = calls.len(),
+                estimated,
+                "model round finished"
+            );
+            let cut_short = finish == FinishReason::Length;
             let Some(mut parser) = parser else {
-                return Ok(if calls.is_empty() {
-                    Round::Answer(content)
-                } else {
-                    Round::Tools { content, calls }
-                });
+                if !calls.is_empty() {
+                    return Ok(Round::Tools { content, calls });
+                }
+                return answer_or_error(content, cut_short);
             };
+            let held = stop_cut.finish();
+            content.push_str(&held);
+            parser.push(&held, &mut pieces);
             parser.finish(&mut pieces);
             em.pieces(pieces.drain(..));
             em.flush();
             if parser.answered() {
-                return Ok(Round::Answer(parser.answer().to_owned()));
+                return answer_or_error(parser.answer().to_owned(), cut_short);
             }
             if let Some((name, input)) = parser.action() {
                 let call = ModelToolCall {
@@ -554,10 +661,17 @@ impl Engine {
                     calls: vec![call],
                 });
             }
-            // No protocol at all: the text is the answer.
-            em.answer(content.clone());
-            em.flush();
-            Ok(Round::Answer(content))
+            if let Some(text) = parser.unmarked() {
+                // No protocol at all: the reply is the answer, streamed once, as such.
+                let text = text.to_owned();
+                em.answer(text.clone());
+                em.flush();
+                return answer_or_error(text, cut_short);
+            }
+            if cut_short {
+                return answer_or_error(String::new(), cut_short);
+            }
+            Ok(Round::Unreadable { content })
         }
         .instrument(span);
         let result = tokio::time::timeout(timeout, work).await;
@@ -588,6 +702,7 @@ impl Engine {
         spec: &RunSpec,
         calls: &[ModelToolCall],
         em: &mut Emitter,
+        cancel: &CancellationToken,
     ) -> Vec<ToolResult> {
         let config = &spec.config;
         em.expect_tool_calls(calls.len());
@@ -652,7 +767,10 @@ impl Engine {
             let elapsed = started.elapsed();
             truncate_output(&mut result.output, max_output);
             Metrics::global().tool_call(&calls[index].name, result.is_error, elapsed);
-            (index, result, elapsed)
+            let rerank = self
+                .rerank(config, &spec.query, &mut result.references, cancel)
+                .await;
+            (index, result, elapsed, rerank)
         };
         let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
         let concurrency = if config.parallel_tool_calls {
@@ -660,9 +778,14 @@ impl Engine {
         } else {
             1
         };
-        let mut finished = |(index, result, duration): (usize, ToolResult, Duration)| {
+        let mut finished = |(index, result, duration, rerank): (
+            usize,
+            ToolResult,
+            Duration,
+            Option<RerankOutcome>,
+        )| {
             let call = &calls[index];
-            em.tool_result(&call.id, &call.name, &result, duration);
+            em.tool_result(&call.id, &call.name, &result, duration, rerank);
             results[index] = Some(result);
         };
         if concurrency == 1 || prepared.len() == 1 {
@@ -683,22 +806,164 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Reranks a call's references when the agent has a rerank model: the `top_n` best
+    /// scoring at least `min_score`, best first, scored by the reranker. A failing
+    /// reranker, or one that does not answer within the smaller of the agent's tool-call
+    /// timeout and [`agentrt_models::RERANK_TIMEOUT`], never fails the run: the
+    /// references stay in the tool's order and the outcome says why.
+    async fn rerank(
+        &self,
+        config: &AgentConfig,
+        query: &str,
+        references: &mut Vec<Reference>,
+        cancel: &CancellationToken,
+    ) -> Option<RerankOutcome> {
+        let selection = config.rerank_model.as_ref()?;
+        if references.is_empty() {
+            return None;
+        }
+        let Some(reranker) = self.models.reranker(&selection.provider) else {
+            return Some(RerankOutcome::Failed(format!(
+                "provider {:?} is not configured on this server",
+                selection.provider
+            )));
+        };
+        let top_n = usize::try_from(selection.top_n)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let request = RerankRequest {
+            model: selection.name.clone(),
+            query: query.to_owned(),
+            documents: references
+                .iter()
+                .map(|r| {
+                    if r.snippet.is_empty() {
+                        r.title.clone()
+                    } else {
+                        r.snippet.clone()
+                    }
+                })
+                .collect(),
+            top_n: Some(top_n),
+        };
+        let span = info_span!(
+            "rerank",
+            otel.name = %format!("rerank {}", selection.name),
+            gen_ai.request.model = %selection.name,
+            documents = references.len(),
+        );
+        // A reranker is bounded by the agent's tool-call timeout as a tool is (and never
+        // longer than the client's own limit): a slow one must not hold up the run.
+        let limit = config
+            .timeouts
+            .tool_call
+            .min(agentrt_models::RERANK_TIMEOUT);
+        let ranked = match tokio::time::timeout(
+            limit,
+            reranker
+                .rerank(request, cancel.child_token())
+                .instrument(span),
+        )
+        .await
+        {
+            Ok(ranked) => ranked,
+            Err(_) => {
+                debug!(?limit, "rerank timed out; references keep the tool's order");
+                return Some(RerankOutcome::Failed(format!(
+                    "the reranker did not answer within {limit:?}"
+                )));
+            }
+        };
+        match ranked {
+            Ok(ranked) => {
+                let min_score = f64::from(selection.min_score);
+                *references = ranked
+                    .into_iter()
+                    .filter(|r| r.relevance_score >= min_score)
+                    .filter_map(|r| {
+                        let mut reference = references.get(r.index)?.clone();
+                        reference.score = r.relevance_score;
+                        Some(reference)
+                    })
+                    .take(top_n)
+                    .collect();
+                Some(RerankOutcome::Reranked)
+            }
+            Err(error) => {
+                debug!(%error, "rerank failed; references keep the tool's order");
+                Some(RerankOutcome::Failed(error.to_string()))
+            }
+        }
+    }
+}
+
 /// Cuts `output` to at most `max` bytes (at a character boundary) followed by a marker
 /// saying how much was left out.
 fn truncate_output(output: &mut String, max: usize) {
-    if output.len() <= max {
-        return;
+    if let Some((omitted, total)) = agentrt_core::truncate_at_char_boundary(output, max) {
+        output.push_str(&format!(
+            "\n[tool output truncated: {omitted} of {total} bytes omitted]"
+        ));
     }
-    let total = output.len();
-    let mut cut = max;
-    while !output.is_char_boundary(cut) {
-        cut -= 1;
+}
+
+/// An answer, unless there is none: an empty reply is a model failure, never a success.
+fn answer_or_error(text: String, cut_short: bool) -> Result<Round, Outcome> {
+    if !text.trim().is_empty() {
+        return Ok(Round::Answer { text, cut_short });
     }
-    output.truncate(cut);
-    output.push_str(&format!(
-        "\n[tool output truncated: {} of {total} bytes omitted]",
-        total - cut
-    ));
+    let (reason, code, message) = if cut_short {
+        (
+            StopReason::MaxTokens,
+            "MODEL_MAX_TOKENS",
+            "the model reached its token limit (finish_reason: length) before writing any \
+             answer; raise model.max_tokens",
+        )
+    } else {
+        (
+            StopReason::ModelError,
+            "MODEL_EMPTY_RESPONSE",
+            "the model returned an empty response: no text and no tool calls",
+        )
+    };
+    Err(Outcome::Failed(
+        reason,
+        RunError {
+            code: code.into(),
+            message: message.into(),
+            category: "model",
+            retryable: !cut_short,
+        },
+    ))
+}
+
+/// Tokens a model generated, counted by the server for a provider that reports none.
+fn estimate_completion(reasoning: &str, content: &str, calls: &[ModelToolCall]) -> u64 {
+    let counter = TokenCounter::shared();
+    let calls: u64 = calls
+        .iter()
+        .map(|c| u64::from(counter.text(&c.name)) + u64::from(counter.text(&c.arguments)))
+        .sum();
+    u64::from(counter.text(reasoning)) + u64::from(counter.text(content)) + calls
+}
+
+/// Publishes calls that will not run, each with its call event and an error result, so
+/// that no call the model made goes without events.
+fn refuse_calls(em: &mut Emitter, calls: &[ModelToolCall], why: &str) {
+    em.expect_tool_calls(calls.len());
+    for call in calls {
+        let arguments = parse_arguments(&call.arguments)
+            .unwrap_or_else(|_| serde_json::Value::String(call.arguments.clone()));
+        em.tool_call(&call.id, &call.name, &arguments);
+        em.tool_result(
+            &call.id,
+            &call.name,
+            &ToolResult::error(why),
+            Duration::ZERO,
+            None,
+        );
+    }
 }
 
 fn push(current: &mut Vec<(ChatMessage, u32)>, message: ChatMessage, counter: &TokenCounter) {
@@ -725,11 +990,26 @@ fn parse_arguments(text: &str) -> Result<serde_json::Value, String> {
         return Ok(serde_json::Value::Object(serde_json::Map::new()));
     }
     match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(value @ serde_json::Value::Object(_)) if depth(&value) > MAX_ARGUMENT_DEPTH => {
+            Err(format!(
+                "the arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels; send flatter JSON"
+            ))
+        }
         Ok(value @ serde_json::Value::Object(_)) => Ok(value),
         Ok(_) => Err(format!("the arguments must be a JSON object, got: {text}")),
         Err(e) => Err(format!(
             "the arguments are not valid JSON ({e}); send a complete JSON object: {text}"
         )),
+    }
+}
+
+/// How deep `value` nests: 1 for a scalar or an empty container.
+fn depth(value: &serde_json::Value) -> usize {
+    // serde_json stops parsing at 128 levels, so this recursion is bounded.
+    match value {
+        serde_json::Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
+        serde_json::Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
+        _ => 1,
     }
 }
 

@@ -40,6 +40,51 @@ pub fn instructions(tools: &[ToolSpec]) -> String {
     text
 }
 
+/// Cuts a model's text at the stop sequence, as a server that honours `stop` would: many
+/// local servers ignore it, and a model left to go on invents the observation and an
+/// answer. Text that may be the start of the stop sequence is held back until the next
+/// chunk decides it.
+#[derive(Debug, Default)]
+pub struct StopCut {
+    held: String,
+    stopped: bool,
+}
+
+impl StopCut {
+    /// The part of `chunk` that comes before the stop sequence; empty once it was seen.
+    pub fn push(&mut self, chunk: &str) -> String {
+        if self.stopped {
+            return String::new();
+        }
+        let mut text = std::mem::take(&mut self.held);
+        text.push_str(chunk);
+        if let Some(at) = text.find(STOP) {
+            self.stopped = true;
+            text.truncate(at);
+            return text;
+        }
+        // Hold back the longest end of the text that begins the stop sequence.
+        let keep = (1..STOP.len().min(text.len() + 1))
+            .rev()
+            .find(|&n| {
+                text.is_char_boundary(text.len() - n) && STOP.starts_with(&text[text.len() - n..])
+            })
+            .unwrap_or(0);
+        self.held = text.split_off(text.len() - keep);
+        text
+    }
+
+    /// What is still held back at the end of the text.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// Whether the stop sequence was seen: the rest of the model's output is not read.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+}
+
 /// A piece of the model's text, routed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Piece {
@@ -77,6 +122,12 @@ pub struct Parser {
     action_input: String,
     answer: String,
     saw_marker: bool,
+    /// Text before the first marker: reasoning if a marker follows, else the whole reply
+    /// is the answer. Held back so that it is streamed once, as what it turns out to be.
+    unmarked: String,
+    /// Whitespace right after `Thought:` or `Final Answer:` is dropped, also when the
+    /// marker and the text come in different chunks.
+    trim_next: bool,
 }
 
 impl Default for Parser {
@@ -89,6 +140,8 @@ impl Default for Parser {
             action_input: String::new(),
             answer: String::new(),
             saw_marker: false,
+            unmarked: String::new(),
+            trim_next: false,
         }
     }
 }
@@ -122,15 +175,14 @@ impl Parser {
                 // `Action:` is a prefix of nothing else, but `Action Input:` must win over
                 // a longer line that merely starts with `Action`.
                 let rest = trimmed[marker.len()..].to_owned();
+                if !self.saw_marker && !self.unmarked.is_empty() {
+                    out.push(Piece::Thought(std::mem::take(&mut self.unmarked)));
+                }
                 self.section = *section;
                 self.saw_marker = true;
                 self.line_start.clear();
                 self.deciding = false;
-                let rest = if matches!(section, Section::Answer | Section::Thought) {
-                    rest.trim_start().to_owned()
-                } else {
-                    rest
-                };
+                self.trim_next = matches!(section, Section::Answer | Section::Thought);
                 self.emit(rest, out);
             } else if !MARKERS.iter().any(|(m, _)| m.starts_with(trimmed)) || ends_line {
                 let text = std::mem::take(&mut self.line_start);
@@ -143,11 +195,20 @@ impl Parser {
         }
     }
 
-    fn emit(&mut self, text: String, out: &mut Vec<Piece>) {
+    fn emit(&mut self, mut text: String, out: &mut Vec<Piece>) {
+        if self.trim_next {
+            let start = text.len() - text.trim_start().len();
+            text.drain(..start);
+            if text.is_empty() {
+                return;
+            }
+            self.trim_next = false;
+        }
         if text.is_empty() {
             return;
         }
         match self.section {
+            Section::Thought if !self.saw_marker => self.unmarked.push_str(&text),
             Section::Thought => out.push(Piece::Thought(text)),
             Section::Action => self.action.push_str(&text),
             Section::ActionInput => self.action_input.push_str(&text),
@@ -184,6 +245,12 @@ impl Parser {
     /// Whether any marker appeared at all.
     pub fn saw_marker(&self) -> bool {
         self.saw_marker
+    }
+
+    /// The whole reply, when it had no marker at all (after [`Parser::finish`]): a model
+    /// that ignores the protocol answers in plain text.
+    pub fn unmarked(&self) -> Option<&str> {
+        (!self.saw_marker).then_some(self.unmarked.as_str())
     }
 }
 
@@ -237,11 +304,43 @@ mod tests {
     }
 
     #[test]
-    fn text_without_markers_is_thought() {
-        let (parser, thought, _) = parse(&["Just some ", "text\nover lines"]);
-        assert_eq!(thought, "Just some text\nover lines");
+    fn text_without_markers_is_held_back_and_given_once() {
+        let (parser, thought, answer) = parse(&["Just some ", "text\nover lines"]);
+        assert_eq!(thought, "", "not streamed as reasoning first");
+        assert_eq!(answer, "");
         assert!(!parser.saw_marker());
+        assert_eq!(parser.unmarked(), Some("Just some text\nover lines"));
         assert_eq!(parser.action(), None);
+    }
+
+    #[test]
+    fn text_before_the_first_marker_is_reasoning() {
+        let (parser, thought, answer) =
+            parse(&["I should compute.\n", "Final Answer:", " ", " 42"]);
+        assert_eq!(thought, "I should compute.\n");
+        assert_eq!(answer, "42", "no stray leading space across chunks");
+        assert_eq!(parser.unmarked(), None);
+    }
+
+    #[test]
+    fn text_is_cut_at_the_stop_sequence_across_chunks() {
+        let mut cut = StopCut::default();
+        let mut kept = String::new();
+        for chunk in [
+            "Action: calculator\nAction Input: {}\nObs",
+            "ervation: 42\nFinal Answer: 42",
+        ] {
+            kept.push_str(&cut.push(chunk));
+        }
+        kept.push_str(&cut.finish());
+        assert_eq!(kept, "Action: calculator\nAction Input: {}\n");
+        assert!(cut.stopped());
+        // A held-back start that turns out not to be the stop sequence is passed on.
+        let mut cut = StopCut::default();
+        assert_eq!(cut.push("x Obs"), "x ");
+        assert_eq!(cut.push("cure é"), "Obscure é");
+        assert_eq!(cut.finish(), "");
+        assert!(!cut.stopped());
     }
 
     #[test]

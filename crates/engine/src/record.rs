@@ -16,6 +16,8 @@ pub enum RunStatus {
     Failed,
     /// Cancelled by a client or by shutdown.
     Cancelled,
+    /// Ended with an answer cut short at the model's token limit.
+    Incomplete,
 }
 
 /// Why a run ended.
@@ -35,6 +37,8 @@ pub enum StopReason {
     Shutdown,
     /// A bug.
     InternalError,
+    /// The model stopped at its token limit; the run ended with the partial answer.
+    MaxTokens,
 }
 
 impl StopReason {
@@ -48,6 +52,7 @@ impl StopReason {
             Self::ModelError => "model_error",
             Self::Shutdown => "shutdown",
             Self::InternalError => "internal_error",
+            Self::MaxTokens => "max_tokens",
         }
     }
 
@@ -55,6 +60,7 @@ impl StopReason {
     pub fn status(self) -> RunStatus {
         match self {
             Self::FinalAnswer | Self::MaxIterations => RunStatus::Succeeded,
+            Self::MaxTokens => RunStatus::Incomplete,
             Self::Cancelled | Self::Shutdown => RunStatus::Cancelled,
             Self::Timeout | Self::ModelError | Self::InternalError => RunStatus::Failed,
         }
@@ -89,6 +95,8 @@ pub struct ToolCallRecord {
     pub is_error: bool,
     /// How long it took.
     pub duration: Duration,
+    /// The references it returned (reranked when the agent has a rerank model).
+    pub references: Vec<agentrt_core::Reference>,
 }
 
 /// One model round.
@@ -111,6 +119,9 @@ pub struct TokenUsage {
     pub prompt_tokens: u64,
     /// Generated.
     pub completion_tokens: u64,
+    /// Whether the server counted the tokens of at least one call whose provider
+    /// reported none.
+    pub estimated: bool,
 }
 
 /// Everything known of a run.

@@ -121,6 +121,20 @@ impl ToolRunner for Tools {
         tokio::time::sleep(Duration::from_millis(delay)).await;
         guard.1 = true;
         self.running.fetch_sub(1, Ordering::SeqCst);
+        if let Some(titles) = call.arguments["refs"].as_array() {
+            return ToolResult {
+                output: "found".into(),
+                references: titles
+                    .iter()
+                    .map(|t| agentrt_core::Reference {
+                        title: t.as_str().unwrap().to_owned(),
+                        snippet: format!("about {}", t.as_str().unwrap()),
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..ToolResult::default()
+            };
+        }
         if let Some(size) = call.arguments["output_bytes"].as_u64() {
             // Multi-byte characters, so that a cut must find a character boundary.
             return ToolResult {
@@ -256,6 +270,7 @@ async fn a_tool_using_run_streams_every_step_and_ends_once() {
     assert_eq!(
         kinds(&events),
         [
+            RunStarted,
             Thought,
             ToolCall,
             ToolResult,
@@ -265,17 +280,22 @@ async fn a_tool_using_run_streams_every_step_and_ends_once() {
         ]
     );
     assert_eq!(
-        events[1].data.as_ref().unwrap().to_json()["arguments"],
+        events[0].data.as_ref().unwrap().to_json(),
+        json!({"engine_id": "e", "agent": "t"})
+    );
+    assert_eq!(
+        events[2].data.as_ref().unwrap().to_json()["arguments"],
         json!({"x": 1})
     );
     assert_eq!(
-        events[2].data.as_ref().unwrap().to_json()["output"],
+        events[3].data.as_ref().unwrap().to_json()["output"],
         "echo:{\"x\":1}"
     );
-    assert_eq!((events[0].iteration, events[3].iteration), (1, 2));
+    assert_eq!((events[1].iteration, events[4].iteration), (1, 2));
     let done = events.last().unwrap().data.as_ref().unwrap().to_json();
     assert_eq!(done["stop_reason"], "final_answer");
     assert_eq!(done["usage"]["total_tokens"], 25);
+    assert_eq!(done["usage"]["estimated"], false);
     assert_eq!(record.status, RunStatus::Succeeded);
     assert_eq!(record.final_answer, "It is 42.");
     assert_eq!(record.steps.len(), 2);
@@ -398,7 +418,7 @@ async fn bad_calls_become_results_the_model_can_read() {
         "no bad call reached the tools"
     );
     assert_eq!(
-        events[1].data.as_ref().unwrap().to_json()["arguments"],
+        events[2].data.as_ref().unwrap().to_json()["arguments"],
         r#"{"x": "#,
         "truncated arguments are shown raw"
     );
@@ -447,13 +467,46 @@ async fn a_model_repeating_itself_is_stopped() {
     });
     let mut cfg = config(Strategy::FunctionCall, &["calc"]);
     cfg.max_iterations = 50;
-    let (_, record) = h.run("r", cfg, Arc::default()).await;
+    let (events, record) = h.run("r", cfg, Arc::default()).await;
     assert_eq!(
         h.model.requests.lock().unwrap().len(),
         4,
         "three identical rounds, then the final answer"
     );
     assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+    assert_eq!(record.final_answer, "ok");
+    // The third round's call did not run, but it has its events, saying so.
+    let calls = events
+        .iter()
+        .filter(|e| e.kind == EventKind::ToolCall)
+        .count();
+    let results: Vec<_> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::ToolResult)
+        .map(|e| e.data.as_ref().unwrap().to_json())
+        .collect();
+    assert_eq!((calls, results.len()), (3, 3));
+    assert_eq!(
+        h.tools.peak.load(Ordering::SeqCst),
+        1,
+        "two calls ran, one at a time"
+    );
+    assert_eq!(results[2]["is_error"], true);
+    assert!(
+        results[2]["output"]
+            .as_str()
+            .unwrap()
+            .starts_with("not run")
+    );
+    // The iteration count matches the events: three tool rounds and the answer's.
+    let done = events.last().unwrap();
+    assert_eq!(done.iteration, 4);
+    assert_eq!(done.data.as_ref().unwrap().to_json()["iterations"], 4);
+    assert_eq!(
+        events.iter().map(|e| e.iteration).max(),
+        Some(4),
+        "no event claims a round that did not happen"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -563,6 +616,7 @@ async fn react_runs_parse_actions_and_feed_observations() {
     assert_eq!(
         kinds(&events),
         [
+            RunStarted,
             Thought,
             ToolCall,
             ToolResult,
@@ -571,7 +625,7 @@ async fn react_runs_parse_actions_and_feed_observations() {
             FinalAnswer
         ]
     );
-    assert_eq!(events[4].content, "two");
+    assert_eq!(events[5].content, "two");
     assert_eq!(record.final_answer, "two");
     let requests = h.model.requests.lock().unwrap();
     assert_eq!(requests[0].stop, ["Observation:"]);
@@ -634,7 +688,14 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
             break;
         }
     }
-    assert_eq!(seen, [EventKind::Thought, EventKind::ToolCall]);
+    assert_eq!(
+        seen,
+        [
+            EventKind::RunStarted,
+            EventKind::Thought,
+            EventKind::ToolCall
+        ]
+    );
     assert!(
         started.elapsed() < Duration::from_secs(1),
         "the call was announced while the tool runs"
@@ -687,4 +748,491 @@ async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
     // Clients see what the model saw.
     let step = &record.steps[0];
     assert_eq!(step.tool_calls[0].output, *outputs[0]);
+}
+
+fn deltas_then(finish: FinishReason, usage: Option<Usage>, texts: &[&str]) -> Vec<ChatDelta> {
+    let mut deltas: Vec<ChatDelta> = texts
+        .iter()
+        .map(|t| ChatDelta::Content((*t).to_owned()))
+        .collect();
+    deltas.push(ChatDelta::Finish {
+        reason: finish,
+        usage,
+    });
+    deltas
+}
+
+#[tokio::test]
+async fn the_first_event_says_the_run_started_before_the_model_answers() {
+    let h = harness(Scripted {
+        hang: true,
+        ..Default::default()
+    });
+    let publisher = h.bus.open("r").unwrap();
+    let mut reader = h.bus.subscribe("r", 0).unwrap();
+    let spec = spec("r", config(Strategy::FunctionCall, &[]));
+    let state = Arc::new(RunState::new("r", "e", "s", "r", &spec.query));
+    let engine = h.engine.clone();
+    let run = tokio::spawn(async move { engine.run(spec, publisher, state, Arc::default()).await });
+    let first = tokio::time::timeout(Duration::from_secs(5), reader.next())
+        .await
+        .expect("the first event came while the model had not answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (first.kind, first.sequence, first.iteration),
+        (EventKind::RunStarted, 1, 1)
+    );
+    run.abort();
+}
+
+#[tokio::test]
+async fn an_empty_response_is_a_model_error_not_an_answer() {
+    for empty in [
+        deltas_then(FinishReason::Stop, None, &[]),
+        deltas_then(FinishReason::Stop, None, &["  ", "\n"]),
+        vec![
+            ChatDelta::Reasoning("hmm".into()),
+            ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            },
+        ],
+    ] {
+        let h = harness(Scripted {
+            rounds: Mutex::new(VecDeque::from([Ok(empty)])),
+            ..Default::default()
+        });
+        let (events, record) = h
+            .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+            .await;
+        assert_well_formed(&events);
+        let done = events.last().unwrap();
+        assert_eq!(done.kind, EventKind::Error);
+        let data = done.data.as_ref().unwrap().to_json();
+        assert_eq!(data["stop_reason"], "model_error");
+        assert_eq!(data["code"], "MODEL_EMPTY_RESPONSE");
+        assert_eq!(record.status, RunStatus::Failed);
+        assert_eq!(record.final_answer, "");
+    }
+}
+
+#[tokio::test]
+async fn a_token_limit_ends_with_the_partial_answer_and_says_so() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
+            FinishReason::Length,
+            Some(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 4,
+            }),
+            &["The answer is", " forty"],
+        ))])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    let done = events.last().unwrap();
+    assert_eq!(done.kind, EventKind::FinalAnswer);
+    let data = done.data.as_ref().unwrap().to_json();
+    assert_eq!(data["stop_reason"], "max_tokens");
+    assert!(data["message"].as_str().unwrap().contains("cut short"));
+    assert_eq!(record.stop_reason, Some(StopReason::MaxTokens));
+    assert_eq!(record.status, RunStatus::Incomplete);
+    assert_eq!(record.final_answer, "The answer is forty");
+
+    // Cut before any answer text: a failure, with the same stop reason.
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
+            FinishReason::Length,
+            None,
+            &[],
+        ))])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    assert_eq!(events.last().unwrap().kind, EventKind::Error);
+    assert_eq!(record.stop_reason, Some(StopReason::MaxTokens));
+    assert_eq!(record.status, RunStatus::Failed);
+}
+
+#[tokio::test]
+async fn the_final_answer_is_the_done_rounds_answer_text_only() {
+    let mut first = vec![ChatDelta::Content("Let me compute that. ".into())];
+    first.extend(tools_round(vec![call("c1", "calc", r#"{"x":1}"#)]));
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(first),
+            Ok(deltas_then(FinishReason::Stop, None, &[" It is", " 42.\n"])),
+        ])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    let done = events.last().unwrap();
+    let rule: String = events
+        .iter()
+        .filter(|e| e.kind == EventKind::FinalAnswer && e.iteration == done.iteration && !e.done)
+        .map(|e| e.content.as_str())
+        .collect();
+    assert_eq!(rule, " It is 42.\n");
+    assert_eq!(
+        record.final_answer, rule,
+        "GetRun's answer follows the rule exactly"
+    );
+}
+
+#[tokio::test]
+async fn usage_a_provider_did_not_report_is_counted_and_marked_estimated() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
+            FinishReason::Stop,
+            None,
+            &["hello", " world"],
+        ))])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    let usage = &events.last().unwrap().data.as_ref().unwrap().to_json()["usage"];
+    assert_eq!(usage["estimated"], true);
+    assert_eq!(
+        usage["completion_tokens"], 2,
+        "\"hello world\" is two tokens"
+    );
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 5, "{usage}");
+    assert!(record.usage.estimated);
+}
+
+#[tokio::test]
+async fn a_huge_delta_goes_out_as_several_events_within_the_limit() {
+    let big = "é".repeat(300 * 1024);
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
+            FinishReason::Stop,
+            None,
+            &[&big],
+        ))])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    let deltas: Vec<&Arc<RunEvent>> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::FinalAnswer && !e.done)
+        .collect();
+    assert!(deltas.len() >= 10, "{}", deltas.len());
+    assert!(deltas.iter().all(|e| e.content.len() <= 64 * 1024));
+    let joined: String = deltas.iter().map(|e| e.content.as_str()).collect();
+    assert_eq!(joined, big);
+    assert_eq!(record.final_answer, big);
+}
+
+#[tokio::test]
+async fn arguments_nested_too_deep_are_a_bad_call_the_model_reads() {
+    let deep = format!("{}1{}", r#"{"a":"#.repeat(40), "}".repeat(40));
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![call("d", "calc", &deep)])),
+            Ok(answer("fine")),
+        ])),
+        ..Default::default()
+    });
+    let (events, _) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    let result = events
+        .iter()
+        .find(|e| e.kind == EventKind::ToolResult)
+        .unwrap()
+        .data
+        .as_ref()
+        .unwrap()
+        .to_json();
+    assert_eq!(result["is_error"], true);
+    assert!(result["output"].as_str().unwrap().contains("nest deeper"));
+    let call = events
+        .iter()
+        .find(|e| e.kind == EventKind::ToolCall)
+        .unwrap();
+    assert!(
+        call.data.as_ref().unwrap().to_json()["arguments"].is_string(),
+        "the event carries the raw text, not a tree too deep to decode"
+    );
+    assert_eq!(h.tools.peak.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn react_cuts_at_the_stop_sequence_when_the_server_does_not() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            // A server that ignores `stop`: the model invents the observation and an answer.
+            Ok(deltas_then(
+                FinishReason::Stop,
+                None,
+                &[
+                    "Thought: use calc\nAction: calc\nAction Input: {\"x\": 2}\nObserva",
+                    "tion: 5\nFinal Answer: five",
+                ],
+            )),
+            Ok(deltas_then(
+                FinishReason::Stop,
+                None,
+                &["Thought: ok\nFinal Answer:", " four"],
+            )),
+        ])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    assert_eq!(h.tools.peak.load(Ordering::SeqCst), 1, "the action ran");
+    assert_eq!(
+        record.final_answer, "four",
+        "no stray leading space, no invented answer"
+    );
+    assert!(events.iter().all(|e| !e.content.contains("five")));
+}
+
+#[tokio::test]
+async fn react_replies_without_markers_are_streamed_once_as_the_answer() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
+            FinishReason::Stop,
+            None,
+            &["It is ", "42."],
+        ))])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    use EventKind::*;
+    assert_eq!(kinds(&events), [RunStarted, FinalAnswer, FinalAnswer]);
+    assert_eq!(events[1].content, "It is 42.");
+    assert_eq!(record.final_answer, "It is 42.");
+}
+
+#[tokio::test]
+async fn react_replies_that_neither_act_nor_answer_are_sent_back_with_a_reminder() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(deltas_then(
+                FinishReason::Stop,
+                None,
+                &["Thought: I wonder"],
+            )),
+            Ok(deltas_then(FinishReason::Stop, None, &["Final Answer: 42"])),
+        ])),
+        ..Default::default()
+    });
+    let (_, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    assert_eq!(record.final_answer, "42");
+    let requests = h.model.requests.lock().unwrap();
+    assert!(
+        matches!(requests[1].messages.last().unwrap(), ChatMessage::User(o) if o.contains("Invalid format"))
+    );
+}
+
+#[tokio::test]
+async fn tool_calls_in_the_final_round_are_not_dropped_silently() {
+    let rounds = (0..4).map(|i| {
+        Ok(tools_round(vec![call(
+            &format!("c{i}"),
+            "calc",
+            &format!(r#"{{"i":{i}}}"#),
+        )]))
+    });
+    let mut last = vec![ChatDelta::Content("best effort".into())];
+    last.extend(tools_round(vec![call("late", "calc", "{}")]));
+    let h = harness(Scripted {
+        rounds: Mutex::new(rounds.chain([Ok(last)]).collect()),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    let late: Vec<_> = events
+        .iter()
+        .filter_map(|e| e.data.as_ref().map(|d| d.to_json()))
+        .filter(|d| d["id"] == "late")
+        .collect();
+    assert_eq!(late.len(), 2, "its call and its (refused) result");
+    assert_eq!(late[1]["is_error"], true);
+    assert_eq!(record.final_answer, "best effort");
+    assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+}
+
+/// Scores documents by a fixed table, or fails.
+struct TableReranker(
+    Result<Vec<f64>, ()>,
+    Mutex<Vec<agentrt_models::RerankRequest>>,
+);
+
+#[async_trait::async_trait]
+impl agentrt_models::Reranker for TableReranker {
+    async fn rerank(
+        &self,
+        request: agentrt_models::RerankRequest,
+        _cancel: CancellationToken,
+    ) -> Result<Vec<agentrt_models::RerankResult>, ModelError> {
+        self.1.lock().unwrap().push(request);
+        let scores = self
+            .0
+            .clone()
+            .map_err(|()| ModelError::Stream("reranker down".into()))?;
+        let mut ranked: Vec<agentrt_models::RerankResult> = scores
+            .into_iter()
+            .enumerate()
+            .map(|(index, relevance_score)| agentrt_models::RerankResult {
+                index,
+                relevance_score,
+            })
+            .collect();
+        ranked.sort_by(|a, b| b.relevance_score.total_cmp(&a.relevance_score));
+        Ok(ranked)
+    }
+}
+
+async fn run_with_reranker(
+    scores: Result<Vec<f64>, ()>,
+) -> (
+    Vec<Arc<RunEvent>>,
+    agentrt_engine::RunRecord,
+    Vec<agentrt_models::RerankRequest>,
+) {
+    let model = Arc::new(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![call(
+                "c1",
+                "search",
+                r#"{"refs":["a","b","c"]}"#,
+            )])),
+            Ok(answer("done")),
+        ])),
+        ..Default::default()
+    });
+    let reranker = Arc::new(TableReranker(scores, Mutex::default()));
+    let mut models = ChatModels::default();
+    models.insert("p", model);
+    models.insert_reranker("p", reranker.clone());
+    let sessions = Arc::new(InMemorySessionStore::new(SessionLimits::default()));
+    let h = Harness {
+        engine: Engine::new(models, Arc::new(Tools::default()), sessions),
+        model: Arc::new(Scripted::default()),
+        tools: Arc::new(Tools::default()),
+        bus: InMemoryBus::new(BusLimits::default()),
+    };
+    let mut cfg = config(Strategy::FunctionCall, &["search"]);
+    cfg.rerank_model = Some(agentrt_core::RerankSelection {
+        provider: "p".into(),
+        name: "ranker".into(),
+        top_n: 2,
+        min_score: 0.3,
+    });
+    let (events, record) = h.run("r", cfg, Arc::default()).await;
+    let requests = std::mem::take(&mut *reranker.1.lock().unwrap());
+    (events, record, requests)
+}
+
+#[tokio::test]
+async fn references_are_reranked_before_their_event() {
+    let (events, record, requests) = run_with_reranker(Ok(vec![0.2, 0.9, 0.5])).await;
+    assert_eq!(requests.len(), 1);
+    assert_eq!(requests[0].query, "what is 6 * 7?");
+    assert_eq!(requests[0].documents, ["about a", "about b", "about c"]);
+    assert_eq!(requests[0].top_n, Some(2));
+    let kinds: Vec<EventKind> = events.iter().map(|e| e.kind).collect();
+    let result = kinds
+        .iter()
+        .position(|k| *k == EventKind::ToolResult)
+        .unwrap();
+    assert_eq!(
+        kinds[result + 1],
+        EventKind::References,
+        "right after its result"
+    );
+    let data = events[result + 1].data.as_ref().unwrap().to_json();
+    assert_eq!(data["tool_call_id"], "c1");
+    assert_eq!(data["rerank"]["status"], "reranked");
+    let titles: Vec<&str> = data["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(titles, ["b", "c"], "top 2 above min_score, best first");
+    assert_eq!(data["references"][0]["score"], 0.9);
+    // GetRun keeps them on their call.
+    let kept: Vec<&str> = record.steps[0].tool_calls[0]
+        .references
+        .iter()
+        .map(|r| r.title.as_str())
+        .collect();
+    assert_eq!(kept, ["b", "c"]);
+}
+
+#[tokio::test]
+async fn a_failing_reranker_does_not_fail_the_run() {
+    let (events, record, _) = run_with_reranker(Err(())).await;
+    assert_eq!(record.status, RunStatus::Succeeded);
+    let data = events
+        .iter()
+        .find(|e| e.kind == EventKind::References)
+        .unwrap()
+        .data
+        .as_ref()
+        .unwrap()
+        .to_json();
+    assert_eq!(data["rerank"]["status"], "failed");
+    assert!(
+        data["rerank"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("reranker down")
+    );
+    let titles: Vec<&str> = data["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(titles, ["a", "b", "c"], "the tool's order");
+}
+
+#[tokio::test]
+async fn a_rerank_that_keeps_no_reference_still_says_so() {
+    let (events, record, _) = run_with_reranker(Ok(vec![0.1, 0.2, 0.1])).await;
+    let data = events
+        .iter()
+        .find(|e| e.kind == EventKind::References)
+        .expect("the call's references event, empty")
+        .data
+        .as_ref()
+        .unwrap()
+        .to_json();
+    assert_eq!(data["rerank"]["status"], "reranked");
+    assert_eq!(data["references"], serde_json::json!([]));
+    assert!(record.steps[0].tool_calls[0].references.is_empty());
 }

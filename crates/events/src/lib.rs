@@ -34,6 +34,8 @@ pub enum EventKind {
     References,
     /// An error, or the failed end of a run.
     Error,
+    /// The first event of every run, published before the model is called.
+    RunStarted,
 }
 
 /// One event of a run.
@@ -104,9 +106,27 @@ pub enum EventData {
         tool_call_id: String,
         /// Objects with `title`, `url`, `snippet`, `score` and `source`.
         references: Vec<serde_json::Value>,
+        /// How reranking went, when the agent has a rerank model.
+        rerank: Option<RerankOutcome>,
+    },
+    /// The start of a run.
+    RunStarted {
+        /// The engine the run is on.
+        engine_id: String,
+        /// The agent's name.
+        agent: String,
     },
     /// The end of a run.
     End(RunSummary),
+}
+
+/// How the reranking of a call's references went.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RerankOutcome {
+    /// The references are the reranker's best, best first, scored by it.
+    Reranked,
+    /// The reranker failed: the references are in the tool's order.
+    Failed(String),
 }
 
 /// A JSON value kept as its text, shared: a parsed object costs twenty times the memory of
@@ -141,8 +161,14 @@ pub struct RunSummary {
     pub prompt_tokens: u64,
     /// Tokens generated.
     pub completion_tokens: u64,
+    /// Whether the token counts were counted by the server for at least one model call
+    /// whose provider reported none.
+    pub usage_estimated: bool,
     /// Model rounds.
     pub iterations: u32,
+    /// A note for people on how the run ended, when the stop reason needs one (the answer
+    /// of a `max_tokens` run is cut short).
+    pub note: Option<String>,
     /// Why it failed, when it did.
     pub error: Option<RunFailure>,
 }
@@ -183,17 +209,35 @@ impl EventData {
             Self::References {
                 tool_call_id,
                 references,
-            } => json!({"tool_call_id": tool_call_id, "references": references}),
+                rerank,
+            } => {
+                let mut data = json!({"tool_call_id": tool_call_id, "references": references});
+                match rerank {
+                    Some(RerankOutcome::Reranked) => data["rerank"] = json!({"status": "reranked"}),
+                    Some(RerankOutcome::Failed(error)) => {
+                        data["rerank"] = json!({"status": "failed", "error": error});
+                    }
+                    None => {}
+                }
+                data
+            }
+            Self::RunStarted { engine_id, agent } => {
+                json!({"engine_id": engine_id, "agent": agent})
+            }
             Self::End(summary) => {
                 let mut data = json!({
                     "stop_reason": summary.stop_reason,
                     "usage": {
                         "prompt_tokens": summary.prompt_tokens,
                         "completion_tokens": summary.completion_tokens,
-                        "total_tokens": summary.prompt_tokens + summary.completion_tokens,
+                        "total_tokens": summary.prompt_tokens.saturating_add(summary.completion_tokens),
+                        "estimated": summary.usage_estimated,
                     },
                     "iterations": summary.iterations,
                 });
+                if let Some(note) = &summary.note {
+                    data["message"] = json!(note);
+                }
                 if let Some(error) = &summary.error {
                     data["code"] = json!(error.code);
                     data["message"] = json!(error.message);
@@ -392,12 +436,17 @@ impl EventBus for InMemoryBus {
                 .cloned()
                 .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?
         };
+        // A reader that attaches while the run runs always ends with its `done` event,
+        // even when it asked to start beyond it; one that attaches to an ended run gets
+        // only the events after its cursor (none, at or beyond the end).
+        let running = !lock(&log.state).done;
         let reader = Reader {
             published: log.published.subscribe(),
             log,
             cursor: after_sequence,
             batch: VecDeque::new(),
             finished: false,
+            owes_done: running,
         };
         Ok(Box::pin(futures_util::stream::unfold(reader, Reader::next)))
     }
@@ -468,7 +517,9 @@ impl Drop for Publisher {
                 stop_reason: "internal_error",
                 prompt_tokens: 0,
                 completion_tokens: 0,
+                usage_estimated: false,
                 iterations: 0,
+                note: None,
                 error: Some(RunFailure {
                     code: "INTERNAL".into(),
                     message: message.into(),
@@ -493,13 +544,19 @@ struct Reader {
     cursor: u64,
     batch: VecDeque<Arc<RunEvent>>,
     finished: bool,
+    /// Whether the reader attached while the run ran and has not yet been given its
+    /// `done` event.
+    owes_done: bool,
 }
 
 impl Reader {
     async fn next(mut self) -> Option<(Result<Arc<RunEvent>, BusError>, Self)> {
         loop {
             if let Some(event) = self.batch.pop_front() {
-                self.cursor = event.sequence;
+                self.cursor = self.cursor.max(event.sequence);
+                if event.done {
+                    self.owes_done = false;
+                }
                 return Some((Ok(event), self));
             }
             if self.finished {
@@ -507,23 +564,30 @@ impl Reader {
             }
             let (lost, ended) = {
                 let state = lock(&self.log.state);
-                if self.cursor + 1 < state.first {
+                // `cursor` comes from a client: no arithmetic on it may overflow.
+                let wanted = self.cursor.saturating_add(1);
+                if wanted < state.first {
                     (
                         Some(BusError::Lagged {
-                            from: self.cursor + 1,
+                            from: wanted,
                             to: state.first - 1,
                         }),
                         false,
                     )
                 } else {
-                    let start =
-                        usize::try_from(self.cursor + 1 - state.first).unwrap_or(usize::MAX);
+                    let start = usize::try_from(wanted - state.first).unwrap_or(usize::MAX);
                     let behind = state.events.len().saturating_sub(start);
                     if behind > 0 {
                         agentrt_metrics::Metrics::global().bus_read(behind as u64);
                     }
                     self.batch
                         .extend(state.events.iter().skip(start).take(BATCH).cloned());
+                    if self.batch.is_empty() && state.done && self.owes_done {
+                        // Attached beyond the end of a run that has ended since: its
+                        // `done` event still closes the stream.
+                        self.owes_done = false;
+                        self.batch.extend(state.events.back().cloned());
+                    }
                     (None, self.batch.is_empty() && state.done)
                 }
             };
@@ -582,6 +646,31 @@ mod tests {
         assert_eq!(live.await.unwrap(), [Ok(1), Ok(2), Ok(3), Ok(4)]);
         assert_eq!(read_all(from_two).await, [Ok(3), Ok(4)]);
         assert_eq!(read_all(bus.subscribe("r", 4).unwrap()).await, []);
+    }
+
+    #[tokio::test]
+    async fn a_cursor_at_or_beyond_the_end_waits_for_a_running_run_and_ends_an_ended_one() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let publisher = bus.open("r").unwrap();
+        publisher.publish(delta("a"));
+        publisher.publish(delta("b"));
+        publisher.flush();
+        // Running: at the end, new events follow; beyond it (even at u64::MAX), the
+        // stream still ends with the `done` event.
+        let at_end = tokio::spawn(read_all(bus.subscribe("r", 2).unwrap()));
+        let beyond = tokio::spawn(read_all(bus.subscribe("r", 3).unwrap()));
+        let far_beyond = tokio::spawn(read_all(bus.subscribe("r", u64::MAX).unwrap()));
+        tokio::task::yield_now().await;
+        publisher.publish(delta("c"));
+        publisher.flush();
+        publisher.publish(done());
+        assert_eq!(at_end.await.unwrap(), [Ok(3), Ok(4)]);
+        assert_eq!(beyond.await.unwrap(), [Ok(4)]);
+        assert_eq!(far_beyond.await.unwrap(), [Ok(4)]);
+        // Ended: nothing is sent, and the stream ends.
+        assert_eq!(read_all(bus.subscribe("r", 4).unwrap()).await, []);
+        assert_eq!(read_all(bus.subscribe("r", 40).unwrap()).await, []);
+        assert_eq!(read_all(bus.subscribe("r", u64::MAX).unwrap()).await, []);
     }
 
     #[tokio::test]

@@ -1,11 +1,14 @@
 //! The process's Prometheus metrics, in one registry that every crate records into and the
 //! server's admin endpoint encodes (`GET /metrics`, text exposition format).
 //!
-//! Labels stay bounded: gRPC methods and status codes are fixed sets, stop reasons and
-//! outcomes are enums, and model and tool names come from the operator's configuration.
+//! Labels stay bounded, whatever clients send: gRPC services and methods are only those
+//! the server registered (anything else is `unknown`), status codes, stop reasons and
+//! outcomes are fixed sets, and model and tool names, which clients and models choose,
+//! keep at most [`MAX_NAME_LABELS`] distinct values each (later ones count as `other`).
 
 use std::{
-    sync::LazyLock,
+    collections::HashSet,
+    sync::{LazyLock, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -22,8 +25,36 @@ use prometheus_client::{
 
 type Labels<const N: usize> = [(&'static str, String); N];
 
+/// Distinct values a label that clients or models choose (a model name, a tool name)
+/// takes at most; later values are recorded as `other`.
+pub const MAX_NAME_LABELS: usize = 100;
+
+/// The value recorded for a label beyond [`MAX_NAME_LABELS`].
+pub const OTHER: &str = "other";
+
+/// The values one label has taken, up to a bound.
+#[derive(Default)]
+struct BoundedLabel(Mutex<HashSet<String>>);
+
+impl BoundedLabel {
+    /// `value` if it is known or there is room for it, else [`OTHER`].
+    fn value(&self, value: &str) -> String {
+        let mut seen = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if seen.contains(value) {
+            return value.to_owned();
+        }
+        if seen.len() < MAX_NAME_LABELS {
+            seen.insert(value.to_owned());
+            return value.to_owned();
+        }
+        OTHER.to_owned()
+    }
+}
+
 /// Every metric of the process.
 pub struct Metrics {
+    models: BoundedLabel,
+    tools: BoundedLabel,
     registry: Registry,
     rpc_handled: Family<Labels<3>, Counter>,
     rpc_seconds: Family<Labels<2>, Histogram>,
@@ -47,6 +78,8 @@ impl Metrics {
     fn new() -> Self {
         let mut registry = Registry::with_prefix("agentrt");
         let metrics = Self {
+            models: BoundedLabel::default(),
+            tools: BoundedLabel::default(),
             rpc_handled: Family::default(),
             rpc_seconds: Family::new_with_constructor(seconds),
             runs_active: Gauge::default(),
@@ -169,6 +202,7 @@ impl Metrics {
     /// one came.
     pub fn model_call(&self, model: &str, ok: bool, started: Instant, first: Option<Instant>) {
         let outcome = if ok { "ok" } else { "error" };
+        let model = &self.models.value(model);
         self.model_seconds
             .get_or_create(&[("model", model.to_owned()), ("outcome", outcome.to_owned())])
             .observe(started.elapsed().as_secs_f64());
@@ -181,6 +215,7 @@ impl Metrics {
 
     /// Tokens a model call used.
     pub fn tokens(&self, model: &str, input: u64, output: u64) {
+        let model = &self.models.value(model);
         for (kind, count) in [("input", input), ("output", output)] {
             self.tokens
                 .get_or_create(&[("model", model.to_owned()), ("type", kind.to_owned())])
@@ -191,6 +226,7 @@ impl Metrics {
     /// A tool call ended.
     pub fn tool_call(&self, tool: &str, is_error: bool, elapsed: Duration) {
         let outcome = if is_error { "error" } else { "ok" };
+        let tool = &self.tools.value(tool);
         self.tool_calls
             .get_or_create(&[("tool", tool.to_owned()), ("outcome", outcome.to_owned())])
             .inc();
@@ -251,6 +287,30 @@ fn code_name(code: i32) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_clients_choose_keep_a_bounded_number_of_series() {
+        let metrics = Metrics::new();
+        for i in 0..MAX_NAME_LABELS + 50 {
+            metrics.tool_call(&format!("made_up_{i}"), true, Duration::from_millis(1));
+            metrics.tokens(&format!("model-{i}"), 1, 1);
+        }
+        let text = metrics.encode();
+        let series = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
+        assert_eq!(series("agentrt_tool_calls_total{"), MAX_NAME_LABELS + 1);
+        assert_eq!(
+            series("agentrt_model_tokens_total{"),
+            2 * (MAX_NAME_LABELS + 1)
+        );
+        assert!(text.contains(r#"agentrt_tool_calls_total{tool="other",outcome="error"} 50"#));
+        // A name seen before the bound keeps its own series.
+        metrics.tool_call("made_up_0", true, Duration::from_millis(1));
+        assert!(
+            metrics
+                .encode()
+                .contains(r#"agentrt_tool_calls_total{tool="made_up_0",outcome="error"} 2"#)
+        );
+    }
 
     #[test]
     fn records_show_up_in_the_exposition() {

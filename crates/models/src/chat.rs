@@ -80,7 +80,9 @@ pub enum FinishReason {
     Length,
     /// The provider filtered the output.
     ContentFilter,
-    /// The stream ended without saying.
+    /// The provider ended the stream with `[DONE]` without a finish reason, or gave one
+    /// this client does not know. (A stream that ends with neither is
+    /// [`ModelError::Incomplete`], never a finish.)
     Unknown,
 }
 
@@ -107,7 +109,9 @@ pub enum ChatDelta {
     Finish {
         /// Why it ended.
         reason: FinishReason,
-        /// Tokens used, when the provider reported them.
+        /// Tokens used, when the provider reported them: `None` when it reported none, or
+        /// only part of them, or zero for both (servers that do not count say zero), so
+        /// that the caller estimates instead of recording a fabricated zero.
         usage: Option<Usage>,
     },
 }
@@ -118,7 +122,8 @@ pub enum ModelError {
     /// The provider could not be reached.
     #[error("cannot reach the model provider: {0}")]
     Connect(String),
-    /// The provider answered with an HTTP error.
+    /// The provider answered with an HTTP error (a redirect included: redirects are not
+    /// followed, so that a provider cannot send the prompt elsewhere).
     #[error("model provider answered HTTP {status}: {message}")]
     Http {
         /// The HTTP status.
@@ -131,6 +136,28 @@ pub enum ModelError {
     /// The stream broke or carried something unreadable.
     #[error("model stream failed: {0}")]
     Stream(String),
+    /// The response ended before the model did: no finish reason and no `[DONE]`, or a
+    /// last line or event cut off. What streamed before is not a whole answer.
+    #[error("model response incomplete: {0}")]
+    Incomplete(String),
+    /// The provider answered success with something that is not the API's answer: a
+    /// chat completion that is not an event stream (`text/event-stream`), or a rerank
+    /// answer that is not its JSON.
+    #[error("model provider answered something unreadable: {0}")]
+    InvalidResponse(String),
+    /// Something the provider sent passed a bound set on what a peer may make the client
+    /// hold: the call is ended rather than letting a provider grow memory without end.
+    #[error("model response too large: {what} passed the bound of {limit} bytes")]
+    TooLarge {
+        /// What grew too large, e.g. "one SSE line".
+        what: &'static str,
+        /// The bound, in bytes.
+        limit: usize,
+    },
+    /// The provider's settings do not match the server found at its URL, e.g. HTTP/2
+    /// with prior knowledge against a server that speaks only HTTP/1.1.
+    #[error("model provider misconfigured: {0}")]
+    Misconfigured(String),
     /// The call took longer than its timeout.
     #[error("model call timed out after {0:?}")]
     Timeout(Duration),
@@ -139,13 +166,49 @@ pub enum ModelError {
     Cancelled,
 }
 
+/// Words of a 5xx error message that say the request itself was refused, so that sending
+/// it again fails the same way: servers built on pydantic or FastAPI (llama-cpp-python,
+/// mockllm, some LiteLLM routes) answer a request that fails their schema with HTTP 500
+/// and a message such as "1 validation error for ChatCompletionRequest...". Compared in
+/// lowercase, as substrings of the provider's message.
+pub const DETERMINISTIC_5XX_MARKERS: &[&str] = &[
+    "validation error",
+    "validationerror",
+    "validation failed",
+    "invalid request",
+    "invalid_request_error",
+    "unprocessable",
+];
+
+/// Whether a 5xx message says that the request was refused as invalid (see
+/// [`DETERMINISTIC_5XX_MARKERS`]).
+fn refused_as_invalid(message: &str) -> bool {
+    let message = message.to_lowercase();
+    DETERMINISTIC_5XX_MARKERS
+        .iter()
+        .any(|marker| message.contains(marker))
+}
+
 impl ModelError {
-    /// Whether sending the same request again may succeed.
+    /// Whether sending the same request again may succeed. Deterministic refusals are not
+    /// retried: a 4xx other than 408 and 429, a redirect, a 5xx whose message says the
+    /// request failed validation ([`DETERMINISTIC_5XX_MARKERS`]), an answer that is not an
+    /// event stream, a bound passed, a misconfiguration. Nor is anything that happens once
+    /// the answer streams, as text may have reached the caller.
     pub fn is_retryable(&self) -> bool {
         match self {
             Self::Connect(_) | Self::Timeout(_) => true,
-            Self::Http { status, .. } => *status == 408 || *status == 429 || *status >= 500,
-            Self::Stream(_) | Self::Cancelled => false,
+            Self::Http {
+                status, message, ..
+            } => {
+                *status == 408 || *status == 429 || (*status >= 500 && !refused_as_invalid(message))
+            }
+            Self::Stream(_)
+            | Self::Incomplete(_)
+            | Self::InvalidResponse(_)
+            | Self::TooLarge { .. }
+            | Self::Misconfigured(_)
+            | Self::Cancelled => false,
         }
     }
 
@@ -155,6 +218,10 @@ impl ModelError {
             Self::Connect(_) => "MODEL_UNREACHABLE".into(),
             Self::Http { status, .. } => format!("MODEL_HTTP_{status}"),
             Self::Stream(_) => "MODEL_STREAM_ERROR".into(),
+            Self::Incomplete(_) => "MODEL_INCOMPLETE_RESPONSE".into(),
+            Self::InvalidResponse(_) => "MODEL_INVALID_RESPONSE".into(),
+            Self::TooLarge { .. } => "MODEL_RESPONSE_TOO_LARGE".into(),
+            Self::Misconfigured(_) => "MODEL_PROVIDER_MISCONFIGURED".into(),
             Self::Timeout(_) => "MODEL_TIMEOUT".into(),
             Self::Cancelled => "CANCELLED".into(),
         }
@@ -174,4 +241,54 @@ pub trait ChatModel: Send + Sync {
         request: ChatRequest,
         cancel: CancellationToken,
     ) -> Result<ChatStream, ModelError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn http(status: u16, message: &str) -> ModelError {
+        ModelError::Http {
+            status,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    /// Only what may pass on a second try is retried: not a 4xx (but 408 and 429), not a
+    /// redirect, not a 500 that says the request failed validation.
+    #[test]
+    fn deterministic_refusals_are_not_retried() {
+        for (error, retryable) in [
+            (http(503, "busy"), true),
+            (http(500, "internal error"), true),
+            (http(429, "slow down"), true),
+            (http(408, "timeout"), true),
+            (http(400, "bad"), false),
+            (http(404, "not found"), false),
+            (http(307, "redirect"), false),
+            (
+                http(
+                    500,
+                    "1 validation error for ChatCompletionRequestAssistantMessage\ncontent\n  \
+                     Input should be a valid string",
+                ),
+                false,
+            ),
+            (http(502, "Invalid request: messages[2]"), false),
+            (ModelError::Connect("refused".into()), true),
+            (ModelError::Incomplete("cut".into()), false),
+            (
+                ModelError::TooLarge {
+                    what: "x",
+                    limit: 1,
+                },
+                false,
+            ),
+            (ModelError::InvalidResponse("html".into()), false),
+            (ModelError::Misconfigured("h2c".into()), false),
+        ] {
+            assert_eq!(error.is_retryable(), retryable, "{error}");
+        }
+    }
 }

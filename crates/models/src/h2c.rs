@@ -227,6 +227,24 @@ impl H2cClient {
             .map_err(|_| unreachable(&"timed out"))?
             .map_err(|e| unreachable(&e))?;
         let _ = stream.set_nodelay(true);
+        // The first bytes the server sends tell an HTTP/1 server from a broken one.
+        let (stream, first_bytes) = Sniff::new(stream);
+        let not_h2 = |e: &dyn std::fmt::Display| {
+            let answered = first_bytes.get().map(Vec::as_slice).unwrap_or_default();
+            if answered.starts_with(b"HTTP/") {
+                debug!(address = %self.address, "the model server answered the HTTP/2 preface in HTTP/1");
+                ModelError::Misconfigured(
+                    "the server answered in HTTP/1: it does not speak HTTP/2 with prior \
+                     knowledge (h2c); unset http2_prior_knowledge for this provider"
+                        .into(),
+                )
+            } else {
+                unreachable(&format!(
+                    "{e} (a server that speaks only HTTP/1.1 may do this: if so, unset \
+                     http2_prior_knowledge)"
+                ))
+            }
+        };
         let (sender, mut connection) = h2::client::Builder::new()
             // Large windows so that streaming calls never wait on flow control. The
             // connection window also sets h2's budget for small DATA frames not yet read
@@ -238,7 +256,7 @@ impl H2cClient {
             .enable_push(false)
             .handshake::<_, Bytes>(stream)
             .await
-            .map_err(|e| unreachable(&error_chain(&e)))?;
+            .map_err(|e| not_h2(&error_chain(&e)))?;
         let closed = Arc::new(AtomicBool::new(false));
         let mut pings = connection.ping_pong();
         let address = self.address.clone();
@@ -282,8 +300,8 @@ impl H2cClient {
         });
         match tokio::time::timeout(self.connect_timeout, settling).await {
             Ok(Ok(())) => {}
-            Ok(Err(_)) => return Err(unreachable(&"the connection closed at its start")),
-            Err(_) => return Err(unreachable(&"no answer to the first ping")),
+            Ok(Err(_)) => return Err(not_h2(&"the connection closed at its start")),
+            Err(_) => return Err(not_h2(&"no answer to the first ping")),
         }
         debug!(
             address = %self.address,
@@ -326,6 +344,73 @@ impl H2cClient {
             unreleased: 0,
             _call: call,
         }))
+    }
+}
+
+/// A connection that keeps the first bytes it reads (at most 8), until they are read.
+struct Sniff {
+    io: TcpStream,
+    first: Option<Arc<std::sync::OnceLock<Vec<u8>>>>,
+}
+
+impl Sniff {
+    fn new(io: TcpStream) -> (Self, Arc<std::sync::OnceLock<Vec<u8>>>) {
+        let first = Arc::new(std::sync::OnceLock::new());
+        let sniff = Self {
+            io,
+            first: Some(first.clone()),
+        };
+        (sniff, first)
+    }
+}
+
+impl tokio::io::AsyncRead for Sniff {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        std::task::ready!(Pin::new(&mut self.io).poll_read(cx, buf))?;
+        if let Some(first) = self.first.take() {
+            let read = &buf.filled()[before..];
+            if read.is_empty() {
+                self.first = Some(first);
+            } else {
+                let _ = first.set(read[..read.len().min(8)].to_vec());
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl tokio::io::AsyncWrite for Sniff {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
     }
 }
 

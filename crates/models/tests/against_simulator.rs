@@ -212,15 +212,10 @@ async fn broken_streams_end_with_an_error_over(http2: bool) {
         matches!(deltas.last().unwrap(), Err(ModelError::Stream(m)) if m.contains("invalid JSON")),
         "{deltas:?}"
     );
+    // No finish reason and no `[DONE]`: not an answer (it used to end as `Stop`).
     let deltas = collect(&model, request("abrupt")).await.unwrap();
     assert!(
-        matches!(
-            deltas.last().unwrap(),
-            Ok(ChatDelta::Finish {
-                reason: FinishReason::Stop,
-                ..
-            })
-        ),
+        matches!(deltas.last().unwrap(), Err(ModelError::Incomplete(_))),
         "{deltas:?}"
     );
 }
@@ -441,4 +436,365 @@ async fn http2_calls_go_on_over_the_open_connection_when_another_cannot_be_opene
         2,
         "one connection, one refused, and no other attempt within the backoff"
     );
+}
+
+fn named(url: &str, http2_prior_knowledge: bool) -> OpenAiChat {
+    client_with(url, http2_prior_knowledge).with_name("local")
+}
+
+fn text_of(deltas: &[Result<ChatDelta, ModelError>]) -> String {
+    deltas
+        .iter()
+        .filter_map(|d| match d {
+            Ok(ChatDelta::Content(t)) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The next round after a tool call is accepted by a server that refuses `content: null`
+/// (it was refused with a 500, retried three times, and the run failed); a 500 that says
+/// the request failed validation is sent once, not retried.
+#[tokio::test]
+async fn strict_servers_take_tool_call_turns_and_validation_errors_are_not_retried() {
+    for http2 in [false, true] {
+        let (url, _stop) = simulator(json!({"scenarios": {
+            "strict": {"strict_messages": true, "turns": [{"content": "ok"}]},
+            "pydantic": {"turns": [{"content": "second try", "error": {"status": 500,
+                "message": "1 validation error for ChatCompletionRequestAssistantMessage", "times": 1}}]}
+        }}))
+        .await;
+        let model = client_with(&url, http2);
+        let mut next_round = request("strict");
+        next_round.messages.extend([
+            ChatMessage::Assistant {
+                content: String::new(),
+                tool_calls: vec![agentrt_models::ModelToolCall {
+                    id: "a".into(),
+                    name: "calculator".into(),
+                    arguments: "{\"expression\":\"6*7\"}".into(),
+                }],
+            },
+            ChatMessage::Tool {
+                call_id: "a".into(),
+                content: "42".into(),
+            },
+        ]);
+        let deltas = collect(&model, next_round).await.unwrap();
+        assert_eq!(text_of(&deltas), "ok", "{deltas:?}");
+
+        // A retry would have passed (the error is scripted once): the call was sent once.
+        let err = collect(&model, request("pydantic")).await.unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Http { status: 500, message, .. } if message.contains("validation error")),
+            "{err:?}"
+        );
+    }
+}
+
+/// Misbehaving servers: no finish reason nor `[DONE]`, an unterminated last line, a 200
+/// that is not an event stream are errors; `length` and a missing usage come through as
+/// they are; a single 5 MB delta passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dishonest_answers_are_errors_and_honest_ones_pass() {
+    let content = "0123456789";
+    for http2 in [false, true] {
+        let (url, _stop) = simulator(json!({"scenarios": {
+            "torn": {"turns": [{"content": "ok", "unterminated_last_line": true}]},
+            "json": {"turns": [{"plain_body": "{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}"}]},
+            "html": {"turns": [{"plain_body": "<html>gateway</html>", "plain_content_type": "text/html"}]},
+            "capped": {"turns": [{"content": "cut sho", "finish_reason": "length"}]},
+            "no-usage": {"turns": [{"content": "ok", "omit_usage": true}]},
+            "huge": {"turns": [{"content": content, "repeat_content": 500_000, "chunk_chars": 5_000_000}]},
+        }}))
+        .await;
+        let model = client_with(&url, http2);
+        let deltas = collect(&model, request("torn")).await.unwrap();
+        assert!(
+            matches!(deltas.last().unwrap(), Err(ModelError::Incomplete(m)) if m.contains("inside a line")),
+            "{deltas:?}"
+        );
+        for plain in ["json", "html"] {
+            let err = collect(&model, request(plain)).await.unwrap_err();
+            assert!(
+                matches!(&err, ModelError::InvalidResponse(m) if m.contains("not an event stream")),
+                "{err:?}"
+            );
+            assert!(!err.is_retryable());
+        }
+        let deltas = collect(&model, request("capped")).await.unwrap();
+        assert!(
+            matches!(
+                deltas.last().unwrap(),
+                Ok(ChatDelta::Finish {
+                    reason: FinishReason::Length,
+                    usage: Some(_)
+                })
+            ),
+            "{deltas:?}"
+        );
+        let deltas = collect(&model, request("no-usage")).await.unwrap();
+        assert_eq!(
+            deltas.last().unwrap(),
+            &Ok(ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None
+            })
+        );
+        let deltas = collect(&model, request("huge")).await.unwrap();
+        assert_eq!(deltas.len(), 2, "one delta, then the finish");
+        assert_eq!(text_of(&deltas).len(), content.len() * 500_000);
+    }
+}
+
+/// A provider that sends one endless line: the call fails with an error naming the bound,
+/// and the client goes on serving calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_line_fails_the_call_at_its_bound() {
+    for http2 in [false, true] {
+        let (url, _stop) = simulator(json!({"scenarios": {
+            "flood": {"turns": [{"endless_line": true}]},
+            "short": {"turns": [{"content": "forty-two"}]}
+        }}))
+        .await;
+        let model = client_with(&url, http2);
+        let deltas =
+            tokio::time::timeout(Duration::from_secs(60), collect(&model, request("flood")))
+                .await
+                .expect("an endless line must not be read for ever")
+                .unwrap();
+        assert_eq!(
+            deltas.last().unwrap(),
+            &Err(ModelError::TooLarge {
+                what: "one SSE line of the answer",
+                limit: agentrt_models::MAX_SSE_EVENT_BYTES
+            })
+        );
+        assert_eq!(answer(&model).await, "forty-two");
+    }
+}
+
+/// Redirects are not followed (a 307 re-sent the prompt elsewhere): the call fails naming
+/// the status.
+#[tokio::test]
+async fn redirects_are_not_followed() {
+    let (elsewhere, _stop_elsewhere) = simulator(json!({"scenarios": {
+        "moved": {"turns": [{"content": "the prompt reached another server"}]}
+    }}))
+    .await;
+    for status in [307, 302] {
+        for http2 in [false, true] {
+            let (url, _stop) = simulator(json!({"scenarios": {
+                "moved": {"turns": [{"redirect_to": format!("{elsewhere}/chat/completions"), "redirect_status": status}]}
+            }}))
+            .await;
+            let err = collect(&named(&url, http2), request("moved"))
+                .await
+                .unwrap_err();
+            let ModelError::Http {
+                status: answered,
+                message,
+                ..
+            } = &err
+            else {
+                panic!("{err:?}")
+            };
+            assert_eq!(*answered, status);
+            assert!(
+                message.contains("redirect, which is not followed"),
+                "{message}"
+            );
+            assert!(!err.is_retryable());
+        }
+    }
+}
+
+/// A 404 names the provider and the path called, not the host; credentials in the URL
+/// never appear.
+#[tokio::test]
+async fn a_404_names_the_provider_and_the_path() {
+    let (url, _stop) = simulator(json!({})).await;
+    let wrong = url
+        .replace("http://", "http://user:secret@")
+        .replace("/v1", "/api");
+    for http2 in [false, true] {
+        let err = collect(&named(&wrong, http2), request("demo"))
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("provider \"local\" answered POST /api/chat/completions with 404"),
+            "{text}"
+        );
+        assert!(text.contains("base_url"), "{text}");
+        assert!(
+            !text.contains("secret") && !text.contains("127.0.0.1"),
+            "{text}"
+        );
+    }
+}
+
+/// HTTP/2 with prior knowledge against a server that speaks only HTTP/1.1 says so.
+#[tokio::test]
+async fn h2c_against_an_http1_server_says_so() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        // What an HTTP/1.1 server answers to the HTTP/2 preface, closing as such servers
+        // do (a lingering close: the answer is sent, then what the client still sends is
+        // read until it closes; closing with unread bytes would reset the connection and
+        // could discard the answer before the client reads it).
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buffer = [0; 1024];
+                let _ = socket.read(&mut buffer).await;
+                let _ = socket
+                    .write_all(
+                        b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    )
+                    .await;
+                let _ = socket.shutdown().await;
+                let drain =
+                    async { while matches!(socket.read(&mut buffer).await, Ok(n) if n > 0) {} };
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+            });
+        }
+    });
+    let err = collect(&named(&url, true), request("demo"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ModelError::Misconfigured(m)
+            if m.contains("provider \"local\"") && m.contains("unset http2_prior_knowledge")),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+}
+
+/// The simulator honours `stop` as real servers do, unless the turn ignores it.
+#[tokio::test]
+async fn stop_sequences_are_honoured_unless_ignored() {
+    let content = "Action: calculator\nObservation: invented";
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "honest": {"turns": [{"content": content}]},
+        "sloppy": {"turns": [{"content": content, "ignore_stop": true}]}
+    }}))
+    .await;
+    let model = client(&url);
+    for (name, expected) in [("honest", "Action: calculator\n"), ("sloppy", content)] {
+        let mut req = request(name);
+        req.stop = vec!["Observation:".into()];
+        let deltas = collect(&model, req).await.unwrap();
+        assert_eq!(text_of(&deltas), expected);
+    }
+}
+
+mod rerank {
+    use super::*;
+    use agentrt_models::{HttpReranker, RerankRequest, RerankResult, Reranker};
+
+    fn reranker(url: &str, http2_prior_knowledge: bool) -> HttpReranker {
+        HttpReranker::new(&ProviderSettings {
+            kind: ProviderKind::Openai,
+            base_url: url.into(),
+            api_key: Secret::new("k"),
+            api_key_env: None,
+            http2_prior_knowledge,
+        })
+        .unwrap()
+        .with_name("local")
+    }
+
+    fn ask(model: &str) -> RerankRequest {
+        RerankRequest {
+            model: model.into(),
+            query: "red apple".into(),
+            documents: vec![
+                "a green pear".into(),
+                "red wine".into(),
+                "a red apple".into(),
+            ],
+            top_n: Some(2),
+        }
+    }
+
+    #[tokio::test]
+    async fn documents_are_ranked_by_the_provider() {
+        let (url, _stop) = simulator(json!({})).await;
+        for http2 in [false, true] {
+            let results = reranker(&url, http2)
+                .rerank(ask("m"), CancellationToken::new())
+                .await
+                .unwrap();
+            assert_eq!(
+                results,
+                [
+                    RerankResult {
+                        index: 2,
+                        relevance_score: 1.0
+                    },
+                    RerankResult {
+                        index: 1,
+                        relevance_score: 0.5
+                    }
+                ]
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn failing_slow_and_cancelled_rerankers_end_with_an_error() {
+        let (url, _stop) = simulator(json!({})).await;
+        let err = reranker(&url, false)
+            .rerank(ask("fail"), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::Http { status: 500, .. }),
+            "{err:?}"
+        );
+
+        let started = Instant::now();
+        let err = reranker(&url, false)
+            .with_timeout(Duration::from_millis(200))
+            .rerank(ask("slow"), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(err, ModelError::Timeout(Duration::from_millis(200)));
+        assert!(started.elapsed() < Duration::from_secs(10));
+
+        let cancel = CancellationToken::new();
+        let canceller = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            canceller.cancel();
+        });
+        let err = reranker(&url, true)
+            .rerank(ask("slow"), cancel)
+            .await
+            .unwrap_err();
+        assert_eq!(err, ModelError::Cancelled);
+
+        // An answer larger than the bound is refused, not read to its end.
+        let err = reranker(&url, false)
+            .with_max_response_bytes(16)
+            .rerank(ask("m"), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ModelError::TooLarge { limit: 16, .. }),
+            "{err:?}"
+        );
+
+        // A wrong base URL names the path.
+        let err = reranker(&url.replace("/v1", "/nope"), false)
+            .rerank(ask("m"), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("POST /nope/rerank with 404"),
+            "{err}"
+        );
+    }
 }

@@ -82,7 +82,10 @@ pub fn load_or_default<T: DeserializeOwned + Default>(
 /// Renders effective settings as TOML for `--print-config`. Secrets are masked by their
 /// own `Serialize` implementation (see `agentrt_core::Secret`).
 pub fn to_toml<T: Serialize>(settings: &T) -> String {
-    toml::to_string_pretty(settings).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    // Secrets serialize masked; credentials inside URLs are masked here.
+    agentrt_core::mask_url_credentials(
+        &toml::to_string_pretty(settings).unwrap_or_else(|e| format!("# cannot render: {e}\n")),
+    )
 }
 
 /// Settings every gRPC server has.
@@ -277,7 +280,7 @@ impl ServerArgs {
             settings.auth.tokens_file.clone_from(&self.auth_tokens_file);
         }
         if let Some(tokens) = &self.auth_tokens {
-            settings.auth.tokens = agentrt_core::Secret::new(tokens.clone());
+            settings.auth.tokens = Some(agentrt_core::Secret::new(tokens.clone()));
         }
     }
 }
@@ -289,77 +292,10 @@ pub fn override_with<T>(slot: &mut T, value: Option<T>) {
     }
 }
 
-/// Parses `1h`, `2m`, `10s`, `250ms`, `1m30s` or plain seconds (`15`, `0.5`).
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let invalid = || format!("invalid duration {text:?}: use e.g. 500ms, 10s, 2m or 1h");
-    if text.is_empty() {
-        return Err(invalid());
-    }
-    if let Ok(seconds) = text.parse::<f64>() {
-        return Duration::try_from_secs_f64(seconds).map_err(|_| invalid());
-    }
-    let mut total = Duration::ZERO;
-    let mut rest = text;
-    while !rest.is_empty() {
-        let split = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .ok_or_else(invalid)?;
-        let (number, tail) = rest.split_at(split);
-        let unit_len = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
-        let (unit, next) = tail.split_at(unit_len);
-        let value: f64 = number.parse().map_err(|_| invalid())?;
-        let seconds = match unit {
-            "ms" => value / 1000.0,
-            "s" => value,
-            "m" => value * 60.0,
-            "h" => value * 3600.0,
-            _ => return Err(invalid()),
-        };
-        total += Duration::try_from_secs_f64(seconds).map_err(|_| invalid())?;
-        rest = next;
-    }
-    Ok(total)
-}
-
-/// Renders a duration the way [`parse_duration`] reads it.
-pub fn format_duration(d: Duration) -> String {
-    if d.subsec_nanos() == 0 {
-        format!("{}s", d.as_secs())
-    } else if d.subsec_nanos().is_multiple_of(1_000_000) {
-        format!("{}ms", d.as_millis())
-    } else {
-        format!("{}s", d.as_secs_f64())
-    }
-}
+pub use agentrt_core::duration::{format as format_duration, parse as parse_duration};
 
 /// Serde helpers for durations written as `10s`, `500ms`, ... in config files.
-pub mod duration {
-    use std::time::Duration;
-
-    use serde::{Deserialize, Deserializer, Serializer};
-
-    /// Serializes as text.
-    pub fn serialize<S: Serializer>(d: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&super::format_duration(*d))
-    }
-
-    /// Deserializes from text or a number of seconds.
-    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            Text(String),
-            Seconds(f64),
-        }
-        match Raw::deserialize(deserializer)? {
-            Raw::Text(text) => super::parse_duration(&text).map_err(serde::de::Error::custom),
-            Raw::Seconds(s) => Duration::try_from_secs_f64(s).map_err(serde::de::Error::custom),
-        }
-    }
-}
+pub use agentrt_core::duration;
 
 #[cfg(test)]
 mod tests {

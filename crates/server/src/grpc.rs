@@ -105,7 +105,18 @@ impl GrpcServer {
                 }
                 .into());
             }
-            info!(service = self.name, "bearer-token authentication on");
+            info!(
+                service = self.name,
+                auth = "bearer tokens",
+                tokens = tokens.len(),
+                "authentication: every call but health needs a bearer token"
+            );
+        } else {
+            warn!(
+                service = self.name,
+                auth = "none",
+                "authentication: none; every call is let in (set server.auth to require tokens)"
+            );
         }
 
         if let Some(health_addr) = self.settings.health_listen {
@@ -171,7 +182,17 @@ impl GrpcServer {
             .initial_stream_window_size(1024 * 1024)
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-            .layer(crate::metrics::RpcMetricsLayer)
+            .layer(crate::metrics::RpcMetricsLayer::new(
+                crate::metrics::registered_methods(
+                    &[
+                        agentrt::FILE_DESCRIPTOR_SET,
+                        tonic_health::pb::FILE_DESCRIPTOR_SET,
+                        tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET,
+                        tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+                    ],
+                    &advertised,
+                ),
+            ))
             .layer(crate::trace::RpcSpanLayer)
             .layer(AuthLayer::new(tokens))
             .add_routes(routes)

@@ -2,10 +2,12 @@
 //! process's metrics to Prometheus.
 
 use std::{
+    collections::HashSet,
     convert::Infallible,
     future::Future,
     net::SocketAddr,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
     time::Instant,
 };
@@ -21,9 +23,54 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 /// Records every call's status code and duration in [`Metrics`], and stamps each request
-/// with its [`Arrival`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RpcMetricsLayer;
+/// with its [`Arrival`]. Calls are labelled by service and method only when the server
+/// registered that method; any other path (a client can send any) counts as
+/// `unknown`/`unknown`, so that no client can grow the metrics.
+#[derive(Debug, Clone, Default)]
+pub struct RpcMetricsLayer {
+    /// The registered methods, as `/package.Service/Method`.
+    methods: Arc<HashSet<String>>,
+}
+
+/// The label of a service or method the server did not register.
+pub const UNKNOWN: &str = "unknown";
+
+impl RpcMetricsLayer {
+    /// A layer that labels calls of these methods (`/package.Service/Method`).
+    pub fn new(methods: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            methods: Arc::new(methods.into_iter().collect()),
+        }
+    }
+}
+
+/// The methods of `services` as `/package.Service/Method`, read from encoded
+/// `FileDescriptorSet`s; services not in them are left out.
+pub fn registered_methods(descriptor_sets: &[&[u8]], services: &[&str]) -> Vec<String> {
+    use prost::Message;
+    let mut methods = Vec::new();
+    for set in descriptor_sets {
+        let Ok(set) = prost_types::FileDescriptorSet::decode(*set) else {
+            continue;
+        };
+        for file in set.file {
+            let package = file.package.unwrap_or_default();
+            for service in file.service {
+                let name = format!("{package}.{}", service.name.unwrap_or_default());
+                if !services.contains(&name.as_str()) {
+                    continue;
+                }
+                methods.extend(
+                    service
+                        .method
+                        .iter()
+                        .map(|m| format!("/{name}/{}", m.name.as_deref().unwrap_or_default())),
+                );
+            }
+        }
+    }
+    methods
+}
 
 /// When a call reached the server's services, before its body was read: the moment
 /// tonic starts the timer of the call's `grpc-timeout`. A handler that ends its work by
@@ -36,7 +83,10 @@ impl<S> tower_layer::Layer<S> for RpcMetricsLayer {
     type Service = RpcMetrics<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        RpcMetrics { inner }
+        RpcMetrics {
+            inner,
+            methods: self.methods.clone(),
+        }
     }
 }
 
@@ -44,6 +94,7 @@ impl<S> tower_layer::Layer<S> for RpcMetricsLayer {
 #[derive(Debug, Clone)]
 pub struct RpcMetrics<S> {
     inner: S,
+    methods: Arc<HashSet<String>>,
 }
 
 impl<S, ReqBody, ResBody> tower_service::Service<Request<ReqBody>> for RpcMetrics<S>
@@ -65,14 +116,18 @@ where
         request
             .extensions_mut()
             .insert(Arrival(tokio::time::Instant::now()));
-        // `/package.Service/Method`; anything else is not a gRPC call and is not counted.
-        let (service, method) = crate::grpc_route(request.uri().path())
-            .map(|(s, m)| (s.to_owned(), m.to_owned()))
-            .unzip();
+        // `/package.Service/Method` of a registered method; anything else is one label.
+        let path = request.uri().path();
+        let (service, method) = match crate::grpc_route(path) {
+            Some((service, method)) if self.methods.contains(path) => {
+                (service.to_owned(), method.to_owned())
+            }
+            _ => (UNKNOWN.to_owned(), UNKNOWN.to_owned()),
+        };
         let response = self.inner.call(request);
         Box::pin(async move {
             let response = response.await?;
-            let call = service.zip(method).map(|(service, method)| Call {
+            let call = Some(Call {
                 service,
                 method,
                 started,
@@ -215,4 +270,34 @@ async fn metrics_response<B>(request: Request<B>) -> Result<Response<Full<Bytes>
     };
     // The builders above are given only valid parts.
     Ok(response.unwrap_or_default())
+}
+
+#[cfg(test)]
+mod registered_tests {
+    use super::*;
+
+    #[test]
+    fn registered_methods_come_from_the_descriptors_of_the_served_services() {
+        let methods = registered_methods(
+            &[
+                agentrt::FILE_DESCRIPTOR_SET,
+                tonic_health::pb::FILE_DESCRIPTOR_SET,
+            ],
+            &["agent.v1.ToolExecutor", "grpc.health.v1.Health"],
+        );
+        for path in [
+            "/agent.v1.ToolExecutor/ListTools",
+            "/agent.v1.ToolExecutor/ExecuteTool",
+            "/grpc.health.v1.Health/Check",
+            "/grpc.health.v1.Health/Watch",
+        ] {
+            assert!(methods.iter().any(|m| m == path), "{path}: {methods:?}");
+        }
+        assert!(
+            !methods
+                .iter()
+                .any(|m| m.starts_with("/agent.v1.AgentEngine/")),
+            "services this server does not serve are left out"
+        );
+    }
 }

@@ -142,13 +142,17 @@ pub struct AuthSettings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_file: Option<PathBuf>,
     /// Token entries given inline (an environment variable, typically); masked when
-    /// printed.
-    #[serde(skip_serializing_if = "Secret::is_empty")]
-    pub tokens: Secret,
+    /// printed. `Some` even when empty: a setting that is given but holds no token is an
+    /// error, never a server without authentication.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<Secret>,
 }
 
 impl AuthSettings {
-    /// Reads and parses every entry; `None` when no token is configured.
+    /// Reads and parses every entry; `None` when no token source is configured. A source
+    /// that is configured but holds no token (an empty file, only comments, an empty
+    /// variable: an empty key in a Secret, typically) is an error: authentication fails
+    /// closed.
     pub fn load(&self) -> Result<Option<Arc<TokenSet>>, ConfigError> {
         let mut entries = Vec::new();
         if let Some(path) = &self.tokens_file {
@@ -156,9 +160,31 @@ impl AuthSettings {
                 field: "server.auth.tokens_file",
                 message: format!("cannot read {}: {e}", path.display()),
             })?;
-            entries.extend(parse_entries("server.auth.tokens_file", &text)?);
+            let from_file = parse_entries("server.auth.tokens_file", &text)?;
+            if from_file.is_empty() {
+                return Err(ConfigError::Invalid {
+                    field: "server.auth.tokens_file",
+                    message: format!(
+                        "{} holds no token (empty, or only comments): the server would run \
+                         without authentication; give it tokens, or remove the setting",
+                        path.display()
+                    ),
+                });
+            }
+            entries.extend(from_file);
         }
-        entries.extend(parse_entries("server.auth.tokens", self.tokens.expose())?);
+        if let Some(tokens) = &self.tokens {
+            let inline = parse_entries("server.auth.tokens", tokens.expose())?;
+            if inline.is_empty() {
+                return Err(ConfigError::Invalid {
+                    field: "server.auth.tokens",
+                    message: "is set but holds no token: the server would run without \
+                              authentication; give it tokens, or unset it"
+                        .into(),
+                });
+            }
+            entries.extend(inline);
+        }
         Ok((!entries.is_empty()).then(|| Arc::new(TokenSet { entries })))
     }
 }
@@ -222,6 +248,18 @@ fn sha256(bytes: &[u8]) -> [u8; 32] {
 #[derive(Debug)]
 pub struct TokenSet {
     entries: Vec<TokenEntry>,
+}
+
+impl TokenSet {
+    /// How many tokens there are.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there is none (never, for a set [`AuthSettings::load`] made).
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
 }
 
 #[derive(Debug)]
@@ -352,11 +390,21 @@ fn authorize<B>(tokens: &TokenSet, request: &Request<B>) -> Result<(), Status> {
     if service == HEALTH_SERVICE {
         return Ok(());
     }
-    let Some(header) = request.headers().get(http::header::AUTHORIZATION) else {
+    let mut values = request
+        .headers()
+        .get_all(http::header::AUTHORIZATION)
+        .iter();
+    let Some(header) = values.next() else {
         return Err(Status::unauthenticated(
             "missing credentials: send the metadata `authorization: Bearer <token>`",
         ));
     };
+    if values.next().is_some() {
+        // Which one a proxy or another server would read is anyone's guess: refuse both.
+        return Err(Status::unauthenticated(
+            "more than one `authorization` metadata value: send exactly one",
+        ));
+    }
     let token = header
         .to_str()
         .ok()

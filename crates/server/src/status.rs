@@ -10,15 +10,61 @@ use tonic_types::{ErrorDetails, FieldViolation, StatusExt};
 /// The error domain of `google.rpc.ErrorInfo` details.
 pub const ERROR_DOMAIN: &str = "agent.v1";
 
+/// Violations a status names in its message; the rest are counted.
+const LISTED_IN_MESSAGE: usize = 5;
+/// Violations a status carries as `BadRequest` details; the rest are counted in the
+/// message.
+const LISTED_IN_DETAILS: usize = 10;
+/// Longest status message, in bytes. Statuses travel in HTTP/2 headers, which clients
+/// commonly limit to 16 KiB in all (and `grpc-message` percent-encodes non-ASCII text,
+/// tripling it): a status copying a client's input unbounded would reach the client as
+/// `RESOURCE_EXHAUSTED` instead of the error it describes.
+const MESSAGE_BYTES: usize = 1024;
+/// Longest field path and description in the details, in bytes.
+const FIELD_BYTES: usize = 128;
+const DESCRIPTION_BYTES: usize = 300;
+/// Longest id echoed back in a status.
+const ID_BYTES: usize = 128;
+
+/// `text` cut to at most `max` bytes at a character boundary, marked with `…` when cut.
+pub fn bounded(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut cut = max.saturating_sub('…'.len_utf8());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}…", &text[..cut]).into()
+}
+
 /// `INVALID_ARGUMENT` with one `BadRequest` field violation per problem. The message lists
-/// them too, for clients that do not read details (e.g. grpcurl's default output).
+/// them too, for clients that do not read details (e.g. grpcurl's default output). Both
+/// are bounded: the first violations are named and the others counted.
 pub fn invalid_argument(summary: &str, violations: &[Violation]) -> Status {
-    let listed: Vec<String> = violations.iter().map(ToString::to_string).collect();
-    let message = format!("{summary}: {}", listed.join("; "));
+    let listed: Vec<String> = violations
+        .iter()
+        .take(LISTED_IN_MESSAGE)
+        .map(|v| bounded(&v.to_string(), MESSAGE_BYTES / LISTED_IN_MESSAGE).into_owned())
+        .collect();
+    let mut message = format!("{summary}: {}", listed.join("; "));
+    if violations.len() > LISTED_IN_MESSAGE {
+        message.push_str(&format!(
+            "; and {} more",
+            violations.len() - LISTED_IN_MESSAGE
+        ));
+    }
+    let message = bounded(&message, MESSAGE_BYTES + 64).into_owned();
     let details = ErrorDetails::with_bad_request(
         violations
             .iter()
-            .map(|v| FieldViolation::new(v.field.clone(), v.description.clone()))
+            .take(LISTED_IN_DETAILS)
+            .map(|v| {
+                FieldViolation::new(
+                    bounded(&v.field, FIELD_BYTES),
+                    bounded(&v.description, DESCRIPTION_BYTES),
+                )
+            })
             .collect::<Vec<_>>(),
     );
     Status::with_error_details(Code::InvalidArgument, message, details)
@@ -26,8 +72,9 @@ pub fn invalid_argument(summary: &str, violations: &[Violation]) -> Status {
 
 /// `NOT_FOUND` with an `ErrorInfo` naming the kind of thing and its id.
 pub fn not_found(reason: &str, what: &str, id: &str) -> Status {
+    let id = bounded(id, ID_BYTES);
     let details =
-        ErrorDetails::with_error_info(reason, ERROR_DOMAIN, [(what.to_owned(), id.to_owned())]);
+        ErrorDetails::with_error_info(reason, ERROR_DOMAIN, [(what.to_owned(), id.to_string())]);
     Status::with_error_details(Code::NotFound, format!("{what} {id:?} not found"), details)
 }
 
@@ -71,6 +118,36 @@ mod tests {
             .map(|v| v.field.as_str())
             .collect();
         assert_eq!(fields, ["name", "tools[0].name"]);
+    }
+
+    #[test]
+    fn statuses_stay_small_whatever_the_input() {
+        let violations: Vec<Violation> = (0..40)
+            .map(|i| {
+                Violation::new(
+                    format!("tools[{i}].name"),
+                    format!("tool {:?} is not offered", "é".repeat(5000)),
+                )
+            })
+            .collect();
+        let status = invalid_argument("invalid agent config", &violations);
+        assert!(status.message().len() <= 2048, "{}", status.message().len());
+        assert!(status.message().contains("tools[0].name"));
+        assert!(
+            status.message().ends_with("and 35 more"),
+            "{}",
+            status.message()
+        );
+        assert!(
+            status.details().len() <= 6 * 1024,
+            "{}",
+            status.details().len()
+        );
+        let bad_request = status.get_details_bad_request().unwrap();
+        assert_eq!(bad_request.field_violations.len(), 10);
+        assert!(bad_request.field_violations[0].description.ends_with('…'));
+        let status = not_found("RUN_NOT_FOUND", "run", &"x".repeat(100_000));
+        assert!(status.message().len() < 200);
     }
 
     #[test]

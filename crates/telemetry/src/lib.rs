@@ -2,7 +2,7 @@
 //!
 //! Logs go to standard error, so that standard output stays free for what a command is
 //! asked to print (e.g. `--print-config`). `LOG_FORMAT=json` switches to one JSON object
-//! per line; `RUST_LOG` (default `info`) sets the level per module.
+//! per line; `RUST_LOG` (default `info`, MCP client internals at `warn`) sets the level per module.
 //!
 //! Traces are exported over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) is set, and not at all otherwise. The service is
@@ -105,7 +105,8 @@ impl Drop for Telemetry {
 pub fn init(default_service_name: &'static str) -> Result<Telemetry, String> {
     let format = LogFormat::from_env()?;
     let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new("info"))
+        // rmcp logs each MCP server's whole self-description at info on every connect.
+        .or_else(|_| EnvFilter::try_new("info,rmcp=warn"))
         .map_err(|e| format!("invalid RUST_LOG: {e}"))?;
     CAPTURE_CONTENT.store(
         std::env::var("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT")

@@ -1,15 +1,89 @@
-//! The tools built into the tool executor.
+//! The tools built into the tool executor, offered under their bare names.
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use agentrt_core::{ToolSource, ToolSpec};
 use async_trait::async_trait;
 use serde_json::json;
 
-use crate::{Tool, ToolContext, ToolOutput, calculator};
+use crate::{
+    CallError, Error, ListedTool, Result, Tool, ToolContext, ToolOutput, Toolset, calculator,
+};
 
 /// Names of the built-in tools, for configuration.
 pub const NAMES: [&str; 3] = ["calculator", "current_time", "sleep"];
+
+/// The name of the built-ins' toolset, in logs and errors.
+pub const SOURCE_NAME: &str = "builtin";
+
+/// The built-in tools as a toolset.
+pub struct Builtins {
+    tools: BTreeMap<String, Arc<dyn Tool>>,
+}
+
+impl Builtins {
+    /// Every built-in tool.
+    pub fn all() -> Self {
+        Self {
+            tools: all()
+                .into_iter()
+                .map(|t| (t.spec().name.clone(), t))
+                .collect(),
+        }
+    }
+
+    /// The built-in tools named, each once.
+    pub fn named(names: &[impl AsRef<str>]) -> Result<Self> {
+        let mut tools = BTreeMap::new();
+        for name in names {
+            let name = name.as_ref();
+            let tool = by_name(name).ok_or_else(|| {
+                Error::source(
+                    SOURCE_NAME,
+                    format!("unknown tool {name:?}; known: {}", NAMES.join(", ")),
+                )
+            })?;
+            tools.insert(name.to_owned(), tool);
+        }
+        Ok(Self { tools })
+    }
+}
+
+#[async_trait]
+impl Toolset for Builtins {
+    fn name(&self) -> &str {
+        SOURCE_NAME
+    }
+
+    async fn list(&self) -> Result<Vec<ListedTool>> {
+        Ok(self
+            .tools
+            .iter()
+            .map(|(name, tool)| ListedTool {
+                spec: tool.spec().clone(),
+                source_name: name.clone(),
+                origin: format!("built-in tool {name:?}"),
+            })
+            .collect())
+    }
+
+    async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Value,
+        ctx: &ToolContext,
+    ) -> Result<ToolOutput, CallError> {
+        let tool = self
+            .tools
+            .get(tool)
+            .ok_or_else(|| CallError::Gone(tool.to_owned()))?;
+        Ok(tool.call(arguments, ctx).await)
+    }
+
+    async fn refresh(&self) -> Result<()> {
+        Ok(())
+    }
+}
 
 /// Every built-in tool.
 pub fn all() -> Vec<Arc<dyn Tool>> {
@@ -53,8 +127,7 @@ impl Calculator {
                         "expression": {
                             "type": "string",
                             "description": "The expression to evaluate, e.g. \"2 ^ 10 / 4\".",
-                            "minLength": 1,
-                            "maxLength": 10000
+                            "minLength": 1
                         }
                     },
                     "required": ["expression"],
@@ -73,6 +146,15 @@ impl Tool for Calculator {
 
     async fn call(&self, arguments: serde_json::Value, _ctx: &ToolContext) -> ToolOutput {
         let expression = arguments["expression"].as_str().unwrap_or_default();
+        // The bound lives here, not in the schema: some model servers (llama.cpp) refuse
+        // to compile schemas with large `maxLength`s into grammars.
+        if expression.len() > calculator::MAX_LEN {
+            return ToolOutput::error(format!(
+                "the expression is {} characters long; at most {} are accepted",
+                expression.len(),
+                calculator::MAX_LEN
+            ));
+        }
         match calculator::evaluate(expression) {
             Ok(value) => ToolOutput {
                 text: calculator::format_number(value),
@@ -228,6 +310,25 @@ mod tests {
         let out = call("calculator", json!({"expression": "1/0"})).await;
         assert!(out.is_error);
         assert!(out.text.contains("division by zero"), "{}", out.text);
+    }
+
+    #[tokio::test]
+    async fn calculator_bounds_the_expression_in_the_tool_not_the_schema() {
+        let tool = by_name("calculator").unwrap();
+        let schema = &tool.spec().input_schema["properties"]["expression"];
+        assert!(schema.get("maxLength").is_none(), "{schema}");
+        let long = format!("1{}", "+1".repeat(calculator::MAX_LEN));
+        let out = call("calculator", json!({ "expression": long })).await;
+        assert!(out.is_error);
+        assert!(
+            out.text.contains("at most 10000 are accepted"),
+            "{}",
+            out.text
+        );
+        assert!(out.text.len() < 200, "the expression is not echoed back");
+        let at_limit = format!("1{}", "+1".repeat((calculator::MAX_LEN - 1) / 2));
+        let out = call("calculator", json!({ "expression": at_limit })).await;
+        assert!(!out.is_error, "{}", out.text);
     }
 
     #[tokio::test]

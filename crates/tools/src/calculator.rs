@@ -6,7 +6,7 @@
 use std::fmt;
 
 /// Longest expression accepted, in bytes.
-const MAX_LEN: usize = 10_000;
+pub(crate) const MAX_LEN: usize = 10_000;
 /// Deepest nesting of parentheses and signs accepted; bounds the recursion.
 const MAX_DEPTH: usize = 200;
 

@@ -1,15 +1,73 @@
-//! Tools the tool executor serves: the [`Tool`] trait, the [`ToolRegistry`] that checks
-//! arguments against each tool's JSON Schema before running it, and the built-in tools.
+//! The tools the tool executor serves.
+//!
+//! Tools come from *toolsets* behind one trait, [`Toolset`]: the built-in tools
+//! ([`builtin::Builtins`]), the tools of MCP servers ([`mcp::McpToolset`]) and the
+//! operations of OpenAPI documents ([`openapi::OpenApiToolset`]). The [`Catalogue`]
+//! combines them under one namespace (`<source>__<tool>`, built-ins by their bare names),
+//! checks arguments against each tool's JSON Schema before a call, and swaps in a new
+//! snapshot when a toolset's tools change, while calls on the old one go on.
 
 pub mod builtin;
 mod calculator;
-mod registry;
+mod catalogue;
+mod http;
+pub mod mcp;
+pub mod openapi;
+pub mod secret;
+mod toolset;
 
 use agentrt_core::{Reference, ToolSpec};
 use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
-pub use registry::{ExecuteError, RegistryError, ToolRegistry};
+pub use catalogue::{Catalogue, ExecuteError};
+pub use toolset::{
+    CallError, Changes, ListedTool, MAX_SOURCE_NAME_LEN, Toolset, check_source_name, offered_name,
+};
+
+/// Why a toolset or the catalogue could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Two tools would be offered under the same name.
+    #[error("tool name {name:?} is offered twice: by {first} and by {second}")]
+    Duplicate {
+        /// The offered name.
+        name: String,
+        /// Where the first one comes from.
+        first: String,
+        /// Where the second one comes from.
+        second: String,
+    },
+    /// A tool's input schema is not a valid JSON Schema.
+    #[error("tool {tool:?} has an invalid input schema: {reason}")]
+    InvalidSchema {
+        /// The tool.
+        tool: String,
+        /// What the schema compiler said.
+        reason: String,
+    },
+    /// A tool source's settings or document cannot be used.
+    #[error("tool source {source_name:?}: {message}")]
+    Source {
+        /// The source, as named in the config.
+        source_name: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl Error {
+    /// A problem with the source called `name`.
+    pub fn source(name: &str, message: impl Into<String>) -> Self {
+        Self::Source {
+            source_name: name.to_owned(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The result of building toolsets and the catalogue.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// A callable tool.
 ///
@@ -70,4 +128,17 @@ impl ToolOutput {
             ..Self::default()
         }
     }
+}
+
+/// Cuts `text` to at most `max` bytes on a character boundary, saying that it did.
+pub(crate) fn truncate_text(text: &mut String, max: usize) {
+    if text.len() <= max {
+        return;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    text.push_str(&format!("\n[output truncated at {max} bytes]"));
 }

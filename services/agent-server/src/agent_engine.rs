@@ -42,14 +42,17 @@ pub struct RequestLimits {
     pub context_messages: usize,
     /// Most `llm_context` characters, all messages together.
     pub context_chars: usize,
+    /// Largest response message, in bytes (`GetRun` answers stay within it).
+    pub max_message_bytes: usize,
 }
 
-impl From<&crate::settings::RunSettings> for RequestLimits {
-    fn from(runs: &crate::settings::RunSettings) -> Self {
+impl From<&crate::settings::Settings> for RequestLimits {
+    fn from(settings: &crate::settings::Settings) -> Self {
         Self {
-            query_chars: runs.max_query_chars,
-            context_messages: runs.max_context_messages,
-            context_chars: runs.max_context_chars,
+            query_chars: settings.runs.max_query_chars,
+            context_messages: settings.runs.max_context_messages,
+            context_chars: settings.runs.max_context_chars,
+            max_message_bytes: settings.server.max_message_bytes,
         }
     }
 }
@@ -94,14 +97,21 @@ impl AgentEngineImpl {
 }
 
 /// Cancels the run when the `Execute` stream that started it is dropped before the run
-/// ended: the client went away.
-struct CancelOnDisconnect(Arc<RunHandle>);
+/// ended: the client went away. Disarmed when the stream ends for another reason (the
+/// client fell behind the replay log: it is told so, and resumes with `Subscribe`).
+struct CancelOnDisconnect {
+    run: Arc<RunHandle>,
+    armed: bool,
+}
 
 impl Drop for CancelOnDisconnect {
     fn drop(&mut self) {
-        if self.0.state.lock().status == RunStatus::Running {
-            info!(run_id = %self.0.run_id, "client disconnected, cancelling the run");
-            self.0.control.stop(StopReason::Cancelled);
+        if self.armed && self.run.state.lock().status == RunStatus::Running {
+            info!(run_id = %self.run.run_id, "client disconnected, cancelling the run");
+            self.run
+                .disconnected
+                .store(true, std::sync::atomic::Ordering::Release);
+            self.run.control.stop(StopReason::Cancelled);
         }
     }
 }
@@ -109,18 +119,20 @@ impl Drop for CancelOnDisconnect {
 fn stream_events(
     events: EventStream,
     run: &RunHandle,
-    guard: Option<CancelOnDisconnect>,
+    mut guard: Option<CancelOnDisconnect>,
 ) -> EventResponseStream {
     let ids = Arc::new((
         run.run_id.clone(),
         run.session_id.clone(),
         run.message_id.clone(),
     ));
-    Box::pin(events.map(move |event| {
-        let _owned_by_the_stream = &guard;
-        match event {
-            Ok(event) => Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2)),
-            Err(error) => Err(bus_status(&error)),
+    Box::pin(events.map(move |event| match event {
+        Ok(event) => Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2)),
+        Err(error) => {
+            if let Some(guard) = guard.as_mut() {
+                guard.armed = false;
+            }
+            Err(bus_status(&error))
         }
     }))
 }
@@ -179,7 +191,7 @@ fn check_execute(
         ));
         return Err(violations);
     }
-    if request.message_id.len() > MESSAGE_ID_MAX_CHARS {
+    if request.message_id.chars().count() > MESSAGE_ID_MAX_CHARS {
         violations.push(Violation::new(
             "message_id",
             format!("must be at most {MESSAGE_ID_MAX_CHARS} characters"),
@@ -285,9 +297,15 @@ impl AgentEngine for AgentEngineImpl {
                 ));
             }
             Err(StartError::Bus(error)) => return Err(bus_status(&error)),
+            Err(error @ StartError::MessageIdReused { .. }) => {
+                return Err(Status::already_exists(error.to_string()));
+            }
         };
         let events = self.events(&handle, 0)?;
-        let guard = owner.then(|| CancelOnDisconnect(handle.clone()));
+        let guard = owner.then(|| CancelOnDisconnect {
+            run: handle.clone(),
+            armed: true,
+        });
         Ok(Response::new(stream_events(events, &handle, guard)))
     }
 
@@ -321,6 +339,7 @@ impl AgentEngine for AgentEngineImpl {
         let handle = self.run(&request.into_inner().run_id)?;
         Ok(Response::new(convert::record_to_wire(
             &handle.state.snapshot(),
+            self.limits.max_message_bytes,
         )))
     }
 }

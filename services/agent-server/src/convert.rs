@@ -123,6 +123,7 @@ pub fn event_to_wire(
             EventKind::FinalAnswer => v1::EventType::FinalAnswer,
             EventKind::References => v1::EventType::References,
             EventKind::Error => v1::EventType::Error,
+            EventKind::RunStarted => v1::EventType::RunStarted,
         } as i32,
         content: event.content.clone(),
         data: event.data.as_deref().map(event_data_to_wire),
@@ -183,6 +184,9 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
                 },
             ),
         ]),
+        EventData::RunStarted { engine_id, agent } => {
+            fields([("engine_id", text(engine_id)), ("agent", text(agent))])
+        }
         EventData::References { .. } | EventData::End(_) => {
             return agentrt::json::json_to_struct(&data.to_json()).unwrap_or_default();
         }
@@ -197,6 +201,7 @@ pub fn run_status_to_wire(status: RunStatus) -> v1::RunStatus {
         RunStatus::Succeeded => v1::RunStatus::Succeeded,
         RunStatus::Failed => v1::RunStatus::Failed,
         RunStatus::Cancelled => v1::RunStatus::Cancelled,
+        RunStatus::Incomplete => v1::RunStatus::Incomplete,
     }
 }
 
@@ -210,11 +215,54 @@ fn stop_reason_to_wire(reason: Option<StopReason>) -> v1::StopReason {
         Some(StopReason::ModelError) => v1::StopReason::ModelError,
         Some(StopReason::Shutdown) => v1::StopReason::Shutdown,
         Some(StopReason::InternalError) => v1::StopReason::InternalError,
+        Some(StopReason::MaxTokens) => v1::StopReason::MaxTokens,
     }
 }
 
-/// A run's record as `GetRun` answers it.
-pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
+/// What a response keeps free of its size limit for the gRPC frame and headers.
+const RESPONSE_MARGIN_BYTES: usize = 4096;
+
+/// A run's record as `GetRun` answers it, within `max_bytes` encoded: when the whole
+/// record does not fit, the steps' texts are cut first (the longest first), then the final
+/// answer, each cut marked, and `truncated` says so. The events carry every text whole.
+pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
+    use prost::Message;
+    let mut state = whole_record_to_wire(record);
+    let budget = max_bytes.saturating_sub(RESPONSE_MARGIN_BYTES);
+    if state.encoded_len() <= budget {
+        return state;
+    }
+    state.truncated = true;
+    // Halve the room of each step text until the whole fits.
+    let mut room = 64 * 1024;
+    while state.encoded_len() > budget && room > 0 {
+        for step in &mut state.steps {
+            cut_text(&mut step.thought, room);
+            cut_text(&mut step.answer, room);
+            for call in &mut step.tool_calls {
+                cut_text(&mut call.output, room);
+            }
+        }
+        room /= 2;
+    }
+    let over = state.encoded_len().saturating_sub(budget);
+    if over > 0 {
+        let keep = state.final_answer.len().saturating_sub(over + 256);
+        cut_text(&mut state.final_answer, keep);
+    }
+    state
+}
+
+/// Cuts `text` to at most `max` bytes at a character boundary, marking the cut.
+fn cut_text(text: &mut String, max: usize) {
+    if let Some((omitted, total)) = agentrt_core::truncate_at_char_boundary(text, max) {
+        text.push_str(&format!(
+            "[cut: {omitted} of {total} bytes; Subscribe to the run for the whole text]"
+        ));
+    }
+}
+
+fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
     let usage = record.usage;
     let to_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     v1::AgentState {
@@ -248,6 +296,17 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
                         output: call.output.clone(),
                         is_error: call.is_error,
                         duration: duration_to_wire(call.duration),
+                        references: call
+                            .references
+                            .iter()
+                            .map(|r| v1::Reference {
+                                title: r.title.clone(),
+                                url: r.url.clone(),
+                                snippet: r.snippet.clone(),
+                                score: r.score,
+                                source: r.source.clone(),
+                            })
+                            .collect(),
                     })
                     .collect(),
                 answer: step.answer.clone(),
@@ -257,7 +316,8 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
         usage: Some(v1::TokenUsage {
             prompt_tokens: to_i64(usage.prompt_tokens),
             completion_tokens: to_i64(usage.completion_tokens),
-            total_tokens: to_i64(usage.prompt_tokens + usage.completion_tokens),
+            total_tokens: to_i64(usage.prompt_tokens.saturating_add(usage.completion_tokens)),
+            estimated: usage.estimated,
         }),
         error: record.error.as_ref().map(|e| v1::RunError {
             code: e.code.clone(),
@@ -272,6 +332,7 @@ pub fn record_to_wire(record: &RunRecord) -> v1::AgentState {
         last_sequence: record.last_sequence,
         create_time: Some(timestamp(record.create_time)),
         update_time: Some(timestamp(record.update_time)),
+        truncated: false,
     }
 }
 
@@ -301,12 +362,19 @@ mod tests {
             EventData::References {
                 tool_call_id: "c1".into(),
                 references: vec![serde_json::json!({"title": "t", "url": "u", "score": 0.5})],
+                rerank: Some(agentrt_events::RerankOutcome::Failed("down".into())),
+            },
+            EventData::RunStarted {
+                engine_id: "e1".into(),
+                agent: "a".into(),
             },
             EventData::End(RunSummary {
                 stop_reason: "model_error",
                 prompt_tokens: 10,
                 completion_tokens: 5,
+                usage_estimated: false,
                 iterations: 2,
+                note: None,
                 error: Some(RunFailure {
                     code: "MODEL_HTTP_500".into(),
                     message: "boom".into(),
@@ -323,17 +391,72 @@ mod tests {
             stop_reason: "final_answer",
             prompt_tokens: 10,
             completion_tokens: 5,
+            usage_estimated: true,
             iterations: 2,
+            note: None,
             error: None,
         });
         assert_eq!(
             done.to_json(),
             serde_json::json!({
                 "stop_reason": "final_answer",
-                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15, "estimated": true},
                 "iterations": 2,
             })
         );
+    }
+
+    #[test]
+    fn get_run_answers_stay_within_the_message_limit() {
+        use prost::Message;
+        let now = SystemTime::now();
+        let big = "é".repeat(1024 * 1024);
+        let record = RunRecord {
+            run_id: "r".into(),
+            engine_id: "e".into(),
+            session_id: "s".into(),
+            message_id: "m".into(),
+            query: "q".into(),
+            status: RunStatus::Succeeded,
+            stop_reason: Some(StopReason::FinalAnswer),
+            steps: vec![agentrt_engine::StepRecord {
+                iteration: 1,
+                thought: big.clone(),
+                tool_calls: Vec::new(),
+                answer: big.clone(),
+            }],
+            final_answer: big.clone(),
+            usage: agentrt_engine::TokenUsage::default(),
+            error: None,
+            last_sequence: 3,
+            create_time: now,
+            update_time: now,
+        };
+        let limit = 4 * 1024 * 1024;
+        // 2 MiB answers, each held twice and a thought beside: 6 MiB whole.
+        let state = record_to_wire(&record, limit);
+        assert!(state.encoded_len() <= limit, "{}", state.encoded_len());
+        assert!(state.truncated);
+        assert_eq!(
+            state.final_answer, big,
+            "the answer is kept whole when it fits"
+        );
+        assert!(state.steps[0].answer.contains("[cut: "));
+        // An answer larger than the limit itself is cut too, and marked.
+        let state = record_to_wire(&record, 1024 * 1024);
+        assert!(state.encoded_len() <= 1024 * 1024);
+        assert!(
+            state
+                .final_answer
+                .ends_with("Subscribe to the run for the whole text]")
+        );
+        // A small record is whole and says so.
+        let small = RunRecord {
+            steps: Vec::new(),
+            final_answer: "42".into(),
+            ..record
+        };
+        assert!(!record_to_wire(&small, limit).truncated);
     }
 
     #[test]

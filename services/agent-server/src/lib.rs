@@ -33,6 +33,10 @@ pub use engines::{Engine, EngineStore, InMemoryEngineStore};
 pub use error::{Error, Result};
 pub use settings::{Cli, EngineSettings, RunSettings, SessionSettings, Settings};
 
+/// How much of the drain grace is kept, at most, for the streams of runs stopped at its
+/// end to deliver their last event.
+const RUN_STOP_MARGIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -67,6 +71,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) -> std::result::Result<(), StartError> {
     let providers = Arc::new(providers(&settings)?);
+    match providers.names().collect::<Vec<_>>() {
+        names if names.is_empty() => tracing::warn!(
+            "no model provider is configured: every run will fail; set OPENAI_BASE_URL \
+             and/or OPENAI_API_KEY, or declare [providers.NAME] in the config file"
+        ),
+        names => {
+            tracing::info!(providers = %names.join(", "), default = ?providers.default_provider(), "model providers")
+        }
+    }
     let models = ChatModels::from_providers(&providers, RetryPolicy::default())
         .map_err(|e| StartError::Models(e.to_string()))?;
     let tools = Arc::new(
@@ -129,19 +142,28 @@ pub async fn serve(
         AgentEngineServer::new(agent_engine::AgentEngineImpl::new(
             engines,
             runs.clone(),
-            agent_engine::RequestLimits::from(&settings.runs),
+            agent_engine::RequestLimits::from(&settings),
         ))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max),
     );
-    // On shutdown, running runs end with an ERROR event (stop reason shutdown), so that
-    // their streams finish within the drain grace.
+    // On shutdown, runs in progress get most of the drain grace to finish; those still
+    // running then end with an ERROR event (stop reason shutdown), leaving the rest of the
+    // grace for their streams to deliver it.
     let drain = CancellationToken::new();
+    let grace = settings.server.drain_grace;
     let stopper = {
         let drain = drain.clone();
         async move {
             drain.cancelled().await;
-            runs.stop_all(StopReason::Shutdown);
+            let finish_within = grace.saturating_sub((grace / 4).min(RUN_STOP_MARGIN));
+            if tokio::time::timeout(finish_within, runs.all_ended())
+                .await
+                .is_err()
+            {
+                tracing::info!(?finish_within, "drain: stopping the runs still in progress");
+                runs.stop_all(StopReason::Shutdown);
+            }
             std::future::pending::<()>().await;
         }
     };

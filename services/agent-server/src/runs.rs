@@ -5,7 +5,7 @@ use std::{
     collections::{HashMap, VecDeque},
     sync::{
         Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -27,6 +27,9 @@ pub struct RunHandle {
     pub control: Arc<RunControl>,
     /// Its record.
     pub state: Arc<RunState>,
+    /// Set when the run was cancelled because the client of its `Execute` went away: a
+    /// retry with the same message id starts a new run instead of getting this one back.
+    pub disconnected: AtomicBool,
     /// True once it has ended.
     ended: watch::Receiver<bool>,
 }
@@ -50,6 +53,16 @@ pub enum StartError {
     /// The bus refused the run.
     #[error(transparent)]
     Bus(#[from] BusError),
+    /// The session's message id belongs to a run of another query (or engine).
+    #[error(
+        "message id {message_id:?} was already used in this session for run {run_id:?}, with another query"
+    )]
+    MessageIdReused {
+        /// The message id.
+        message_id: String,
+        /// The run that has it.
+        run_id: String,
+    },
 }
 
 /// Whether `start` made a new run or found the one with the same idempotency key.
@@ -75,6 +88,8 @@ pub struct RunManager {
     bus: Arc<dyn EventBus>,
     limits: RunLimits,
     active: AtomicUsize,
+    /// Woken when the last active run ends.
+    idle: tokio::sync::Notify,
     index: Mutex<Index>,
 }
 
@@ -110,6 +125,7 @@ impl RunManager {
             bus,
             limits,
             active: AtomicUsize::new(0),
+            idle: tokio::sync::Notify::new(),
             index: Mutex::new(Index::default()),
         })
     }
@@ -130,7 +146,22 @@ impl RunManager {
                 .get(&key)
                 .and_then(|id| index.by_id.get(id))
             {
-                return Ok(Started::Existing(existing.clone()));
+                // A retry after the client's own disconnect cancelled the run gets a new
+                // run (the old one stays readable by its id); any other repeat gets the
+                // run back, provided it asks the same.
+                if !existing.disconnected.load(Ordering::Acquire) {
+                    let same = {
+                        let record = existing.state.lock();
+                        record.query == spec.query && record.engine_id == spec.engine_id
+                    };
+                    if !same {
+                        return Err(StartError::MessageIdReused {
+                            message_id: spec.message_id.clone(),
+                            run_id: existing.run_id.clone(),
+                        });
+                    }
+                    return Ok(Started::Existing(existing.clone()));
+                }
             }
             let active = self.active.load(Ordering::Acquire);
             if active >= self.limits.max_active {
@@ -153,6 +184,7 @@ impl RunManager {
                 message_id: spec.message_id.clone(),
                 control: control.clone(),
                 state: state.clone(),
+                disconnected: AtomicBool::new(false),
                 ended,
             });
             index.by_id.insert(spec.run_id.clone(), handle.clone());
@@ -170,7 +202,9 @@ impl RunManager {
         tokio::spawn(
             async move {
                 manager.engine.run(spec, publisher, state, control).await;
-                manager.active.fetch_sub(1, Ordering::AcqRel);
+                if manager.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    manager.idle.notify_waiters();
+                }
                 manager.lock().ended.push_back((Instant::now(), run_id));
                 let _ = done.send(true);
             }
@@ -189,6 +223,19 @@ impl RunManager {
     /// The run's events after `after_sequence`.
     pub fn events(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
         self.bus.subscribe(run_id, after_sequence)
+    }
+
+    /// Resolves once no run is in progress.
+    pub async fn all_ended(&self) {
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.active.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
     }
 
     /// Stops every run in progress for `reason`.

@@ -108,7 +108,9 @@ impl GrpcToolClient {
         request
     }
 
-    fn unavailable(&self, reason: String) -> ToolServiceError {
+    /// The error clients see (`reason`), after logging the details they must not see.
+    fn unavailable(&self, reason: String, detail: &str) -> ToolServiceError {
+        tracing::warn!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), %detail, "tool executor unavailable");
         ToolServiceError::Unavailable {
             endpoint: self.endpoint.clone(),
             reason,
@@ -126,9 +128,15 @@ impl ToolCatalog for GrpcToolClient {
         // but never answers must not hang validation.
         let response = tokio::time::timeout(self.timeout, call)
             .await
-            .map_err(|_| self.unavailable(format!("no answer within {:?}", self.timeout)))?
+            .map_err(|_| {
+                let reason = format!("no answer within {:?}", self.timeout);
+                self.unavailable(reason.clone(), &reason)
+            })?
             .map_err(|status| {
-                self.unavailable(format!("{:?}: {}", status.code(), status.message()))
+                self.unavailable(
+                    format!("it answered {:?}", status.code()),
+                    &format!("{:?}: {}", status.code(), status.message()),
+                )
             })?;
         Ok(response
             .into_inner()

@@ -1,7 +1,10 @@
 //! Checks an `AgentConfig` from the wire: applies defaults, then collects every violation
-//! with the path of its field, asking the tool executor live for the tools it offers.
+//! with the path of its field, against the tools the tool executor offers (its catalogue,
+//! kept for a while rather than asked for on every check).
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use tokio::time::Instant;
 
 use agentrt::v1;
 use agentrt_core::{ToolCatalog, ToolServiceError, ToolSpec, Violation, limits};
@@ -22,13 +25,58 @@ pub struct Checked {
 #[derive(Clone)]
 pub struct ConfigValidator {
     providers: Arc<ProviderRegistry>,
-    tools: Arc<dyn ToolCatalog>,
+    tools: Arc<CatalogCache>,
+}
+
+/// How long the tool executor's catalogue is used before it is asked again.
+const CATALOG_MAX_AGE: Duration = Duration::from_secs(30);
+/// How soon a config naming a tool the kept catalogue lacks makes it be asked again: a
+/// tool just added is seen at once, and configs full of unknown names cannot make every
+/// check a call.
+const CATALOG_MIN_AGE: Duration = Duration::from_secs(1);
+
+/// The tool executor's catalogue as validation uses it: kept for [`CATALOG_MAX_AGE`], and
+/// asked again sooner when a config names a tool it lacks. One caller asks at a time; the
+/// others wait for that answer.
+pub struct CatalogCache {
+    source: Arc<dyn ToolCatalog>,
+    kept: tokio::sync::Mutex<Option<(Instant, Arc<Vec<ToolSpec>>)>>,
+}
+
+impl CatalogCache {
+    /// A cache in front of `source`.
+    pub fn new(source: Arc<dyn ToolCatalog>) -> Self {
+        Self {
+            source,
+            kept: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The catalogue, fresh enough for a config that names `wanted`.
+    pub async fn offering(&self, wanted: &[&str]) -> Result<Arc<Vec<ToolSpec>>, ToolServiceError> {
+        let mut kept = self.kept.lock().await;
+        if let Some((at, tools)) = kept.as_ref() {
+            let age = at.elapsed();
+            let has_all = wanted
+                .iter()
+                .all(|name| tools.iter().any(|t| t.name == *name));
+            if age < CATALOG_MAX_AGE && (has_all || age < CATALOG_MIN_AGE) {
+                return Ok(tools.clone());
+            }
+        }
+        let tools = Arc::new(self.source.list_tools().await?);
+        *kept = Some((Instant::now(), tools.clone()));
+        Ok(tools)
+    }
 }
 
 impl ConfigValidator {
     /// A validator for this server.
     pub fn new(providers: Arc<ProviderRegistry>, tools: Arc<dyn ToolCatalog>) -> Self {
-        Self { providers, tools }
+        Self {
+            providers,
+            tools: Arc::new(CatalogCache::new(tools)),
+        }
     }
 
     /// Checks `config`; `None` is reported as a missing config. Fails only when the tool
@@ -55,7 +103,8 @@ impl ConfigValidator {
         let (wanted, mut tool_violations) = check.tool_names(&effective.tools);
         let mut tools = Vec::new();
         if !wanted.is_empty() {
-            let offered = self.tools.list_tools().await?;
+            let names: Vec<&str> = wanted.iter().map(|(_, name)| name.as_str()).collect();
+            let offered = self.tools.offering(&names).await?;
             tools = wanted
                 .iter()
                 .filter_map(|(_, name)| offered.iter().find(|t| &t.name == name).cloned())
@@ -190,11 +239,19 @@ impl ConfigValidator {
     }
 }
 
+/// Names listed in a message at most; a catalogue of many MCP tools would otherwise put
+/// all of them in every violation.
+const LISTED_NAMES: usize = 20;
+
 fn list_or_none(names: &[&str]) -> String {
-    if names.is_empty() {
-        "none".into()
-    } else {
-        names.join(", ")
+    match names.len() {
+        0 => "none".into(),
+        n if n <= LISTED_NAMES => names.join(", "),
+        n => format!(
+            "{} and {} more; ListTools lists them all",
+            names[..LISTED_NAMES].join(", "),
+            n - LISTED_NAMES
+        ),
     }
 }
 
@@ -398,6 +455,54 @@ mod tests {
         async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
             self.0.clone()
         }
+    }
+
+    /// Counts the calls, and offers `extra` too once it is set.
+    #[derive(Default)]
+    struct CountingTools {
+        calls: std::sync::atomic::AtomicUsize,
+        extra: std::sync::Mutex<Option<ToolSpec>>,
+    }
+
+    #[async_trait::async_trait]
+    impl ToolCatalog for CountingTools {
+        async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok([calculator()]
+                .into_iter()
+                .chain(self.extra.lock().unwrap().clone())
+                .collect())
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_catalogue_is_kept_and_asked_again_when_it_lacks_a_named_tool() {
+        let source = Arc::new(CountingTools::default());
+        let cache = CatalogCache::new(source.clone());
+        let calls = || source.calls.load(std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..5 {
+            cache.offering(&["calculator"]).await.unwrap();
+        }
+        assert_eq!(calls(), 1, "kept between checks");
+        // A tool added since: an unknown name asks again (once the kept copy is a second
+        // old), and the new tool is known at once.
+        *source.extra.lock().unwrap() = Some(ToolSpec {
+            name: "docs__search".into(),
+            ..calculator()
+        });
+        tokio::time::advance(CATALOG_MIN_AGE).await;
+        let tools = cache.offering(&["docs__search"]).await.unwrap();
+        assert!(tools.iter().any(|t| t.name == "docs__search"));
+        assert_eq!(calls(), 2);
+        // Unknown names cannot make every check a call.
+        for _ in 0..5 {
+            cache.offering(&["nope"]).await.unwrap();
+        }
+        assert_eq!(calls(), 2);
+        // And the catalogue is asked again when it is old.
+        tokio::time::advance(CATALOG_MAX_AGE).await;
+        cache.offering(&["calculator"]).await.unwrap();
+        assert_eq!(calls(), 3);
     }
 
     fn validator(tools: Result<Vec<ToolSpec>, ToolServiceError>) -> ConfigValidator {

@@ -23,6 +23,8 @@ use clap::Parser;
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+mod tool_sources;
+
 /// mimalloc, as in the servers: the bench client shares the cores with the stack it
 /// measures, so its own allocation costs should stay small.
 #[global_allocator]
@@ -54,13 +56,34 @@ struct Cli {
     /// HTTP/2 (h2c) sharing one connection.
     #[arg(long)]
     model_http1: bool,
+    /// Measure the tool executor's tool sources (MCP over stdio, OpenAPI) instead of the
+    /// stack: see `tool_sources.rs`.
+    #[arg(long)]
+    tool_sources: bool,
+    /// The MCP server `--tool-sources` runs with node: server-everything's entry point.
+    #[arg(
+        long,
+        default_value = "tests/mcp/node_modules/@modelcontextprotocol/server-everything/dist/index.js"
+    )]
+    mcp_server_js: PathBuf,
 }
 
+/// Characters, streamed one per delta, of the `long_answer` scenario.
+const LONG_ANSWER_CHARS: usize = 2000;
+
+/// Tool rounds of the `tool_loop` scenario: each a different call, so that the engine's
+/// repetition guard lets every one run.
+const TOOL_LOOP_ROUNDS: usize = 10;
+
 fn scenarios(latency_ms: u64) -> String {
-    let tool_turn =
-        r#"{"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}]}"#;
-    let tool_loop: Vec<&str> = std::iter::repeat_n(tool_turn, 10)
-        .chain([r#"{"content": "done"}"#])
+    let tool_turn = |i: usize| {
+        format!(
+            r#"{{"tool_calls": [{{"name": "calculator", "arguments": {{"expression": "{i} * 7"}}}}]}}"#
+        )
+    };
+    let tool_loop: Vec<String> = (1..=TOOL_LOOP_ROUNDS)
+        .map(tool_turn)
+        .chain([r#"{"content": "done"}"#.to_owned()])
         .collect();
     let slow_tool = format!(
         r#"{{"latency_ms": {latency_ms}, "tool_calls": [{{"name": "calculator", "arguments": {{"expression": "6 * 7"}}}}]}}"#
@@ -74,7 +97,7 @@ fn scenarios(latency_ms: u64) -> String {
             "three_calls": {{"turns": [{slow_tool}, {slow_tool}, {slow_answer}]}}
         }}}}"#,
         tool_loop.join(","),
-        "x".repeat(2000),
+        "x".repeat(LONG_ANSWER_CHARS),
     )
 }
 
@@ -166,13 +189,9 @@ impl Stack {
         Ok(ids)
     }
 
-    /// Runs one turn to its end; returns the time to the first event, the events, and why
-    /// the run failed if it did not answer.
-    async fn run(
-        &self,
-        i: usize,
-        engine_id: String,
-    ) -> anyhow::Result<(Duration, usize, Option<String>)> {
+    /// Runs one turn to its end; returns what it did, and why it failed if it did not
+    /// answer.
+    async fn run(&self, i: usize, engine_id: String) -> anyhow::Result<RunOutcome> {
         let started = Instant::now();
         let request = v1::ExecuteRequest {
             engine_id,
@@ -180,25 +199,42 @@ impl Stack {
             ..Default::default()
         };
         let mut stream = self.engine(i).execute(request).await?.into_inner();
-        let mut first = None;
-        let mut count = 0;
-        let mut failure = Some("the stream ended without a done event".to_owned());
+        let mut outcome = RunOutcome {
+            failure: Some("the stream ended without a done event".to_owned()),
+            ..RunOutcome::default()
+        };
         while let Some(event) = stream.next().await {
             let event = match event {
                 Ok(event) => event,
                 Err(status) => {
-                    failure = Some(format!("{:?}: {}", status.code(), status.message()));
+                    outcome.failure = Some(format!("{:?}: {}", status.code(), status.message()));
                     break;
                 }
             };
-            first.get_or_insert_with(|| started.elapsed());
-            count += 1;
+            outcome.first_event.get_or_insert_with(|| started.elapsed());
+            outcome.events += 1;
+            let kind = v1::EventType::try_from(event.r#type).unwrap_or_default();
+            if matches!(kind, v1::EventType::Thought | v1::EventType::FinalAnswer) && !event.done {
+                outcome
+                    .first_output
+                    .get_or_insert_with(|| started.elapsed());
+                outcome.deltas += 1;
+            }
+            if kind == v1::EventType::ToolResult {
+                outcome.tool_results += 1;
+            }
             if event.done {
-                failure = (event.r#type != v1::EventType::FinalAnswer as i32)
-                    .then(|| event.content.clone());
+                outcome.failure =
+                    (kind != v1::EventType::FinalAnswer).then(|| event.content.clone());
+                outcome.stop_reason = event
+                    .data
+                    .as_ref()
+                    .map(agentrt::json::struct_to_json)
+                    .and_then(|d| d["stop_reason"].as_str().map(str::to_owned))
+                    .unwrap_or_default();
             }
         }
-        Ok((first.unwrap_or_default(), count, failure))
+        Ok(outcome)
     }
 
     /// Runs every engine's turn, at most `concurrency` at once.
@@ -206,8 +242,8 @@ impl Stack {
         self: &Arc<Self>,
         engines: Vec<String>,
         concurrency: usize,
-    ) -> anyhow::Result<(usize, usize)> {
-        let results: Vec<anyhow::Result<(Duration, usize, Option<String>)>> =
+    ) -> anyhow::Result<Totals> {
+        let results: Vec<anyhow::Result<RunOutcome>> =
             futures_util::stream::iter(engines.into_iter().enumerate())
                 .map(|(i, id)| {
                     let stack = self.clone();
@@ -216,22 +252,77 @@ impl Stack {
                 .buffer_unordered(concurrency)
                 .collect()
                 .await;
-        let mut events = 0;
+        let mut totals = Totals::default();
         let mut failures = std::collections::BTreeMap::<String, usize>::new();
         for result in results {
-            let (_, count, failure) = match result {
-                Ok(outcome) => outcome,
-                Err(error) => (Duration::ZERO, 0, Some(format!("{error:#}"))),
-            };
-            events += count;
-            if let Some(failure) = failure {
+            let outcome = result.unwrap_or_else(|error| RunOutcome {
+                failure: Some(format!("{error:#}")),
+                ..RunOutcome::default()
+            });
+            totals.events += outcome.events;
+            totals.deltas += outcome.deltas;
+            totals.tool_results += outcome.tool_results;
+            *totals.stop_reasons.entry(outcome.stop_reason).or_default() += 1;
+            if let Some(failure) = outcome.failure {
                 *failures.entry(failure).or_default() += 1;
             }
         }
         for (failure, count) in &failures {
             eprintln!("  {count} runs failed: {failure}");
         }
-        Ok((events, failures.values().sum()))
+        totals.failed = failures.values().sum();
+        Ok(totals)
+    }
+}
+
+/// What one run did, as its client saw it.
+#[derive(Debug, Default)]
+struct RunOutcome {
+    /// Time to the first event (EVENT_TYPE_RUN_STARTED).
+    first_event: Option<Duration>,
+    /// Time to the first text the model produced.
+    first_output: Option<Duration>,
+    events: usize,
+    deltas: usize,
+    tool_results: usize,
+    stop_reason: String,
+    failure: Option<String>,
+}
+
+/// What a batch of runs did, all together.
+#[derive(Debug, Default)]
+struct Totals {
+    events: usize,
+    deltas: usize,
+    tool_results: usize,
+    stop_reasons: std::collections::BTreeMap<String, usize>,
+    failed: usize,
+}
+
+impl Totals {
+    /// Refuses to go on when the runs did other work than a figure assumes: a figure from
+    /// such runs would count work that did not happen.
+    fn expect(
+        &self,
+        what: &str,
+        runs: usize,
+        tool_results: usize,
+        stop_reason: &str,
+    ) -> anyhow::Result<()> {
+        if self.failed > 0
+            || self.tool_results != tool_results
+            || self.stop_reasons.get(stop_reason) != Some(&runs)
+        {
+            bail!(
+                "{what}: the runs did not do the work the figure counts: expected {runs} runs \
+                 ending {stop_reason:?} with {tool_results} tool results, got {} tool results, \
+                 stop reasons {:?}, {} failed runs",
+                self.tool_results,
+                self.stop_reasons,
+                self.failed
+            );
+        }
+        Ok(())
     }
 }
 
@@ -314,6 +405,9 @@ async fn main() -> anyhow::Result<()> {
         .parent()
         .context("no directory")?
         .to_path_buf();
+    if cli.tool_sources {
+        return tool_sources::run(&dir, &cli.mcp_server_js).await;
+    }
     for binary in ["agent-server", "tool-executor", "model-simulator"] {
         if !dir.join(binary).exists() {
             bail!(
@@ -343,17 +437,27 @@ async fn main() -> anyhow::Result<()> {
 
     // Warm up connections, caches and the tokenizer.
     let warm = stack.engines("tool_loop", 20).await?;
-    stack.run_all(warm, 10).await?;
+    stack
+        .run_all(warm, 10)
+        .await?
+        .expect("warm-up", 20, 20 * TOOL_LOOP_ROUNDS, "final_answer")?;
 
-    // 1. CPU per tool iteration: 10 model rounds with a tool call each, plus an answer.
+    // 1. CPU per tool iteration: 10 model rounds with a (different) tool call each, plus
+    // an answer; every run is checked to have made its 10 tool calls and answered.
     let engines = stack.engines("tool_loop", cli.tool_runs).await?;
     let (a0, t0) = cpu()?;
-    let (_, failed) = stack.run_all(engines, 16).await?;
+    let totals = stack.run_all(engines, 16).await?;
     let (a1, t1) = cpu()?;
-    let iterations = cli.tool_runs * 10;
+    totals.expect(
+        "tool iterations",
+        cli.tool_runs,
+        cli.tool_runs * TOOL_LOOP_ROUNDS,
+        "final_answer",
+    )?;
+    let iterations = cli.tool_runs * TOOL_LOOP_ROUNDS;
     let per_iteration = (a1 - a0 + t1 - t0) / iterations as u32;
     println!(
-        "tool iteration CPU (agent-server + tool-executor): {:.1} us per iteration  [{} runs x 10 iterations; agent-server {:?}, tool-executor {:?}; failed runs: {failed}]",
+        "tool iteration CPU (agent-server + tool-executor): {:.1} us per iteration  [{} runs x {TOOL_LOOP_ROUNDS} tool calls, all run; agent-server {:?}, tool-executor {:?}]",
         per_iteration.as_secs_f64() * 1e6,
         cli.tool_runs,
         a1 - a0,
@@ -363,27 +467,48 @@ async fn main() -> anyhow::Result<()> {
     // 2. agent-server CPU per streamed answer delta.
     let engines = stack.engines("long_answer", cli.stream_runs).await?;
     let (a0, _) = cpu()?;
-    let (events, failed) = stack.run_all(engines, cli.stream_concurrency).await?;
+    let totals = stack.run_all(engines, cli.stream_concurrency).await?;
     let (a1, _) = cpu()?;
+    totals.expect("answer deltas", cli.stream_runs, 0, "final_answer")?;
+    if totals.deltas != cli.stream_runs * LONG_ANSWER_CHARS {
+        bail!(
+            "answer deltas: expected {} deltas, got {}",
+            cli.stream_runs * LONG_ANSWER_CHARS,
+            totals.deltas
+        );
+    }
     println!(
-        "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {} at once, {events} events; failed runs: {failed}]",
-        (a1 - a0).as_secs_f64() * 1e6 / events as f64,
+        "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {} at once, {} deltas, {} events]",
+        (a1 - a0).as_secs_f64() * 1e6 / totals.deltas as f64,
         cli.stream_runs,
-        cli.stream_concurrency
+        cli.stream_concurrency,
+        totals.deltas,
+        totals.events
     );
 
     // 3. Time to the first event, measured at the client (an upper bound of the time after
     // Execute reaches the server): sequential runs, no model latency.
     let engines = stack.engines("hello", cli.latency_runs).await?;
     let mut firsts = Vec::with_capacity(engines.len());
+    let mut outputs = Vec::with_capacity(engines.len());
     for (i, id) in engines.into_iter().enumerate() {
-        firsts.push(stack.run(i, id).await?.0);
+        let outcome = stack.run(i, id).await?;
+        match (outcome.first_event, outcome.first_output, outcome.failure) {
+            (Some(event), Some(output), None) => {
+                firsts.push(event);
+                outputs.push(output);
+            }
+            (_, _, failure) => bail!("first event: a run did not answer: {failure:?}"),
+        }
     }
     firsts.sort();
+    outputs.sort();
     println!(
-        "first event, client-observed: p50 {:.3} ms, p99 {:.3} ms  [{} sequential runs]",
+        "first event (run started), client-observed: p50 {:.3} ms, p99 {:.3} ms; first model output: p50 {:.3} ms, p99 {:.3} ms  [{} sequential runs]",
         percentile(&firsts, 0.5).as_secs_f64() * 1e3,
         percentile(&firsts, 0.99).as_secs_f64() * 1e3,
+        percentile(&outputs, 0.5).as_secs_f64() * 1e3,
+        percentile(&outputs, 0.99).as_secs_f64() * 1e3,
         cli.latency_runs
     );
 
@@ -392,7 +517,12 @@ async fn main() -> anyhow::Result<()> {
     let small = 100.min(cli.concurrent);
     let engines = stack.engines("three_calls", small).await?;
     let (a0, t0) = cpu()?;
-    stack.run_all(engines, small).await?;
+    stack.run_all(engines, small).await?.expect(
+        "load, 100 runs",
+        small,
+        small * 2,
+        "final_answer",
+    )?;
     let (a1, t1) = cpu()?;
     let cpu_small = (a1 - a0 + t1 - t0) / small as u32;
 
@@ -415,7 +545,8 @@ async fn main() -> anyhow::Result<()> {
         })
     };
     let started = Instant::now();
-    let (_, failed) = stack.run_all(engines, cli.concurrent).await?;
+    let totals = stack.run_all(engines, cli.concurrent).await?;
+    let failed = totals.failed;
     let wall = started.elapsed();
     if failed > 0 {
         for (name, server) in [
@@ -431,6 +562,9 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     sampler.abort();
+    if failed == 0 {
+        totals.expect("load", cli.concurrent, cli.concurrent * 2, "final_answer")?;
+    }
     let (a1, t1) = cpu()?;
     let (m1, b1) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
     let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;

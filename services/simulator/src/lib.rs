@@ -2,8 +2,10 @@
 //! benchmarks: `POST /v1/chat/completions` streams scripted turns the way real providers
 //! stream them (role chunk, content and argument fragments, interleaved parallel tool
 //! calls, a finish chunk, a usage chunk, `[DONE]`), with scripted errors, delays and
-//! broken streams. See [`scenario`] for the scripts.
+//! broken streams; `POST /v1/rerank` ranks documents deterministically. See [`scenario`]
+//! for the scripts, the ways a turn can misbehave, and the reranker.
 
+mod rerank;
 pub mod scenario;
 
 use std::{
@@ -45,11 +47,15 @@ pub struct Settings {
     /// Latency added before every answer.
     #[serde(with = "agentrt_server::config::duration")]
     pub latency: Duration,
-    /// Scenarios file (JSON); the built-in `demo` model is always there.
+    /// Scenarios file: JSON, or TOML when its name ends in `.toml`; the built-in `demo`
+    /// model is always there.
     pub scenarios: Option<PathBuf>,
     /// Most HTTP/2 streams (calls) one connection may have open at once, as real servers
     /// limit them (often to 100 or so); unset, a connection takes as many as a client opens.
     pub max_concurrent_streams: Option<u32>,
+    /// Refuse requests holding a message whose `content` is `null` with HTTP 500, as
+    /// llama-cpp-python does, for every model (a scenario can also ask for it alone).
+    pub strict_messages: bool,
 }
 
 impl Default for Settings {
@@ -59,6 +65,7 @@ impl Default for Settings {
             latency: Duration::ZERO,
             scenarios: None,
             max_concurrent_streams: None,
+            strict_messages: false,
         }
     }
 }
@@ -68,7 +75,13 @@ impl Default for Settings {
 #[command(
     name = "model-simulator",
     version,
-    about = "An OpenAI-compatible chat completions simulator."
+    about = "An OpenAI-compatible chat completions simulator.",
+    long_about = "An OpenAI-compatible chat completions simulator: POST /v1/chat/completions \
+        streams scripted turns (the scenarios file; the built-in `demo` model uses the \
+        calculator), honouring `stop`; turns can misbehave as some servers do (see the \
+        scenario module's documentation). POST /v1/rerank ranks documents by the share of \
+        the query's words they hold; the rerank model `fail` answers HTTP 500 and `slow` \
+        answers after 30 s."
 )]
 pub struct Cli {
     /// Address to listen on, HOST:PORT (port 0 picks a free port).
@@ -77,12 +90,15 @@ pub struct Cli {
     /// Latency added before every answer, e.g. `1s`.
     #[arg(long, value_name = "DURATION", value_parser = agentrt_server::config::parse_duration)]
     pub latency: Option<Duration>,
-    /// Scenarios file (JSON).
+    /// Scenarios file: JSON, or TOML when its name ends in `.toml`.
     #[arg(long, value_name = "FILE")]
     pub scenarios: Option<PathBuf>,
     /// Most HTTP/2 streams open at once on one connection (unlimited when unset).
     #[arg(long, value_name = "N")]
     pub max_concurrent_streams: Option<u32>,
+    /// Refuse messages whose `content` is `null` with HTTP 500, as llama-cpp-python does.
+    #[arg(long)]
+    pub strict_messages: bool,
 }
 
 impl Cli {
@@ -100,6 +116,7 @@ impl Cli {
         if self.max_concurrent_streams.is_some() {
             settings.max_concurrent_streams = self.max_concurrent_streams;
         }
+        settings.strict_messages |= self.strict_messages;
         settings
     }
 }
@@ -129,6 +146,9 @@ pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
         path: path.display().to_string(),
         reason,
     };
+    if path.extension().is_some_and(|e| e == "toml") {
+        return agentrt_server::config::load_file(path).map_err(|e| failed(e.to_string()));
+    }
     let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| failed(e.to_string()))
 }
@@ -136,6 +156,7 @@ pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
 struct Simulator {
     scenarios: Scenarios,
     latency: Duration,
+    strict_messages: bool,
     /// Failed attempts per (model, turn, query), for errors scripted to pass after `times`.
     attempts: Mutex<HashMap<(String, usize, String), u32>>,
 }
@@ -149,11 +170,13 @@ pub async fn serve(
     let simulator = Arc::new(Simulator {
         scenarios: load_scenarios(&settings)?,
         latency: settings.latency,
+        strict_messages: settings.strict_messages,
         attempts: Mutex::new(HashMap::new()),
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/v1/rerank", post(rerank::rerank))
         .with_state(simulator);
     info!(service = "model-simulator", addr = %listener.local_addr()?, "listening");
     // HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port. Unless limited, HTTP/2
@@ -234,7 +257,19 @@ async fn chat_completions(
     if let Some(traceparent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
         info!(%model, traceparent, "chat completion request");
     }
-    let turn = match sim.scenarios.scenarios.get(&model) {
+    let scenario = sim.scenarios.scenarios.get(&model);
+    if (sim.strict_messages || scenario.is_some_and(|s| s.strict_messages))
+        && let Some(role) = &conversation.null_content
+    {
+        // What llama-cpp-python's pydantic models answer.
+        let message = format!(
+            "1 validation error for ChatCompletionRequest{}Message\ncontent\n  Input should be \
+             a valid string [type=string_type, input_value=None, input_type=NoneType]",
+            capitalized(role)
+        );
+        return error_response(500, &message, None);
+    }
+    let turn = match scenario {
         Some(scenario) => scenario.turn(&conversation),
         None if model == "demo" => scenario::demo(&conversation),
         None => {
@@ -269,6 +304,15 @@ async fn chat_completions(
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
+    if let Some(location) = &turn.redirect_to {
+        let status = StatusCode::from_u16(turn.redirect_status.unwrap_or(307))
+            .unwrap_or(StatusCode::TEMPORARY_REDIRECT);
+        let mut response = status.into_response();
+        if let Ok(value) = HeaderValue::from_str(location) {
+            response.headers_mut().insert(header::LOCATION, value);
+        }
+        return response;
+    }
     if let Some(error) = &turn.error {
         let key = (model.clone(), conversation.turn, conversation.query.clone());
         let failures = {
@@ -284,6 +328,18 @@ async fn chat_completions(
             return error_response(error.status, &error.message, error.retry_after);
         }
     }
+    if let Some(body) = &turn.plain_body {
+        let kind = turn
+            .plain_content_type
+            .as_deref()
+            .unwrap_or("application/json");
+        let mut response = Response::new(Body::from(body.clone()));
+        if let Ok(value) = HeaderValue::from_str(kind) {
+            response.headers_mut().insert(header::CONTENT_TYPE, value);
+        }
+        return response;
+    }
+    let endless = turn.endless_line;
     let chunks = sse_chunks(&model, turn.clone(), &stops, include_usage, prompt_chars);
     let delay = Duration::from_millis(turn.chunk_delay_ms);
     let linger = Duration::from_millis(turn.linger_ms);
@@ -304,6 +360,19 @@ async fn chat_completions(
             Some((chunk, (chunks, false)))
         },
     );
+    let stream = if endless {
+        // A line begun and never ended, as fast as the client reads.
+        use futures_util::StreamExt;
+        static LINE: [u8; 16 * 1024] = [b'x'; 16 * 1024];
+        let start = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"");
+        let line = futures_util::stream::iter([Ok(start)]).chain(
+            futures_util::stream::repeat_with(|| Ok(Bytes::from_static(&LINE))),
+        );
+        stream.chain(line).left_stream()
+    } else {
+        use futures_util::StreamExt;
+        stream.right_stream()
+    };
     let mut response = Response::new(Body::from_stream(stream));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -313,6 +382,15 @@ async fn chat_completions(
         .headers_mut()
         .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
+}
+
+/// `role` with a capital first letter.
+fn capitalized(role: &str) -> String {
+    let mut chars = role.chars();
+    chars
+        .next()
+        .map(|first| first.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
 fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {
@@ -430,8 +508,14 @@ fn sse_chunks(
         None,
     )];
 
-    let mut content = turn.content.clone();
-    if let Some(at) = stops.iter().filter_map(|s| content.find(s.as_str())).min() {
+    let mut content = if turn.repeat_content > 1 {
+        turn.content.repeat(turn.repeat_content)
+    } else {
+        turn.content.clone()
+    };
+    if !turn.ignore_stop
+        && let Some(at) = stops.iter().filter_map(|s| content.find(s.as_str())).min()
+    {
         content.truncate(at);
     }
     let mut completion_chars = content.len() + turn.reasoning.len();
@@ -522,6 +606,11 @@ fn sse_chunks(
         events.push(Err(std::io::Error::other("simulated connection drop")));
         return events;
     }
+    if turn.endless_line {
+        // The endless line follows the first chunk.
+        events.truncate(1);
+        return events;
+    }
     if turn.omit_finish {
         return events;
     }
@@ -533,7 +622,7 @@ fn sse_chunks(
         }
     });
     events.push(event(DeltaOut::Empty {}, Some(&finish)));
-    if include_usage {
+    if include_usage && !turn.omit_usage {
         let usage = json!({
             "id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
             "usage": {"prompt_tokens": prompt_chars / 4, "completion_tokens": completion_chars.div_ceil(4),
@@ -542,6 +631,11 @@ fn sse_chunks(
         events.push(Ok(sse_data(&usage)));
     }
     events.push(Ok(Bytes::from_static(b"data: [DONE]\n\n")));
+    if turn.unterminated_last_line
+        && let Some(Ok(last)) = events.last_mut()
+    {
+        last.truncate(last.len() - 2);
+    }
     events
 }
 
@@ -633,6 +727,245 @@ mod tests {
             });
             assert_eq!(sse_data(&chunk), Bytes::from(format!("data: {object}\n\n")));
         }
+    }
+
+    /// The text of every content chunk of `events`, and the events' text.
+    fn played(events: &[Chunk]) -> (Vec<String>, String) {
+        let text: String = events
+            .iter()
+            .map(|e| String::from_utf8_lossy(e.as_ref().unwrap()).into_owned())
+            .collect();
+        let contents = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|e| {
+                e["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .filter(|c| !c.is_empty())
+            .collect();
+        (contents, text)
+    }
+
+    fn turn(content: &str) -> Turn {
+        Turn {
+            content: content.into(),
+            ..Turn::default()
+        }
+    }
+
+    #[test]
+    fn stop_is_honoured_unless_the_turn_ignores_it() {
+        let stops = ["Observation:".to_owned()];
+        let content = "Action: x\nObservation: invented";
+        let (contents, text) = played(&sse_chunks("m", turn(content), &stops, false, 0));
+        assert_eq!(contents.concat(), "Action: x\n");
+        assert!(text.contains("\"finish_reason\":\"stop\""));
+        let ignoring = Turn {
+            ignore_stop: true,
+            ..turn(content)
+        };
+        let (contents, _) = played(&sse_chunks("m", ignoring, &stops, false, 0));
+        assert_eq!(contents.concat(), content);
+    }
+
+    #[test]
+    fn content_repeats_into_one_huge_delta() {
+        let huge = Turn {
+            repeat_content: 1000,
+            chunk_chars: 1_000_000,
+            ..turn("0123456789")
+        };
+        let (contents, _) = played(&sse_chunks("m", huge, &[], false, 0));
+        assert_eq!(contents.len(), 1);
+        assert_eq!(contents[0].len(), 10_000);
+    }
+
+    #[test]
+    fn usage_can_be_left_out_and_the_last_line_left_open() {
+        let (_, text) = played(&sse_chunks("m", turn("ok"), &[], true, 40));
+        assert!(text.contains("\"usage\""));
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        let quiet = Turn {
+            omit_usage: true,
+            unterminated_last_line: true,
+            ..turn("ok")
+        };
+        let (_, text) = played(&sse_chunks("m", quiet, &[], true, 40));
+        assert!(!text.contains("\"usage\""));
+        assert!(text.ends_with("\"finish_reason\":\"stop\",\"index\":0}],\"created\":0,\"id\":\"chatcmpl-sim-40\",\"model\":\"m\",\"object\":\"chat.completion.chunk\"}\n\ndata: [DONE]"), "{text}");
+        let endless = Turn {
+            endless_line: true,
+            ..turn("ok")
+        };
+        // The first chunk only: the endless line follows it.
+        assert_eq!(sse_chunks("m", endless, &[], true, 0).len(), 1);
+    }
+
+    /// Sends one HTTP/1.1 request to the simulator; the status line and headers, and the
+    /// body (at most `limit` bytes of it).
+    async fn call(addr: SocketAddr, path: &str, body: &Value, limit: usize) -> (String, Vec<u8>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let body = body.to_string();
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        let mut buffer = [0; 64 * 1024];
+        while answer.len() < limit {
+            let read = stream.read(&mut buffer).await.unwrap();
+            if read == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buffer[..read]);
+        }
+        let split = answer
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .unwrap_or(answer.len());
+        let head = String::from_utf8_lossy(&answer[..split]).into_owned();
+        let body = answer.get(split + 4..).unwrap_or_default().to_vec();
+        (head, body)
+    }
+
+    async fn started(
+        scenarios: Value,
+        strict_messages: bool,
+    ) -> (SocketAddr, tokio_util::sync::CancellationToken) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let file = std::env::temp_dir().join(format!(
+            "agentrt-sim-unit-{}-{}.json",
+            std::process::id(),
+            addr.port()
+        ));
+        std::fs::write(&file, scenarios.to_string()).unwrap();
+        let settings = Settings {
+            scenarios: Some(file),
+            strict_messages,
+            ..Settings::default()
+        };
+        let stop = tokio_util::sync::CancellationToken::new();
+        tokio::spawn(serve(settings, listener, stop.clone().cancelled_owned()));
+        (addr, stop)
+    }
+
+    #[tokio::test]
+    async fn turns_answer_plain_bodies_redirects_and_endless_lines() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {
+                "json": {"turns": [{"plain_body": "{\"choices\": []}"}]},
+                "html": {"turns": [{"plain_body": "<html></html>", "plain_content_type": "text/html"}]},
+                "moved": {"turns": [{"redirect_to": "http://127.0.0.1:9/v1/chat/completions", "redirect_status": 302}]},
+                "flood": {"turns": [{"endless_line": true}]},
+            }}),
+            false,
+        )
+        .await;
+        let ask = |model: &str| json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+        let (head, body) = call(addr, "/v1/chat/completions", &ask("json"), usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        assert_eq!(body, b"{\"choices\": []}");
+        let (head, _) = call(addr, "/v1/chat/completions", &ask("html"), usize::MAX).await;
+        assert!(head.contains("content-type: text/html"), "{head}");
+        let (head, _) = call(addr, "/v1/chat/completions", &ask("moved"), usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 302"), "{head}");
+        assert!(
+            head.contains("location: http://127.0.0.1:9/v1/chat/completions"),
+            "{head}"
+        );
+        // Far more than any answer, in one line.
+        let (head, body) = call(addr, "/v1/chat/completions", &ask("flood"), 4 << 20).await;
+        assert!(head.contains("text/event-stream"), "{head}");
+        let tail = &body[body.len() - 1000..];
+        assert!(
+            tail.iter()
+                .all(|b| *b == b'x' || b.is_ascii_hexdigit() || *b == b'\r' || *b == b'\n')
+        );
+        assert!(body.len() >= 3 << 20);
+    }
+
+    #[tokio::test]
+    async fn strict_messages_refuse_null_content_with_a_500() {
+        let null = json!({"model": "demo", "messages": [
+            {"role": "user", "content": "What is 6 * 7?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "a", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "42"}]});
+        let empty = {
+            let mut empty = null.clone();
+            empty["messages"][1]["content"] = json!("");
+            empty
+        };
+        // Per scenario, or for every model.
+        let (addr, _stop) = started(
+            json!({"scenarios": {"strict": {"strict_messages": true, "turns": [{"content": "ok"}]}}}),
+            false,
+        )
+        .await;
+        let mut strict = null.clone();
+        strict["model"] = json!("strict");
+        let (head, body) = call(addr, "/v1/chat/completions", &strict, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 500"), "{head}");
+        let body = String::from_utf8_lossy(&body);
+        assert!(
+            body.contains("validation error for ChatCompletionRequestAssistantMessage"),
+            "{body}"
+        );
+        let (head, _) = call(addr, "/v1/chat/completions", &null, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+        let (addr, _stop) = started(json!({}), true).await;
+        let (head, _) = call(addr, "/v1/chat/completions", &null, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 500"), "{head}");
+        let (head, _) = call(addr, "/v1/chat/completions", &empty, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    }
+
+    #[test]
+    fn scenarios_files_are_json_or_toml() {
+        let file = std::env::temp_dir().join(format!("agentrt-sim-{}.toml", std::process::id()));
+        std::fs::write(
+            &file,
+            "[scenarios.torn]\nstrict_messages = true\n\n[[scenarios.torn.turns]]\n\
+             content = \"ok\"\nunterminated_last_line = true\n\n\
+             [[scenarios.torn.turns.tool_calls]]\nname = \"calculator\"\n\
+             arguments = { expression = \"6*7\" }\n",
+        )
+        .unwrap();
+        let settings = Settings {
+            scenarios: Some(file.clone()),
+            ..Settings::default()
+        };
+        let scenarios = load_scenarios(&settings).unwrap();
+        let torn = &scenarios.scenarios["torn"];
+        assert!(torn.strict_messages);
+        assert!(torn.turns[0].unterminated_last_line);
+        assert_eq!(
+            torn.turns[0].tool_calls[0].arguments,
+            json!({"expression": "6*7"})
+        );
+        std::fs::write(&file, "[scenarios.x]\nturns = [{ typo = 1 }]\n").unwrap();
+        assert!(load_scenarios(&settings).is_err());
+        let _ = std::fs::remove_file(file);
+    }
+
+    #[tokio::test]
+    async fn rerank_is_served() {
+        let (addr, _stop) = started(json!({}), false).await;
+        let request =
+            json!({"model": "m", "query": "red apple", "documents": ["pear", "red apple"]});
+        let (head, body) = call(addr, "/v1/rerank", &request, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(answer["results"][0]["index"], 1);
+        assert_eq!(answer["results"][1]["relevance_score"], 0.0);
     }
 
     #[test]

@@ -4,6 +4,62 @@
 //! messages already in the request, so that a scenario is deterministic and stateless
 //! across concurrent conversations (past the last turn, the last one repeats).
 //! The built-in `demo` model answers arithmetic with the calculator tool instead.
+//!
+//! Like real servers, the simulator honours `stop`: the content is cut at the first stop
+//! sequence and the turn finishes with `stop`. Turns can also misbehave as some servers
+//! do, for the tests of the clients that must survive them (every option below is off by
+//! default):
+//!
+//! | option | what the turn does |
+//! |---|---|
+//! | `omit_finish` | no finish chunk, no usage, no `[DONE]`: the stream just ends |
+//! | `finish_reason = "length"` | finishes with that reason (any string) |
+//! | `omit_usage` | no usage chunk, even when asked for |
+//! | `ignore_stop` | streams the whole content although a stop sequence is in it |
+//! | `repeat_content = N` | the content repeated N times (with a large `chunk_chars`, one huge delta) |
+//! | `endless_line` | after the first chunk, one SSE line that never ends |
+//! | `unterminated_last_line` | the last event is sent without its line end |
+//! | `plain_body = "..."` | a 200 whose body is that text, not an event stream (`plain_content_type`, default `application/json`) |
+//! | `redirect_to = "http://..."` | a redirect there (`redirect_status`, default 307) |
+//!
+//! A scenario with `strict_messages = true` (or the simulator's `--strict-messages`)
+//! refuses a request with a message whose `content` is `null`, with HTTP 500 and a
+//! pydantic validation message, as llama-cpp-python does.
+//!
+//! `POST /v1/rerank` ranks documents deterministically: a document's relevance is the
+//! share of the query's distinct lowercase words (letters and digits) found among its own.
+//! The rerank model `fail` answers HTTP 500, and `slow` answers after 30 s.
+//!
+//! A scenarios file (JSON, or TOML when its name ends in `.toml`), e.g.:
+//!
+//! ```json
+//! {"scenarios": {
+//!   "cut":      {"turns": [{"content": "partial", "omit_finish": true}]},
+//!   "strict":   {"strict_messages": true, "turns": [{"content": "ok"}]},
+//!   "chatty":   {"turns": [{"content": "Action: x\nObservation: made up", "ignore_stop": true}]},
+//!   "flood":    {"turns": [{"endless_line": true}]},
+//!   "huge":     {"turns": [{"content": "0123456789", "repeat_content": 500000, "chunk_chars": 5000000}]},
+//!   "no-usage": {"turns": [{"content": "ok", "omit_usage": true}]},
+//!   "capped":   {"turns": [{"content": "cut sho", "finish_reason": "length"}]},
+//!   "json":     {"turns": [{"plain_body": "{\"choices\": []}"}]},
+//!   "torn":     {"turns": [{"content": "ok", "unterminated_last_line": true}]},
+//!   "moved":    {"turns": [{"redirect_to": "http://127.0.0.1:9/v1/chat/completions", "redirect_status": 302}]}
+//! }}
+//! ```
+//!
+//! or in TOML:
+//!
+//! ```toml
+//! [scenarios.strict]
+//! strict_messages = true
+//! turns = [{ content = "ok" }]
+//!
+//! [scenarios.flood]
+//! turns = [{ endless_line = true }]
+//!
+//! [scenarios.moved]
+//! turns = [{ redirect_to = "http://127.0.0.1:9/v1/chat/completions", redirect_status = 302 }]
+//! ```
 
 use std::{borrow::Cow, collections::HashMap};
 
@@ -25,6 +81,10 @@ pub struct Scenarios {
 pub struct Scenario {
     /// The model's turns, in order.
     pub turns: Vec<Turn>,
+    /// Refuse a request holding a message whose `content` is `null` with HTTP 500, as
+    /// llama-cpp-python's server does.
+    #[serde(default)]
+    pub strict_messages: bool,
 }
 
 /// One model turn and how it is streamed.
@@ -60,6 +120,25 @@ pub struct Turn {
     /// Keep the response open this long after the last chunk, in milliseconds, before
     /// ending it (as proxies that flush late do).
     pub linger_ms: u64,
+    /// Leave out the usage chunk, also when the request asks for it.
+    pub omit_usage: bool,
+    /// Stream the whole content although it holds a stop sequence of the request (as
+    /// servers that ignore `stop` do); by default the content is cut at the first one.
+    pub ignore_stop: bool,
+    /// Repeat the content this many times (0 and 1 send it once).
+    pub repeat_content: usize,
+    /// After the first chunk, send one SSE line that never ends, until the client leaves.
+    pub endless_line: bool,
+    /// Send the last event without its line end.
+    pub unterminated_last_line: bool,
+    /// Answer 200 with this body instead of an event stream.
+    pub plain_body: Option<String>,
+    /// The content type of `plain_body`; `application/json` by default.
+    pub plain_content_type: Option<String>,
+    /// Answer with a redirect to this URL.
+    pub redirect_to: Option<String>,
+    /// The status of the redirect; 307 by default.
+    pub redirect_status: Option<u16>,
 }
 
 impl Default for Turn {
@@ -78,6 +157,15 @@ impl Default for Turn {
             drop_after_chunks: None,
             omit_finish: false,
             linger_ms: 0,
+            omit_usage: false,
+            ignore_stop: false,
+            repeat_content: 0,
+            endless_line: false,
+            unterminated_last_line: false,
+            plain_body: None,
+            plain_content_type: None,
+            redirect_to: None,
+            redirect_status: None,
         }
     }
 }
@@ -153,52 +241,74 @@ pub struct NamedIn<'a> {
 struct MessageIn<'a> {
     #[serde(default, borrow)]
     role: Cow<'a, str>,
-    /// Text content; anything else (null, a list of parts) counts as none.
-    #[serde(default, borrow, deserialize_with = "text_or_none")]
-    content: Option<Cow<'a, str>>,
+    /// The content, text or not.
+    #[serde(default, borrow)]
+    content: ContentIn<'a>,
 }
 
-fn text_or_none<'de, D: serde::Deserializer<'de>>(
-    deserializer: D,
-) -> Result<Option<Cow<'de, str>>, D::Error> {
-    use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
-    struct Text;
-    impl<'de> Visitor<'de> for Text {
-        type Value = Option<Cow<'de, str>>;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("message content")
-        }
-        fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-            Ok(Some(Cow::Borrowed(v)))
-        }
-        fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-            Ok(Some(Cow::Owned(v.to_owned())))
-        }
-        fn visit_unit<E>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            while seq.next_element::<IgnoredAny>()?.is_some() {}
-            Ok(None)
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-            Ok(None)
+/// A message's content: text, `null`, or anything else (a list of parts); absent is
+/// [`ContentIn::Other`] too.
+#[derive(Default)]
+enum ContentIn<'a> {
+    Text(Cow<'a, str>),
+    Null,
+    #[default]
+    Other,
+}
+
+impl<'a> ContentIn<'a> {
+    fn text(&self) -> Option<&str> {
+        match self {
+            Self::Text(text) => Some(text),
+            Self::Null | Self::Other => None,
         }
     }
-    deserializer.deserialize_any(Text)
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for ContentIn<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct Text<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for Text<'a> {
+            type Value = ContentIn<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("message content")
+            }
+            fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(ContentIn::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(ContentIn::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(ContentIn::Null)
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(ContentIn::Null)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(ContentIn::Other)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(ContentIn::Other)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(ContentIn::Other)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(ContentIn::Other)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(ContentIn::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(ContentIn::Other)
+            }
+        }
+        deserializer.deserialize_any(Text(std::marker::PhantomData))
+    }
 }
 
 impl<'a> ChatRequestIn<'a> {
@@ -226,6 +336,9 @@ pub struct Conversation {
     pub react: bool,
     /// The last `Observation:` the ReAct conversation carries, if any.
     pub observation: Option<String>,
+    /// The role of the first message whose `content` is `null`, if any (a strict server
+    /// refuses it).
+    pub null_content: Option<String>,
 }
 
 impl Conversation {
@@ -235,7 +348,7 @@ impl Conversation {
         fn role<'m>(message: &'m MessageIn<'_>) -> &'m str {
             &message.role
         }
-        let text = |m: &MessageIn<'_>| m.content.as_deref().unwrap_or_default().to_owned();
+        let text = |m: &MessageIn<'_>| m.content.text().unwrap_or_default().to_owned();
         let turn = messages.iter().filter(|m| role(m) == "assistant").count();
         let user_messages = messages.iter().filter(|m| role(m) == "user").count();
         let query = messages
@@ -272,6 +385,10 @@ impl Conversation {
                     .map(|o| o.trim().to_owned())
             })
             .flatten();
+        let null_content = messages
+            .iter()
+            .find(|m| matches!(m.content, ContentIn::Null))
+            .map(|m| role(m).to_owned());
         Ok(Self {
             turn,
             query,
@@ -280,6 +397,7 @@ impl Conversation {
             tools,
             react,
             observation,
+            null_content,
         })
     }
 }
@@ -412,6 +530,7 @@ mod tests {
                     ..Turn::default()
                 },
             ],
+            ..Scenario::default()
         };
         assert_eq!(scenario.turn(&conversation).content, "got 1, 2 for q");
     }

@@ -1,7 +1,7 @@
 //! `agent-stack`: the tool executor and the agent server in one process, on embedded
 //! in-memory defaults, for trying the runtime locally. Ctrl-C stops both.
 
-use std::net::SocketAddr;
+use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::Context;
 use clap::Parser;
@@ -21,13 +21,18 @@ struct Cli {
         default_value = "127.0.0.1:50052"
     )]
     tool_executor_listen: SocketAddr,
-    /// Address of the model simulator, started when OPENAI_BASE_URL and OPENAI_API_KEY are unset.
+    /// Address of the model simulator, started when neither OPENAI_BASE_URL nor OPENAI_API_KEY
+    /// is set (either one registers the provider `openai` instead).
     #[arg(
         long,
         env = "AGENT_STACK_SIMULATOR_LISTEN",
         default_value = "127.0.0.1:50053"
     )]
     simulator_listen: SocketAddr,
+    /// A tool-executor config file (TOML) whose tool sources (`mcp_servers`, `openapi`)
+    /// the tool executor serves beside its built-ins, e.g. `examples/tool-sources.toml`.
+    #[arg(long, env = "AGENT_STACK_TOOL_CONFIG", value_name = "FILE")]
+    tool_config: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -57,7 +62,19 @@ async fn main() -> anyhow::Result<()> {
     let tools_addr = tools_listener.local_addr()?;
     let agents_addr = agents_listener.local_addr()?;
 
-    let mut tools_settings = agentrt_tool_executor::Settings::default();
+    let mut tools_settings = match &cli.tool_config {
+        // Read as the tool executor reads its `--config`: paths relative to the file.
+        Some(path) => agentrt_tool_executor::Cli {
+            common: agentrt_server::config::CommonArgs {
+                config: Some(path.clone()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+        .settings()
+        .with_context(|| format!("tool config {}", path.display()))?,
+        None => agentrt_tool_executor::Settings::default(),
+    };
     tools_settings.server.listen = tools_addr;
     let mut agent_settings = agentrt_agent_server::Settings::default();
     if let Some(listener) = &simulator {
@@ -85,7 +102,7 @@ async fn main() -> anyhow::Result<()> {
         ),
         Some((name, p)) => format!("model provider: {name} at {}", p.base_url),
         None => {
-            "model provider: none (set OPENAI_BASE_URL and OPENAI_API_KEY to register `openai`)"
+            "model provider: none (set OPENAI_BASE_URL and/or OPENAI_API_KEY to register `openai`)"
                 .to_owned()
         }
     };

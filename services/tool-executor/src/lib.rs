@@ -1,4 +1,5 @@
-//! The tool-executor service: `agent.v1.ToolExecutor` over a [`ToolRegistry`].
+//! The tool-executor service: `agent.v1.ToolExecutor` over a tool [`Catalogue`]: the
+//! built-in tools, MCP servers' tools and OpenAPI documents' operations.
 //!
 //! [`serve`] is the whole server; `main.rs` only parses settings, starts logging, binds
 //! and calls it, so tests and the local stack run exactly what production runs.
@@ -10,7 +11,9 @@ use std::{future::Future, sync::Arc};
 
 use agentrt::service_names;
 use agentrt_server::{GrpcServer, ServerError};
-use agentrt_tools::{ToolRegistry, builtin};
+use agentrt_tools::{
+    Catalogue, Changes, Toolset, builtin::Builtins, mcp::McpToolset, openapi::OpenApiToolset,
+};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
@@ -20,25 +23,52 @@ pub use settings::{Cli, Settings};
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The settings name a built-in tool that does not exist.
-    #[error("unknown built-in tool {0:?} (known: {known})", known = builtin::NAMES.join(", "))]
-    UnknownBuiltin(String),
-    /// A tool could not be registered.
+    /// A tool source could not be set up, or two tools share a name.
     #[error(transparent)]
-    Registry(#[from] agentrt_tools::RegistryError),
+    Tools(#[from] agentrt_tools::Error),
     /// The gRPC server failed.
     #[error(transparent)]
     Server(#[from] ServerError),
 }
 
-/// Builds the tool registry the settings describe.
-pub fn registry(settings: &Settings) -> Result<ToolRegistry, Error> {
-    let mut registry = ToolRegistry::new();
-    for name in &settings.builtin_tools {
-        let tool = builtin::by_name(name).ok_or_else(|| Error::UnknownBuiltin(name.clone()))?;
-        registry.register(tool)?;
+/// Builds the catalogue the settings describe: built-ins, OpenAPI documents, and MCP
+/// servers (started together, each waited for at most its `connect_timeout`). A clash of
+/// names is an error naming both tools; MCP servers already started are stopped then.
+pub async fn catalogue(settings: &Settings, changes: Changes) -> Result<Catalogue, Error> {
+    let mut toolsets: Vec<Arc<dyn Toolset>> =
+        vec![Arc::new(Builtins::named(&settings.builtin_tools)?)];
+    for source in &settings.openapi {
+        toolsets.push(Arc::new(OpenApiToolset::load(source)?));
     }
-    Ok(registry)
+    let started = futures_util::future::join_all(
+        settings
+            .mcp_servers
+            .iter()
+            .map(|server| McpToolset::start(server.clone(), changes.clone())),
+    )
+    .await;
+    let mut failed = None;
+    for toolset in started {
+        match toolset {
+            Ok(toolset) => toolsets.push(Arc::new(toolset)),
+            Err(error) => failed = failed.or(Some(error)),
+        }
+    }
+    if let Some(error) = failed {
+        stop_all(&toolsets).await;
+        return Err(error.into());
+    }
+    match Catalogue::new(toolsets.clone(), changes).await {
+        Ok(catalogue) => Ok(catalogue),
+        Err(error) => {
+            stop_all(&toolsets).await;
+            Err(error.into())
+        }
+    }
+}
+
+async fn stop_all(toolsets: &[Arc<dyn Toolset>]) {
+    futures_util::future::join_all(toolsets.iter().map(|t| t.shutdown())).await;
 }
 
 /// Serves `ToolExecutor` on `listener` until `shutdown` resolves, then drains.
@@ -47,18 +77,31 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
-    let registry = Arc::new(registry(&settings)?);
+    let changes = Changes::new();
+    let catalogue = Arc::new(catalogue(&settings, changes).await?);
+    // Refreshes the catalogue when a source's tools change, until the server has drained.
+    let stop = CancellationToken::new();
+    let refresher = tokio::spawn({
+        let catalogue = catalogue.clone();
+        let stop = stop.clone();
+        async move { catalogue.keep_fresh(stop).await }
+    });
     let drain = CancellationToken::new();
-    let service = service::ToolExecutorService::new(registry, drain.clone());
+    let service = service::ToolExecutorService::new(catalogue.clone(), drain.clone());
     let max = settings.server.max_message_bytes;
     let routes = Routes::new(
         agentrt::v1::tool_executor_server::ToolExecutorServer::new(service)
             .max_decoding_message_size(max)
             .max_encoding_message_size(max),
     );
-    GrpcServer::new("tool-executor", settings.server)
+    let served = GrpcServer::new("tool-executor", settings.server)
         .reporting(service_names::TOOL_EXECUTOR)
         .serve(routes, listener, shutdown, drain)
-        .await?;
+        .await;
+    // Drained (or failed): stop the refresher, then MCP servers' child processes.
+    stop.cancel();
+    let _ = refresher.await;
+    catalogue.shutdown().await;
+    served?;
     Ok(())
 }

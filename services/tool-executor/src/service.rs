@@ -6,27 +6,28 @@ use agentrt::{
 };
 use agentrt_core::{ToolSource, ToolSpec, Violation};
 use agentrt_server::status;
-use agentrt_tools::{ExecuteError, ToolContext, ToolOutput, ToolRegistry};
+use agentrt_tools::{Catalogue, ExecuteError, ToolContext, ToolOutput};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, metadata::MetadataMap};
 use tracing::{Instrument, debug, info_span};
 
 /// Tonic answers CANCELLED itself when the `grpc-timeout` it read passes, counted from
-/// the call's arrival. Finishing this much earlier, counted from the same moment, lets the
-/// handler answer DEADLINE_EXCEEDED, as gRPC clients expect.
-const DEADLINE_MARGIN: Duration = Duration::from_millis(5);
+/// the call's arrival, and the client's own timer fires then too. Finishing this much
+/// earlier, counted from the same moment, lets the handler's DEADLINE_EXCEEDED reach the
+/// client first, as gRPC clients expect, also on a loaded machine.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
 
-/// `agent.v1.ToolExecutor` over a registry.
+/// `agent.v1.ToolExecutor` over a tool catalogue.
 pub struct ToolExecutorService {
-    registry: Arc<ToolRegistry>,
+    catalogue: Arc<Catalogue>,
     /// Cancelled when the server drains: running tools are told to stop.
     drain: CancellationToken,
 }
 
 impl ToolExecutorService {
-    pub fn new(registry: Arc<ToolRegistry>, drain: CancellationToken) -> Self {
-        Self { registry, drain }
+    pub fn new(catalogue: Arc<Catalogue>, drain: CancellationToken) -> Self {
+        Self { catalogue, drain }
     }
 }
 
@@ -36,7 +37,7 @@ impl ToolExecutor for ToolExecutorService {
         &self,
         _request: Request<v1::ListToolsRequest>,
     ) -> Result<Response<v1::ListToolsResponse>, Status> {
-        let tools = self.registry.specs().map(tool_to_wire).collect();
+        let tools = self.catalogue.specs().iter().map(tool_to_wire).collect();
         Ok(Response::new(v1::ListToolsResponse { tools }))
     }
 
@@ -86,7 +87,7 @@ impl ToolExecutor for ToolExecutorService {
         );
         let started = Instant::now();
         let execution = self
-            .registry
+            .catalogue
             .execute(&request.tool_name, arguments, &ctx)
             .instrument(span);
         let outcome =
@@ -120,6 +121,11 @@ fn execute_error_to_status(error: &ExecuteError) -> Status {
         ExecuteError::InvalidArguments { tool, violations } => status::invalid_argument(
             &format!("arguments do not match the input schema of tool {tool:?}"),
             violations,
+        ),
+        ExecuteError::Unavailable { tool, reason, .. } => status::unavailable(
+            "TOOL_SOURCE_UNAVAILABLE",
+            format!("tool {tool:?} is unavailable: {reason}"),
+            Duration::from_secs(1),
         ),
     }
 }
@@ -215,11 +221,13 @@ mod tests {
 
     #[tokio::test]
     async fn tool_errors_are_results_and_unknown_tools_not_found() {
-        let mut registry = ToolRegistry::new();
-        for tool in agentrt_tools::builtin::all() {
-            registry.register(tool).unwrap();
-        }
-        let service = ToolExecutorService::new(Arc::new(registry), CancellationToken::new());
+        let catalogue = Catalogue::new(
+            vec![Arc::new(agentrt_tools::builtin::Builtins::all())],
+            agentrt_tools::Changes::new(),
+        )
+        .await
+        .unwrap();
+        let service = ToolExecutorService::new(Arc::new(catalogue), CancellationToken::new());
         let call = |name: &str, args: serde_json::Value| {
             Request::new(v1::ExecuteToolRequest {
                 call_id: "c1".into(),

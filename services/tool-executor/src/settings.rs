@@ -1,7 +1,7 @@
 use std::net::SocketAddr;
 
 use agentrt_server::config::{self, CommonArgs, ConfigError, ServerSettings};
-use agentrt_tools::builtin;
+use agentrt_tools::{builtin, mcp::McpServerConfig, openapi::OpenApiConfig};
 use serde::{Deserialize, Serialize};
 
 /// The tool executor's settings, as a config file writes them.
@@ -12,6 +12,12 @@ pub struct Settings {
     pub server: ServerSettings,
     /// Built-in tools to serve, by name.
     pub builtin_tools: Vec<String>,
+    /// MCP servers whose tools to serve, as `<name>__<tool>`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mcp_servers: Vec<McpServerConfig>,
+    /// OpenAPI documents whose operations to serve, as `<name>__<operationId>`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub openapi: Vec<OpenApiConfig>,
 }
 
 impl Default for Settings {
@@ -19,6 +25,8 @@ impl Default for Settings {
         Self {
             server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50052))),
             builtin_tools: builtin::NAMES.iter().map(|s| (*s).to_owned()).collect(),
+            mcp_servers: Vec::new(),
+            openapi: Vec::new(),
         }
     }
 }
@@ -62,6 +70,39 @@ impl Cli {
                 ),
             });
         }
+        // Paths in the config file are relative to it.
+        let dir = match self.common.config.as_deref().and_then(|p| p.parent()) {
+            Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+            _ => std::path::PathBuf::from("."),
+        };
+        let mut names = std::collections::BTreeSet::new();
+        for server in &mut settings.mcp_servers {
+            server.resolve_paths(&dir);
+            server.check().map_err(|message| ConfigError::Invalid {
+                field: "mcp_servers",
+                message: format!("{:?}: {message}", server.name),
+            })?;
+            if !names.insert(server.name.clone()) {
+                return Err(duplicate_source(&server.name));
+            }
+        }
+        for source in &mut settings.openapi {
+            source.resolve_paths(&dir);
+            source.check().map_err(|message| ConfigError::Invalid {
+                field: "openapi",
+                message: format!("{:?}: {message}", source.name),
+            })?;
+            if !names.insert(source.name.clone()) {
+                return Err(duplicate_source(&source.name));
+            }
+        }
         Ok(settings)
+    }
+}
+
+fn duplicate_source(name: &str) -> ConfigError {
+    ConfigError::Invalid {
+        field: "mcp_servers",
+        message: format!("two tool sources are named {name:?}; each needs its own name"),
     }
 }

@@ -1,0 +1,365 @@
+//! The catalogue: every toolset's tools under one namespace, as a snapshot that is
+//! swapped whole when a list changes, so that calls in flight keep the one they started
+//! with.
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use agentrt_core::{ToolSpec, Violation};
+use arc_swap::ArcSwap;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{CallError, Changes, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset};
+
+/// Why a call did not run.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ExecuteError {
+    /// No tool has this name.
+    #[error("no tool named {0:?}")]
+    NotFound(String),
+    /// The arguments do not match the tool's input schema.
+    #[error("arguments do not match the input schema of {tool:?}")]
+    InvalidArguments {
+        /// The tool called.
+        tool: String,
+        /// One entry per problem; fields are named `arguments.<path>`.
+        violations: Vec<Violation>,
+    },
+    /// The tool's source cannot be reached now.
+    #[error("tool {tool:?} is unavailable: source {source_name:?} {reason}")]
+    Unavailable {
+        /// The tool called.
+        tool: String,
+        /// Its source, as the config names it.
+        source_name: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+struct Entry {
+    listed: ListedTool,
+    toolset: Arc<dyn Toolset>,
+    validator: Arc<jsonschema::Validator>,
+}
+
+/// One version of the catalogue.
+#[derive(Default)]
+struct Snapshot {
+    tools: BTreeMap<String, Entry>,
+}
+
+/// Every tool on offer, by the name the catalogue offers it under, each with its compiled
+/// argument validator.
+pub struct Catalogue {
+    toolsets: Vec<Arc<dyn Toolset>>,
+    snapshot: ArcSwap<Snapshot>,
+    changes: Changes,
+}
+
+impl Catalogue {
+    /// Lists every toolset and builds the first snapshot. Two tools offered under one
+    /// name, or a built-in with an invalid schema, are errors naming both; a tool of an
+    /// outside source whose schema does not compile is left out with a warning.
+    pub async fn new(toolsets: Vec<Arc<dyn Toolset>>, changes: Changes) -> Result<Self> {
+        let catalogue = Self {
+            toolsets,
+            snapshot: ArcSwap::from_pointee(Snapshot::default()),
+            changes,
+        };
+        let snapshot = catalogue.build(None, true).await?;
+        catalogue.snapshot.store(Arc::new(snapshot));
+        Ok(catalogue)
+    }
+
+    /// Rebuilds the snapshot whenever a toolset says its list changed, until `stop`.
+    pub async fn keep_fresh(&self, stop: CancellationToken) {
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = self.changes.changed() => {}
+            }
+            self.rebuild().await;
+        }
+    }
+
+    /// Builds a new snapshot from the toolsets' current lists and swaps it in. At run
+    /// time a clash is not fatal: the tool listed second is left out, with a warning.
+    pub async fn rebuild(&self) {
+        let previous = self.snapshot.load_full();
+        match self.build(Some(&previous), false).await {
+            Ok(snapshot) => {
+                info!(tools = snapshot.tools.len(), "tool catalogue refreshed");
+                self.snapshot.store(Arc::new(snapshot));
+            }
+            Err(error) => warn!(%error, "tool catalogue not refreshed"),
+        }
+    }
+
+    async fn build(&self, previous: Option<&Snapshot>, strict: bool) -> Result<Snapshot> {
+        let lists = futures_util::future::join_all(self.toolsets.iter().map(|t| t.list())).await;
+        let mut snapshot = Snapshot::default();
+        for (toolset, listed) in self.toolsets.iter().zip(lists) {
+            let listed = match listed {
+                Ok(listed) => listed,
+                Err(error) if !strict => {
+                    warn!(source = toolset.name(), %error, "cannot list tools");
+                    continue;
+                }
+                Err(error) => return Err(error),
+            };
+            for tool in listed {
+                let name = tool.spec.name.clone();
+                if let Some(first) = snapshot.tools.get(&name) {
+                    let error = Error::Duplicate {
+                        name,
+                        first: first.listed.origin.clone(),
+                        second: tool.origin.clone(),
+                    };
+                    if strict {
+                        return Err(error);
+                    }
+                    warn!(%error, "tool left out of the catalogue");
+                    continue;
+                }
+                let reused = previous
+                    .and_then(|p| p.tools.get(&name))
+                    .filter(|e| e.listed.spec.input_schema == tool.spec.input_schema)
+                    .map(|e| e.validator.clone());
+                let validator = match reused {
+                    Some(validator) => validator,
+                    None => match jsonschema::validator_for(&tool.spec.input_schema) {
+                        Ok(validator) => Arc::new(validator),
+                        Err(e) => {
+                            let error = Error::InvalidSchema {
+                                tool: tool.origin.clone(),
+                                reason: e.to_string(),
+                            };
+                            if toolset.name() == crate::builtin::SOURCE_NAME {
+                                return Err(error);
+                            }
+                            warn!(%error, "tool left out of the catalogue");
+                            continue;
+                        }
+                    },
+                };
+                snapshot.tools.insert(
+                    name,
+                    Entry {
+                        listed: tool,
+                        toolset: toolset.clone(),
+                        validator,
+                    },
+                );
+            }
+        }
+        Ok(snapshot)
+    }
+
+    /// Every tool's spec, ordered by name.
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.snapshot
+            .load()
+            .tools
+            .values()
+            .map(|e| e.listed.spec.clone())
+            .collect()
+    }
+
+    /// Checks `arguments` against the tool's schema, then runs it.
+    pub async fn execute(
+        &self,
+        name: &str,
+        arguments: serde_json::Value,
+        ctx: &ToolContext,
+    ) -> Result<ToolOutput, ExecuteError> {
+        // Holds this version of the catalogue for the call, however it changes meanwhile.
+        let snapshot = self.snapshot.load_full();
+        let entry = snapshot
+            .tools
+            .get(name)
+            .ok_or_else(|| ExecuteError::NotFound(name.to_owned()))?;
+        let violations: Vec<Violation> = entry
+            .validator
+            .iter_errors(&arguments)
+            .flat_map(|error| violations_of(&error))
+            .collect();
+        if !violations.is_empty() {
+            return Err(ExecuteError::InvalidArguments {
+                tool: name.to_owned(),
+                violations,
+            });
+        }
+        entry
+            .toolset
+            .call(&entry.listed.source_name, arguments, ctx)
+            .await
+            .map_err(|error| match error {
+                CallError::Unavailable {
+                    source_name,
+                    reason,
+                } => ExecuteError::Unavailable {
+                    tool: name.to_owned(),
+                    source_name,
+                    reason,
+                },
+                CallError::Gone(_) => ExecuteError::NotFound(name.to_owned()),
+            })
+    }
+
+    /// Stops every toolset: child processes exit, connections close.
+    pub async fn shutdown(&self) {
+        futures_util::future::join_all(self.toolsets.iter().map(|t| t.shutdown())).await;
+    }
+}
+
+/// The violations one schema error stands for, each naming the field a client should fix:
+/// a missing or unexpected property is named itself, not the object that holds it.
+fn violations_of(error: &jsonschema::ValidationError<'_>) -> Vec<Violation> {
+    use jsonschema::error::ValidationErrorKind as Kind;
+    let at = argument_path(error.instance_path().as_str());
+    match error.kind() {
+        Kind::Required { property } => {
+            let name = property
+                .as_str()
+                .map_or_else(|| property.to_string(), str::to_owned);
+            vec![Violation::new(
+                format!("{at}.{name}"),
+                "required property is missing",
+            )]
+        }
+        Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
+            unexpected
+                .iter()
+                .map(|name| {
+                    Violation::new(
+                        format!("{at}.{name}"),
+                        "unexpected property: the tool's input schema does not allow it",
+                    )
+                })
+                .collect()
+        }
+        _ => vec![Violation::new(at, error.to_string())],
+    }
+}
+
+/// Turns a JSON pointer into the request's field path: `/items/0/name` becomes
+/// `arguments.items[0].name`, and the root becomes `arguments`.
+fn argument_path(pointer: &str) -> String {
+    let mut path = String::from("arguments");
+    for segment in pointer.split('/').skip(1) {
+        let segment = segment.replace("~1", "/").replace("~0", "~");
+        if !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit()) {
+            path.push('[');
+            path.push_str(&segment);
+            path.push(']');
+        } else {
+            path.push('.');
+            path.push_str(&segment);
+        }
+    }
+    path
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builtin;
+    use serde_json::json;
+
+    async fn catalogue() -> Catalogue {
+        Catalogue::new(
+            vec![Arc::new(builtin::Builtins::all()) as Arc<dyn Toolset>],
+            Changes::new(),
+        )
+        .await
+        .unwrap()
+    }
+
+    #[test]
+    fn pointers_become_field_paths() {
+        assert_eq!(argument_path(""), "arguments");
+        assert_eq!(argument_path("/expression"), "arguments.expression");
+        assert_eq!(argument_path("/items/0/a~1b"), "arguments.items[0].a/b");
+    }
+
+    #[tokio::test]
+    async fn schema_violations_name_every_field() {
+        let err = catalogue()
+            .await
+            .execute(
+                "calculator",
+                json!({"expression": 5, "extra": true}),
+                &ToolContext::default(),
+            )
+            .await
+            .unwrap_err();
+        let ExecuteError::InvalidArguments { violations, .. } = err else {
+            panic!("expected invalid arguments, got {err:?}");
+        };
+        let fields: Vec<_> = violations.iter().map(|v| v.field.as_str()).collect();
+        assert!(fields.contains(&"arguments.expression"), "{violations:?}");
+        assert!(
+            fields.contains(&"arguments.extra"),
+            "the unexpected property is named: {violations:?}"
+        );
+
+        let err = catalogue()
+            .await
+            .execute("calculator", json!({}), &ToolContext::default())
+            .await
+            .unwrap_err();
+        let ExecuteError::InvalidArguments { violations, .. } = err else {
+            panic!("expected invalid arguments, got {err:?}");
+        };
+        assert_eq!(
+            violations,
+            [Violation::new(
+                "arguments.expression",
+                "required property is missing"
+            )]
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_tools_are_not_found() {
+        let err = catalogue()
+            .await
+            .execute("nope", json!({}), &ToolContext::default())
+            .await
+            .unwrap_err();
+        assert_eq!(err, ExecuteError::NotFound("nope".into()));
+    }
+
+    #[tokio::test]
+    async fn duplicate_names_are_refused_naming_both() {
+        let toolsets: Vec<Arc<dyn Toolset>> = vec![
+            Arc::new(builtin::Builtins::all()),
+            Arc::new(builtin::Builtins::named(&["calculator"]).unwrap()),
+        ];
+        let Err(error) = Catalogue::new(toolsets, Changes::new()).await else {
+            panic!("a duplicate must be refused");
+        };
+        let message = error.to_string();
+        assert!(matches!(error, Error::Duplicate { .. }), "{message}");
+        assert_eq!(
+            message,
+            "tool name \"calculator\" is offered twice: by built-in tool \"calculator\" and by \
+             built-in tool \"calculator\""
+        );
+    }
+
+    #[tokio::test]
+    async fn specs_are_sorted_by_name() {
+        let names: Vec<_> = catalogue()
+            .await
+            .specs()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted);
+        assert!(names.contains(&"calculator".to_string()));
+    }
+}

@@ -1,0 +1,181 @@
+//! An MCP `tools/call` result as a tool output: text content becomes the output,
+//! `structuredContent` the structured output, resource links and embedded resources
+//! references, and images and audio a line saying what they were.
+
+use agentrt_core::Reference;
+use rmcp::model::{CallToolResult, ContentBlock, ResourceContents};
+
+use crate::{ToolOutput, truncate_text};
+
+/// Most references one call yields; more are dropped.
+const MAX_REFERENCES: usize = 100;
+/// Longest snippet of an embedded text resource kept on its reference.
+const MAX_SNIPPET_BYTES: usize = 1000;
+
+/// Maps `result` of the tool offered as `tool`; the text is cut at `max_output_bytes`.
+pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: usize) -> ToolOutput {
+    let mut text = String::new();
+    let mut references = Vec::new();
+    let push = |line: &str, text: &mut String| {
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(line);
+    };
+    for block in result.content {
+        if text.len() > max_output_bytes {
+            break;
+        }
+        match block {
+            ContentBlock::Text(t) => push(&t.text, &mut text),
+            ContentBlock::Image(image) => push(
+                &format!(
+                    "[image: {}, {} bytes]",
+                    image.mime_type,
+                    decoded_len(&image.data)
+                ),
+                &mut text,
+            ),
+            ContentBlock::Audio(audio) => push(
+                &format!(
+                    "[audio: {}, {} bytes]",
+                    audio.mime_type,
+                    decoded_len(&audio.data)
+                ),
+                &mut text,
+            ),
+            ContentBlock::ResourceLink(link) => {
+                let title = link.title.clone().unwrap_or_else(|| link.name.clone());
+                push(
+                    &format!("[resource link: {title} <{}>]", link.uri),
+                    &mut text,
+                );
+                references.push(Reference {
+                    title,
+                    url: link.uri,
+                    snippet: link.description.unwrap_or_default(),
+                    score: 0.0,
+                    source: tool.to_owned(),
+                });
+            }
+            ContentBlock::Resource(embedded) => match embedded.resource {
+                ResourceContents::TextResourceContents {
+                    uri, text: body, ..
+                } => {
+                    let mut snippet = body.clone();
+                    truncate_text(&mut snippet, MAX_SNIPPET_BYTES);
+                    push(&body, &mut text);
+                    references.push(Reference {
+                        title: uri.clone(),
+                        url: uri,
+                        snippet,
+                        score: 0.0,
+                        source: tool.to_owned(),
+                    });
+                }
+                ResourceContents::BlobResourceContents {
+                    uri,
+                    mime_type,
+                    blob,
+                    ..
+                } => {
+                    push(
+                        &format!(
+                            "[resource: {uri}, {}, {} bytes]",
+                            mime_type.as_deref().unwrap_or("application/octet-stream"),
+                            decoded_len(&blob)
+                        ),
+                        &mut text,
+                    );
+                    references.push(Reference {
+                        title: uri.clone(),
+                        url: uri,
+                        snippet: String::new(),
+                        score: 0.0,
+                        source: tool.to_owned(),
+                    });
+                }
+                _ => push("[resource of an unknown kind]", &mut text),
+            },
+            _ => push("[content of an unknown kind]", &mut text),
+        }
+    }
+    references.truncate(MAX_REFERENCES);
+    let structured = result.structured_content;
+    if text.is_empty()
+        && let Some(value) = &structured
+    {
+        text = value.to_string();
+    }
+    truncate_text(&mut text, max_output_bytes);
+    ToolOutput {
+        text,
+        structured,
+        references,
+        is_error: result.is_error.unwrap_or(false),
+    }
+}
+
+/// The size of base64 `data` once decoded.
+fn decoded_len(data: &str) -> usize {
+    let padding = data.bytes().rev().take_while(|b| *b == b'=').count();
+    (data.len() / 4 * 3 + data.len() % 4 * 3 / 4).saturating_sub(padding)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn result(value: serde_json::Value) -> CallToolResult {
+        serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn every_kind_of_content_is_mapped() {
+        let out = to_output(
+            result(json!({
+                "content": [
+                    {"type": "text", "text": "hello"},
+                    {"type": "image", "data": "iVBORw0KGgo=", "mimeType": "image/png"},
+                    {"type": "resource_link", "uri": "test://a", "name": "A", "description": "first"},
+                    {"type": "resource", "resource": {"uri": "test://b", "mimeType": "text/plain", "text": "body of b"}},
+                    {"type": "resource", "resource": {"uri": "test://c", "blob": "AAAA"}}
+                ],
+                "structuredContent": {"n": 1},
+                "isError": true
+            })),
+            "ev__tool",
+            1 << 20,
+        );
+        assert_eq!(
+            out.text,
+            "hello\n[image: image/png, 8 bytes]\n[resource link: A <test://a>]\nbody of b\n\
+             [resource: test://c, application/octet-stream, 3 bytes]"
+        );
+        assert_eq!(out.structured, Some(json!({"n": 1})));
+        assert!(out.is_error);
+        let urls: Vec<_> = out.references.iter().map(|r| r.url.as_str()).collect();
+        assert_eq!(urls, ["test://a", "test://b", "test://c"]);
+        assert_eq!(out.references[0].snippet, "first");
+        assert_eq!(out.references[1].snippet, "body of b");
+        assert_eq!(out.references[0].source, "ev__tool");
+    }
+
+    #[test]
+    fn structured_only_results_read_as_json_and_long_text_is_cut() {
+        let out = to_output(
+            result(json!({"content": [], "structuredContent": {"t": 20}})),
+            "x",
+            1024,
+        );
+        assert_eq!(out.text, r#"{"t":20}"#);
+        let out = to_output(
+            result(json!({"content": [{"type": "text", "text": "x".repeat(5000)}]})),
+            "x",
+            1024,
+        );
+        assert!(out.text.len() < 1100);
+        assert!(out.text.ends_with("[output truncated at 1024 bytes]"));
+    }
+}

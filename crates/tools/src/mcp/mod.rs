@@ -1,0 +1,731 @@
+//! MCP servers as toolsets, through the official SDK (`rmcp`): over stdio (a child process
+//! the tool executor starts) or streamable HTTP.
+//!
+//! Each server has a supervisor task that connects (start, `initialize`, `tools/list`,
+//! each bounded by `connect_timeout`), then waits: for `notifications/tools/list_changed`
+//! (it lists again and the catalogue is refreshed), for the connection to end (it
+//! reconnects with backoff; meanwhile the server's tools answer `UNAVAILABLE` naming it),
+//! or for shutdown (it stops the child process). Calls go straight to the current
+//! connection; a call abandoned by its caller, or past its deadline or the server's
+//! `timeout`, sends `notifications/cancelled` (rmcp does when the call's future is dropped).
+
+mod content;
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::{Path, PathBuf},
+    process::Stdio,
+    sync::{Arc, RwLock},
+    time::Duration,
+};
+
+use agentrt_core::{Secret, ToolSource, ToolSpec};
+use async_trait::async_trait;
+use rmcp::{
+    ClientHandler, RoleClient, ServiceExt,
+    model::{
+        CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation,
+        PaginatedRequestParams,
+    },
+    service::{NotificationContext, Peer, RunningService, ServiceError},
+    transport::{
+        StreamableHttpClientTransport, async_rw::AsyncRwTransport,
+        streamable_http_client::StreamableHttpClientTransportConfig,
+    },
+};
+use serde::{Deserialize, Serialize};
+use tokio::{
+    io::AsyncReadExt,
+    process::{Child, Command},
+    sync::{Notify, oneshot},
+    task::JoinHandle,
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::{
+    CallError, Changes, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset,
+    check_source_name, offered_name, secret::SecretRef, truncate_text,
+};
+
+/// Most tools one server may list; the rest are left out.
+const MAX_TOOLS: usize = 1000;
+/// Most `tools/list` pages followed.
+const MAX_PAGES: usize = 100;
+/// Longest tool description kept.
+const MAX_DESCRIPTION_BYTES: usize = 4096;
+/// The first wait before reconnecting; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+/// The longest wait before reconnecting.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// A connection that lasted this long starts the backoff over.
+const STABLE: Duration = Duration::from_secs(60);
+/// How long a child process may take to exit once its stdin is closed.
+const EXIT_GRACE: Duration = Duration::from_secs(2);
+/// Environment variables a child process inherits from the tool executor; everything
+/// else it gets from its `env` setting, so that the executor's own secrets stay its own.
+const INHERITED_ENV: [&str; 9] = [
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "TMPDIR",
+    "SYSTEMROOT",
+    "NODE_PATH",
+];
+
+/// One `[[mcp_servers]]` entry of the tool executor's config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct McpServerConfig {
+    /// The source name: its tools are offered as `<name>__<tool>`.
+    pub name: String,
+    /// For stdio: the program to start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// For stdio: its arguments.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+    /// For stdio: environment variables, each a value or a secret read from the tool
+    /// executor's environment or a file (`{ env = "GITHUB_TOKEN" }`). The child inherits
+    /// only `PATH`, `HOME`, `USER`, `LANG`, `LC_ALL`, `TZ`, `TMPDIR` and `NODE_PATH` besides.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, EnvValue>,
+    /// For stdio: the working directory; relative to the config file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<PathBuf>,
+    /// For streamable HTTP: the endpoint, e.g. `http://127.0.0.1:3001/mcp`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// For streamable HTTP: headers sent with every request, their values read from the
+    /// environment or a file (`Authorization = { env = "DOCS_TOKEN", prefix = "Bearer " }`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, SecretRef>,
+    /// Upper bound of one call (the caller's deadline may be shorter).
+    #[serde(default = "default_timeout", with = "agentrt_core::duration")]
+    pub timeout: Duration,
+    /// Upper bound of starting and connecting: process start, `initialize`, `tools/list`.
+    #[serde(default = "default_connect_timeout", with = "agentrt_core::duration")]
+    pub connect_timeout: Duration,
+    /// Longest output text of one call, in bytes; longer output is cut, saying so.
+    #[serde(default = "default_max_output_bytes")]
+    pub max_output_bytes: usize,
+    /// Largest message accepted from the server, in bytes; larger ones are dropped.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
+}
+
+fn default_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_max_output_bytes() -> usize {
+    1024 * 1024
+}
+fn default_max_message_bytes() -> usize {
+    4 * 1024 * 1024
+}
+
+/// The value of an environment variable for a child process: given, or a secret.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EnvValue {
+    /// A value written in the config: not secret.
+    Plain(String),
+    /// A secret read from the tool executor's environment or a file.
+    Secret(SecretRef),
+}
+
+impl McpServerConfig {
+    /// Makes relative paths (the working directory, secret files) relative to `dir`.
+    pub fn resolve_paths(&mut self, dir: &Path) {
+        if let Some(cwd) = &mut self.cwd
+            && cwd.is_relative()
+        {
+            *cwd = dir.join(&*cwd);
+        }
+        for value in self.env.values_mut() {
+            if let EnvValue::Secret(secret) = value {
+                secret.resolve_paths(dir);
+            }
+        }
+        for secret in self.headers.values_mut() {
+            secret.resolve_paths(dir);
+        }
+    }
+
+    /// Checks the entry without reading secrets.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        check_source_name(&self.name)?;
+        match (&self.command, &self.url) {
+            (Some(command), None) if !command.is_empty() => {}
+            (None, Some(url)) => {
+                let parsed = reqwest::Url::parse(url).map_err(|e| format!("url {url:?}: {e}"))?;
+                if !matches!(parsed.scheme(), "http" | "https") {
+                    return Err(format!("url {url:?} must be http or https"));
+                }
+            }
+            _ => return Err("give either `command` (stdio) or `url` (streamable HTTP)".into()),
+        }
+        if self.url.is_none() && !self.headers.is_empty() {
+            return Err("`headers` apply to `url` servers only".into());
+        }
+        if self.url.is_some() && (!self.env.is_empty() || !self.args.is_empty()) {
+            return Err("`args` and `env` apply to `command` servers only".into());
+        }
+        for (name, value) in &self.env {
+            if let EnvValue::Secret(secret) = value {
+                secret.check().map_err(|e| format!("env {name}: {e}"))?;
+            }
+        }
+        for (name, secret) in &self.headers {
+            reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("{name:?} is not a valid header name"))?;
+            secret.check().map_err(|e| format!("header {name}: {e}"))?;
+        }
+        if self.timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err("`timeout` and `connect_timeout` must be positive".into());
+        }
+        if self.max_output_bytes < 1024 || self.max_message_bytes < 1024 {
+            return Err("`max_output_bytes` and `max_message_bytes` must be at least 1024".into());
+        }
+        Ok(())
+    }
+}
+
+/// How to reach the server, with secrets read.
+enum Transport {
+    Stdio {
+        command: String,
+        args: Vec<String>,
+        env: Vec<(String, Secret)>,
+        cwd: Option<PathBuf>,
+    },
+    Http {
+        url: String,
+        headers: HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>,
+        client: reqwest::Client,
+    },
+}
+
+/// What the server is now.
+struct State {
+    /// The live connection; `None` while the server is down.
+    peer: Option<Peer<RoleClient>>,
+    /// Why it is down, for `UNAVAILABLE` messages.
+    down: String,
+    /// The tools it last listed.
+    tools: Vec<ListedTool>,
+}
+
+struct Shared {
+    config: McpServerConfig,
+    transport: Transport,
+    state: RwLock<State>,
+    /// Tells the catalogue that the list changed.
+    changes: Changes,
+    /// The server said its tools changed: list them again.
+    relist: Notify,
+    /// A call saw the connection fail: drop it and connect again.
+    reconnect: Notify,
+}
+
+impl Shared {
+    fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    fn set_down(&self, reason: String) {
+        let mut state = self.state.write().unwrap_or_else(|e| e.into_inner());
+        state.peer = None;
+        state.down = reason;
+    }
+}
+
+/// An MCP server's tools.
+pub struct McpToolset {
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    supervisor: tokio::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+impl McpToolset {
+    /// Reads the server's secrets, starts its supervisor and waits for its first connection
+    /// attempt (at most `connect_timeout`). A server that cannot be reached yet is not an
+    /// error: its supervisor keeps trying, and its tools appear once it answers.
+    pub async fn start(config: McpServerConfig, changes: Changes) -> Result<Self> {
+        config
+            .check()
+            .map_err(|message| Error::source(&config.name, message))?;
+        let transport = if let Some(url) = &config.url {
+            let mut headers = HashMap::new();
+            for (name, secret) in &config.headers {
+                let value = secret
+                    .read()
+                    .map_err(|e| Error::source(&config.name, format!("header {name}: {e}")))?;
+                let name = reqwest::header::HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|e| Error::source(&config.name, e.to_string()))?;
+                let mut value =
+                    reqwest::header::HeaderValue::from_str(value.expose()).map_err(|_| {
+                        Error::source(&config.name, format!("header {name}: not a valid value"))
+                    })?;
+                value.set_sensitive(true);
+                headers.insert(name, value);
+            }
+            Transport::Http {
+                url: url.clone(),
+                headers,
+                client: crate::http::client().map_err(|e| Error::source(&config.name, e))?,
+            }
+        } else {
+            let mut env = Vec::new();
+            for (name, value) in &config.env {
+                let value = match value {
+                    EnvValue::Plain(value) => Secret::new(value.clone()),
+                    EnvValue::Secret(secret) => secret
+                        .read()
+                        .map_err(|e| Error::source(&config.name, format!("env {name}: {e}")))?,
+                };
+                env.push((name.clone(), value));
+            }
+            Transport::Stdio {
+                command: config.command.clone().unwrap_or_default(),
+                args: config.args.clone(),
+                env,
+                cwd: config.cwd.clone(),
+            }
+        };
+        let shared = Arc::new(Shared {
+            transport,
+            state: RwLock::new(State {
+                peer: None,
+                down: "not connected yet".into(),
+                tools: Vec::new(),
+            }),
+            changes,
+            relist: Notify::new(),
+            reconnect: Notify::new(),
+            config,
+        });
+        let stop = CancellationToken::new();
+        let (first_tx, first_rx) = oneshot::channel();
+        let span = info_span!("mcp_server", source = %shared.name());
+        let supervisor =
+            tokio::spawn(supervise(shared.clone(), stop.clone(), first_tx).instrument(span));
+        // The supervisor bounds its attempt by `connect_timeout`; this bound is a backstop.
+        let limit = shared.config.connect_timeout + Duration::from_secs(5);
+        let _ = tokio::time::timeout(limit, first_rx).await;
+        Ok(Self {
+            shared,
+            stop,
+            supervisor: tokio::sync::Mutex::new(Some(supervisor)),
+        })
+    }
+
+    /// Whether the server is connected now.
+    pub fn is_connected(&self) -> bool {
+        self.shared
+            .state
+            .read()
+            .map(|s| s.peer.is_some())
+            .unwrap_or(false)
+    }
+}
+
+#[async_trait]
+impl Toolset for McpToolset {
+    fn name(&self) -> &str {
+        self.shared.name()
+    }
+
+    async fn list(&self) -> Result<Vec<ListedTool>> {
+        let state = self.shared.state.read().unwrap_or_else(|e| e.into_inner());
+        Ok(state.tools.clone())
+    }
+
+    async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Value,
+        ctx: &ToolContext,
+    ) -> Result<ToolOutput, CallError> {
+        let shared = &self.shared;
+        let peer = {
+            let state = shared.state.read().unwrap_or_else(|e| e.into_inner());
+            match &state.peer {
+                Some(peer) => peer.clone(),
+                None => {
+                    return Err(CallError::Unavailable {
+                        source_name: shared.name().to_owned(),
+                        reason: format!("MCP server {:?} is down: {}", shared.name(), state.down),
+                    });
+                }
+            }
+        };
+        let arguments = match arguments {
+            serde_json::Value::Object(map) => map,
+            _ => serde_json::Map::new(),
+        };
+        let params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+        let timeout = shared.config.timeout;
+        // Dropping the call (here on timeout or cancel, or by the caller) sends
+        // `notifications/cancelled` for it.
+        let outcome = tokio::select! {
+            outcome = tokio::time::timeout(timeout, peer.call_tool(params)) => outcome,
+            () = ctx.cancel.cancelled() => return Ok(ToolOutput::error("cancelled")),
+        };
+        let offered = offered_name(shared.name(), tool);
+        match outcome {
+            Err(_) => Ok(ToolOutput::error(format!(
+                "MCP server {:?} did not finish tool {tool:?} within {timeout:?}; the call was \
+                 cancelled",
+                shared.name()
+            ))),
+            Ok(Ok(result)) => Ok(content::to_output(
+                result,
+                &offered,
+                shared.config.max_output_bytes,
+            )),
+            Ok(Err(ServiceError::McpError(error))) => {
+                let mut message = format!(
+                    "MCP server {:?} refused the call of {tool:?}: {} (code {})",
+                    shared.name(),
+                    error.message,
+                    error.code.0
+                );
+                truncate_text(&mut message, shared.config.max_output_bytes);
+                Ok(ToolOutput::error(message))
+            }
+            Ok(Err(error @ (ServiceError::TransportClosed | ServiceError::TransportSend(_)))) => {
+                shared.reconnect.notify_one();
+                Err(CallError::Unavailable {
+                    source_name: shared.name().to_owned(),
+                    reason: format!(
+                        "the connection to MCP server {:?} failed during the call ({error}); \
+                         reconnecting",
+                        shared.name()
+                    ),
+                })
+            }
+            Ok(Err(error)) => Ok(ToolOutput::error(format!(
+                "MCP server {:?}: {error}",
+                shared.name()
+            ))),
+        }
+    }
+
+    async fn refresh(&self) -> Result<()> {
+        self.shared.relist.notify_one();
+        Ok(())
+    }
+
+    async fn shutdown(&self) {
+        self.stop.cancel();
+        if let Some(supervisor) = self.supervisor.lock().await.take() {
+            let _ = supervisor.await;
+        }
+    }
+}
+
+impl Drop for McpToolset {
+    fn drop(&mut self) {
+        // The supervisor stops (and with it the child process) even without `shutdown`.
+        self.stop.cancel();
+    }
+}
+
+/// The client side of one connection: hears `notifications/tools/list_changed`.
+struct Handler {
+    shared: Arc<Shared>,
+}
+
+impl ClientHandler for Handler {
+    async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        debug!(source = %self.shared.name(), "tool list changed");
+        self.shared.relist.notify_one();
+    }
+
+    fn get_info(&self) -> ClientConfig {
+        ClientConfig::new(
+            ClientCapabilities::default(),
+            Implementation::new("agentrt-tool-executor", env!("CARGO_PKG_VERSION")),
+        )
+    }
+}
+
+/// A live connection, and the child process behind it for stdio.
+struct Connection {
+    service: RunningService<RoleClient, Handler>,
+    child: Option<Child>,
+}
+
+/// Connects, serves, and reconnects with backoff until `stop`.
+async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot::Sender<()>) {
+    let mut first = Some(first);
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let started = Instant::now();
+        let attempt = tokio::select! {
+            () = stop.cancelled() => return,
+            attempt = tokio::time::timeout(shared.config.connect_timeout, connect(&shared)) => attempt,
+        };
+        match attempt {
+            Ok(Ok(connection)) => {
+                info!("connected to the MCP server");
+                if let Some(first) = first.take() {
+                    let _ = first.send(());
+                }
+                let reason = serve(&shared, connection, &stop).await;
+                if stop.is_cancelled() {
+                    shared.set_down("the tool executor is shutting down".into());
+                    return;
+                }
+                warn!(%reason, "MCP server disconnected; reconnecting");
+                shared.set_down(format!("{reason}; reconnecting"));
+                if started.elapsed() > STABLE {
+                    backoff = FIRST_BACKOFF;
+                }
+            }
+            Ok(Err(reason)) => {
+                warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
+                shared.set_down(format!("{reason}; retrying"));
+            }
+            Err(_) => {
+                let reason = format!(
+                    "it did not start and answer `initialize` and `tools/list` within {:?}",
+                    shared.config.connect_timeout
+                );
+                warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
+                shared.set_down(format!("{reason}; retrying"));
+            }
+        }
+        if let Some(first) = first.take() {
+            let _ = first.send(());
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// Starts (stdio) or reaches (HTTP) the server, initializes and lists its tools. Dropping
+/// the future part-way kills a child process it started.
+async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String> {
+    let handler = Handler {
+        shared: shared.clone(),
+    };
+    let (service, child) = match &shared.transport {
+        Transport::Stdio {
+            command,
+            args,
+            env,
+            cwd,
+        } => {
+            let mut cmd = Command::new(command);
+            cmd.args(args)
+                .env_clear()
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .kill_on_drop(true);
+            for name in INHERITED_ENV {
+                if let Some(value) = std::env::var_os(name) {
+                    cmd.env(name, value);
+                }
+            }
+            for (name, value) in env {
+                cmd.env(name, value.expose());
+            }
+            if let Some(cwd) = cwd {
+                cmd.current_dir(cwd);
+            }
+            let mut child = cmd
+                .spawn()
+                .map_err(|e| format!("cannot start {command:?}: {e}"))?;
+            let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+                return Err("the child process has no stdin or stdout".into());
+            };
+            if let Some(stderr) = child.stderr.take() {
+                tokio::spawn(log_stderr(stderr).in_current_span());
+            }
+            let transport = AsyncRwTransport::new(stdout, stdin)
+                .with_max_line_length(shared.config.max_message_bytes);
+            let service = handler
+                .serve(transport)
+                .await
+                .map_err(|e| format!("`initialize` failed: {e}"))?;
+            (service, Some(child))
+        }
+        Transport::Http {
+            url,
+            headers,
+            client,
+        } => {
+            let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
+                .custom_headers(headers.clone())
+                .max_json_response_size(shared.config.max_message_bytes)
+                .max_sse_event_size(shared.config.max_message_bytes);
+            let transport = StreamableHttpClientTransport::with_client(client.clone(), config);
+            let service = handler
+                .serve(transport)
+                .await
+                .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+            (service, None)
+        }
+    };
+    let tools = list_tools(shared, service.peer()).await?;
+    install(shared, service.peer().clone(), tools);
+    Ok(Connection { service, child })
+}
+
+/// Lists every tool, following pages up to the bounds.
+async fn list_tools(
+    shared: &Shared,
+    peer: &Peer<RoleClient>,
+) -> std::result::Result<Vec<ListedTool>, String> {
+    let name = shared.name();
+    let mut tools = Vec::new();
+    let mut cursor = None;
+    for _ in 0..MAX_PAGES {
+        let params = PaginatedRequestParams::default().with_cursor(cursor);
+        let page = peer
+            .list_tools(Some(params))
+            .await
+            .map_err(|e| format!("`tools/list` failed: {e}"))?;
+        for tool in page.tools {
+            if tools.len() == MAX_TOOLS {
+                warn!(
+                    max = MAX_TOOLS,
+                    "the MCP server lists too many tools; the rest are left out"
+                );
+                return Ok(tools);
+            }
+            let mut description = tool
+                .description
+                .map(|d| d.into_owned())
+                .or(tool.title)
+                .unwrap_or_default();
+            truncate_text(&mut description, MAX_DESCRIPTION_BYTES);
+            tools.push(ListedTool {
+                spec: ToolSpec {
+                    name: offered_name(name, &tool.name),
+                    description,
+                    input_schema: serde_json::Value::Object((*tool.input_schema).clone()).into(),
+                    source: ToolSource::Mcp,
+                },
+                origin: format!("MCP server {name:?}, tool {:?}", tool.name),
+                source_name: tool.name.into_owned(),
+            });
+        }
+        cursor = page.next_cursor;
+        if cursor.is_none() {
+            return Ok(tools);
+        }
+    }
+    warn!(
+        max = MAX_PAGES,
+        "the MCP server lists too many pages; the rest are left out"
+    );
+    Ok(tools)
+}
+
+/// Makes `peer` the live connection with `tools`, and tells the catalogue when they changed.
+fn install(shared: &Shared, peer: Peer<RoleClient>, tools: Vec<ListedTool>) {
+    let changed = {
+        let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
+        state.peer = Some(peer);
+        state.down.clear();
+        let changed = state.tools != tools;
+        state.tools = tools;
+        changed
+    };
+    if changed {
+        shared.changes.notify();
+    }
+}
+
+/// Serves one connection until it ends or `stop`; says why it ended.
+async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &CancellationToken) -> String {
+    let Connection { service, mut child } = connection;
+    let peer = service.peer().clone();
+    let mut cancel = Some(service.cancellation_token());
+    let waiting = service.waiting();
+    tokio::pin!(waiting);
+    let reason = loop {
+        tokio::select! {
+            () = stop.cancelled() => {
+                if let Some(cancel) = cancel.take() {
+                    cancel.cancel();
+                }
+                let _ = tokio::time::timeout(EXIT_GRACE, &mut waiting).await;
+                break "stopped".to_owned();
+            }
+            quit = &mut waiting => break format!("the connection closed ({quit:?})"),
+            status = async { match child.as_mut() { Some(c) => c.wait().await, None => std::future::pending().await } } => {
+                break match status {
+                    Ok(status) => format!("the process exited ({status})"),
+                    Err(e) => format!("the process is gone ({e})"),
+                };
+            }
+            () = shared.reconnect.notified() => {
+                if let Some(cancel) = cancel.take() {
+                    cancel.cancel();
+                }
+                break "the connection failed during a call".to_owned();
+            }
+            () = shared.relist.notified() => {
+                match tokio::time::timeout(shared.config.connect_timeout, list_tools(shared, &peer)).await {
+                    Ok(Ok(tools)) => install(shared, peer.clone(), tools),
+                    Ok(Err(reason)) => warn!(%reason, "cannot list the tools again"),
+                    Err(_) => warn!("`tools/list` did not answer in time"),
+                }
+            }
+        }
+    };
+    shared.set_down(reason.clone());
+    if let Some(cancel) = cancel.take() {
+        cancel.cancel();
+    }
+    if let Some(mut child) = child {
+        stop_child(&mut child).await;
+    }
+    reason
+}
+
+/// Gives a child process [`EXIT_GRACE`] to exit after its stdin closed, then kills it.
+async fn stop_child(child: &mut Child) {
+    drop(child.stdin.take());
+    if tokio::time::timeout(EXIT_GRACE, child.wait())
+        .await
+        .is_err()
+    {
+        let _ = child.kill().await;
+    }
+}
+
+/// Logs what a child process writes to stderr, a chunk at a time (so a line without end
+/// never piles up), until it closes.
+async fn log_stderr(mut stderr: tokio::process::ChildStderr) {
+    let mut buf = vec![0u8; 8192];
+    loop {
+        match stderr.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                let text = String::from_utf8_lossy(&buf[..n]);
+                for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                    info!(stderr = %line, "mcp server says");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,401 @@
+//! The MCP toolset against a small MCP server written for each test in Python: one that
+//! behaves, and ones that misbehave (garbage on stdout, notifications before the
+//! `initialize` answer, no answer at all, a crash mid-call).
+
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::PathBuf;
+
+use serde_json::json;
+
+use super::*;
+
+/// A line-delimited JSON-RPC MCP server: `fake.py MODE STATE_DIR`.
+const FAKE_SERVER: &str = r#"
+import json, os, sys
+mode, state = sys.argv[1], sys.argv[2]
+with open(os.path.join(state, "pid"), "w") as f:
+    f.write(str(os.getpid()))
+
+def send(msg):
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+def tool(name):
+    return {"name": name, "description": "the " + name + " tool",
+            "inputSchema": {"type": "object", "properties": {"text": {"type": "string"}}}}
+
+if mode == "silent":
+    for line in sys.stdin:
+        pass
+    sys.exit(0)
+if mode == "early":
+    send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+    send({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "hi"}})
+
+extra = False
+for line in sys.stdin:
+    if mode == "garbage":
+        sys.stdout.write("this is not JSON\n{\"half\": \n[1, 2]\n")
+        sys.stdout.flush()
+    msg = json.loads(line)
+    method, mid = msg.get("method"), msg.get("id")
+    params = msg.get("params") or {}
+    if method == "initialize":
+        if mode == "early":
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        send({"jsonrpc": "2.0", "id": mid, "result": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {"tools": {"listChanged": True}},
+            "serverInfo": {"name": "fake", "version": "1"}}})
+    elif method == "tools/list":
+        if params.get("cursor") is None:
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "tools": [tool("echo"), tool("slow")], "nextCursor": "page-2"}})
+        else:
+            tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name")]
+            if extra:
+                tools.append(tool("added"))
+            send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+    elif method == "tools/call":
+        name, args = params["name"], params.get("arguments") or {}
+        if name == "echo":
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": args.get("text", "")}],
+                "structuredContent": {"echo": args.get("text")}}})
+        elif name == "fail":
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": "it failed"}], "isError": True}})
+        elif name == "slow":
+            pass
+        elif name == "crash":
+            os._exit(3)
+        elif name == "change":
+            extra = True
+            send({"jsonrpc": "2.0", "id": mid, "result": {"content": []}})
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        else:
+            send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32602, "message": "no tool " + name}})
+    elif method == "notifications/cancelled":
+        with open(os.path.join(state, "cancelled"), "a") as f:
+            f.write(json.dumps(params) + "\n")
+    elif method == "ping" and mid is not None:
+        send({"jsonrpc": "2.0", "id": mid, "result": {}})
+"#;
+
+struct Fake {
+    dir: PathBuf,
+}
+
+impl Fake {
+    fn new(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "agentrt-mcp-{test}-{}-{}",
+            std::process::id(),
+            unique_suffix()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("fake.py"), FAKE_SERVER).unwrap();
+        Self { dir }
+    }
+
+    fn config(&self, mode: &str) -> McpServerConfig {
+        McpServerConfig {
+            name: "fake".into(),
+            command: Some("python3".into()),
+            args: vec![
+                self.dir.join("fake.py").display().to_string(),
+                mode.into(),
+                self.dir.display().to_string(),
+            ],
+            env: BTreeMap::new(),
+            cwd: None,
+            url: None,
+            headers: BTreeMap::new(),
+            timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            max_output_bytes: default_max_output_bytes(),
+            max_message_bytes: default_max_message_bytes(),
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        std::fs::read_to_string(self.dir.join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    fn cancelled(&self) -> String {
+        std::fs::read_to_string(self.dir.join("cancelled")).unwrap_or_default()
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn unique_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default()
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie still has a /proc entry; its state is `Z`.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| !stat.contains(") Z "))
+        .unwrap_or(false)
+}
+
+async fn names(toolset: &McpToolset) -> Vec<String> {
+    toolset
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.spec.name)
+        .collect()
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !check() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn lists_every_page_calls_and_maps_results() {
+    let fake = Fake::new("good");
+    let toolset = McpToolset::start(fake.config("good"), Changes::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        names(&toolset).await,
+        [
+            "fake__echo",
+            "fake__slow",
+            "fake__crash",
+            "fake__change",
+            "fake__fail",
+            "fake__odd_name"
+        ]
+    );
+    let listed = toolset.list().await.unwrap();
+    assert_eq!(listed[5].source_name, "odd.name");
+    assert_eq!(listed[0].spec.source, ToolSource::Mcp);
+    assert_eq!(listed[0].spec.input_schema["type"], "object");
+
+    let ctx = ToolContext::default();
+    let out = toolset
+        .call("echo", json!({"text": "hi"}), &ctx)
+        .await
+        .unwrap();
+    assert_eq!(out.text, "hi");
+    assert_eq!(out.structured, Some(json!({"echo": "hi"})));
+    assert!(!out.is_error);
+    let out = toolset.call("fail", json!({}), &ctx).await.unwrap();
+    assert!(out.is_error);
+    assert_eq!(out.text, "it failed");
+    let out = toolset.call("odd.name", json!({}), &ctx).await.unwrap();
+    assert!(out.is_error);
+    assert!(out.text.contains("no tool odd.name"), "{}", out.text);
+
+    let pid = fake.pid();
+    assert!(alive(pid));
+    toolset.shutdown().await;
+    assert!(!alive(pid), "the child process is stopped on shutdown");
+    let err = toolset.call("echo", json!({}), &ctx).await.unwrap_err();
+    assert!(matches!(err, CallError::Unavailable { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_list_change_refreshes_the_tools() {
+    let fake = Fake::new("change");
+    let changes = Changes::new();
+    let toolset = McpToolset::start(fake.config("good"), changes.clone())
+        .await
+        .unwrap();
+    // The first listing signalled a change already; take it.
+    tokio::time::timeout(Duration::from_secs(1), changes.changed())
+        .await
+        .unwrap();
+    toolset
+        .call("change", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(5), changes.changed())
+        .await
+        .expect("the catalogue is told of the change");
+    assert!(names(&toolset).await.contains(&"fake__added".to_owned()));
+    toolset.shutdown().await;
+}
+
+#[tokio::test]
+async fn abandoned_and_timed_out_calls_are_cancelled_at_the_server() {
+    let fake = Fake::new("cancel");
+    let mut config = fake.config("good");
+    config.timeout = Duration::from_millis(300);
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+
+    let out = toolset
+        .call("slow", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(out.is_error);
+    assert!(out.text.contains("did not finish"), "{}", out.text);
+    eventually("the timeout's notifications/cancelled", || {
+        fake.cancelled().lines().count() == 1
+    })
+    .await;
+
+    let ctx = ToolContext::default();
+    let cancel = ctx.cancel.clone();
+    let call = toolset.call("slow", json!({}), &ctx);
+    let (out, ()) = tokio::join!(call, async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        cancel.cancel();
+    });
+    assert!(out.unwrap().is_error);
+    eventually("the caller's notifications/cancelled", || {
+        fake.cancelled().lines().count() == 2
+    })
+    .await;
+    // A call dropped by its caller (a gRPC deadline) is cancelled too.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        toolset.call("slow", json!({}), &ToolContext::default()),
+    )
+    .await;
+    assert!(dropped.is_err());
+    eventually("the dropped call's notifications/cancelled", || {
+        fake.cancelled().lines().count() == 3
+    })
+    .await;
+    let ids: Vec<serde_json::Value> = fake
+        .cancelled()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["requestId"].clone())
+        .collect();
+    assert!(ids.iter().all(|id| !id.is_null()), "{ids:?}");
+    // The server still answers.
+    let out = toolset
+        .call(
+            "echo",
+            json!({"text": "still here"}),
+            &ToolContext::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.text, "still here");
+    toolset.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_crashed_server_is_unavailable_then_restarted() {
+    let fake = Fake::new("crash");
+    let toolset = McpToolset::start(fake.config("good"), Changes::new())
+        .await
+        .unwrap();
+    let first = fake.pid();
+    let err = toolset
+        .call("crash", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable {
+        source_name,
+        reason,
+    } = &err
+    else {
+        panic!("{err:?}");
+    };
+    assert_eq!(source_name, "fake");
+    assert!(reason.contains("\"fake\""), "{reason}");
+    // Meanwhile calls are refused at once, naming the server; the tools stay listed.
+    assert_eq!(names(&toolset).await.len(), 6);
+    eventually("the restart", || {
+        toolset.is_connected() && fake.pid() != first
+    })
+    .await;
+    let out = toolset
+        .call("echo", json!({"text": "back"}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert_eq!(out.text, "back");
+    toolset.shutdown().await;
+}
+
+#[tokio::test]
+async fn misbehaving_servers_neither_hang_nor_crash_the_executor() {
+    // Garbage on stdout, and notifications before the `initialize` answer: both ignored.
+    for mode in ["garbage", "early"] {
+        let fake = Fake::new(mode);
+        let toolset = McpToolset::start(fake.config(mode), Changes::new())
+            .await
+            .unwrap();
+        assert_eq!(names(&toolset).await.len(), 6, "{mode}");
+        let out = toolset
+            .call("echo", json!({"text": mode}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert_eq!(out.text, mode);
+        toolset.shutdown().await;
+    }
+
+    // A server that never answers: start-up waits at most `connect_timeout`, its tools
+    // are unknown, and a call says why.
+    let fake = Fake::new("silent");
+    let mut config = fake.config("silent");
+    config.connect_timeout = Duration::from_millis(500);
+    let started = Instant::now();
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(names(&toolset).await.is_empty());
+    let err = toolset
+        .call("echo", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("within 500ms"), "{err}");
+    toolset.shutdown().await;
+
+    // A command that does not exist.
+    let mut config = fake.config("good");
+    config.command = Some("/nonexistent/mcp-server".into());
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let err = toolset
+        .call("echo", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot start"), "{err}");
+    toolset.shutdown().await;
+}
+
+#[test]
+fn configs_are_checked() {
+    let fake = Fake::new("config");
+    let good = fake.config("good");
+    assert_eq!(good.check(), Ok(()));
+    let mut both = good.clone();
+    both.url = Some("http://127.0.0.1:1/mcp".into());
+    assert!(both.check().is_err());
+    let mut neither = good.clone();
+    neither.command = None;
+    assert!(neither.check().is_err());
+    let mut bad_name = good;
+    bad_name.name = "9lives".into();
+    assert!(bad_name.check().unwrap_err().contains("letter"));
+}

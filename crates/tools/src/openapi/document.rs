@@ -1,0 +1,506 @@
+//! Reading an OpenAPI 3.0 or 3.1 document into operations: each with an `operationId`
+//! becomes one tool whose input schema joins its path, query and header parameters and
+//! its JSON request body (under `body`) as one object schema.
+
+use serde_json::{Map, Value, json};
+
+/// How deep `$ref`s are followed; a schema nested deeper (a recursive one) accepts
+/// anything below that depth.
+const MAX_REF_DEPTH: usize = 16;
+/// Most schema nodes one operation's input schema may hold once `$ref`s are inlined.
+const MAX_NODES: usize = 20_000;
+/// Longest tool description kept.
+const MAX_DESCRIPTION_BYTES: usize = 4096;
+
+const METHODS: [&str; 8] = [
+    "get", "put", "post", "delete", "patch", "head", "options", "trace",
+];
+
+/// Where a parameter goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Location {
+    Path,
+    Query,
+    Header,
+}
+
+impl Location {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Path => "path",
+            Self::Query => "query",
+            Self::Header => "header",
+        }
+    }
+}
+
+/// One parameter of an operation.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Parameter {
+    /// Its property in the tool's arguments.
+    pub key: String,
+    /// Its name in the request.
+    pub name: String,
+    pub location: Location,
+    /// For a query array: one `name=value` per item (`explode`, the default) or one
+    /// comma-separated value.
+    pub explode: bool,
+}
+
+/// One operation offered as a tool.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Operation {
+    pub id: String,
+    pub method: reqwest::Method,
+    /// The path template, e.g. `/pets/{petId}`.
+    pub path: String,
+    pub description: String,
+    pub parameters: Vec<Parameter>,
+    /// Whether the operation takes a JSON body (`body` in the arguments).
+    pub has_body: bool,
+    pub input_schema: Value,
+}
+
+/// What a document holds.
+#[derive(Debug)]
+pub(crate) struct Document {
+    pub operations: Vec<Operation>,
+    /// The first server's URL, variables replaced by their defaults.
+    pub first_server: Option<String>,
+    /// Operations left out, and why.
+    pub skipped: Vec<String>,
+}
+
+/// Parses `text` (JSON or YAML) as an OpenAPI 3.0 or 3.1 document.
+pub(crate) fn parse(text: &str) -> Result<Document, String> {
+    let doc: Value = if text.trim_start().starts_with('{') {
+        serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
+    } else {
+        let yaml: yaml_serde::Value =
+            yaml_serde::from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
+        yaml_to_json(yaml)
+    };
+    let version = doc["openapi"].as_str().unwrap_or_default();
+    let legacy = if version.starts_with("3.0") {
+        true
+    } else if version.starts_with("3.1") {
+        false
+    } else {
+        return Err(format!(
+            "`openapi: {version}` is not supported: give an OpenAPI 3.0 or 3.1 document"
+        ));
+    };
+    let first_server = doc["servers"].get(0).and_then(server_url);
+    let mut operations = Vec::new();
+    let mut skipped = Vec::new();
+    let Some(paths) = doc["paths"].as_object() else {
+        return Ok(Document {
+            operations,
+            first_server,
+            skipped,
+        });
+    };
+    for (path, item) in paths {
+        let item = resolve_ref(&doc, item);
+        for method in METHODS {
+            let Some(op) = item.get(method) else { continue };
+            let Some(id) = op["operationId"].as_str() else {
+                continue;
+            };
+            match operation(&doc, legacy, path, method, &item, op, id) {
+                Ok(operation) => operations.push(operation),
+                Err(why) => skipped.push(format!("{id}: {why}")),
+            }
+        }
+    }
+    Ok(Document {
+        operations,
+        first_server,
+        skipped,
+    })
+}
+
+fn operation(
+    doc: &Value,
+    legacy: bool,
+    path: &str,
+    method: &str,
+    item: &Value,
+    op: &Value,
+    id: &str,
+) -> Result<Operation, String> {
+    let method = reqwest::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
+        .map_err(|e| e.to_string())?;
+    // Operation parameters override path-item ones with the same name and place.
+    let mut raw: Vec<Value> = Vec::new();
+    for list in [&item["parameters"], &op["parameters"]] {
+        for p in list.as_array().into_iter().flatten() {
+            let p = resolve_ref(doc, p);
+            raw.retain(|q| !(q["name"] == p["name"] && q["in"] == p["in"]));
+            raw.push(p);
+        }
+    }
+    let mut properties = Map::new();
+    let mut required = Vec::new();
+    let mut parameters = Vec::new();
+    let mut budget = MAX_NODES;
+    for p in raw {
+        let name = p["name"].as_str().unwrap_or_default().to_owned();
+        let location = match p["in"].as_str() {
+            Some("path") => Location::Path,
+            Some("query") => Location::Query,
+            Some("header") => Location::Header,
+            // Cookies are the caller's session, not the model's to set.
+            Some("cookie") => continue,
+            other => return Err(format!("parameter {name:?} has an unknown place {other:?}")),
+        };
+        if name.is_empty() {
+            return Err("a parameter has no name".into());
+        }
+        let schema = p
+            .get("schema")
+            .or_else(|| p["content"].as_object()?.values().next()?.get("schema"))
+            .cloned()
+            .unwrap_or_else(|| json!({}));
+        let mut schema = inline(doc, &schema, 0, &mut budget, legacy)?;
+        if let (Some(description), Some(obj)) = (p["description"].as_str(), schema.as_object_mut())
+        {
+            obj.entry("description")
+                .or_insert_with(|| Value::String(description.to_owned()));
+        }
+        let mut key = name.clone();
+        if key == "body" || properties.contains_key(&key) {
+            key = format!("{}_{name}", location.as_str());
+        }
+        if properties.contains_key(&key) {
+            return Err(format!("parameter {name:?} is given twice"));
+        }
+        if location == Location::Path || p["required"].as_bool() == Some(true) {
+            required.push(Value::String(key.clone()));
+        }
+        properties.insert(key.clone(), schema);
+        parameters.push(Parameter {
+            key,
+            name,
+            location,
+            explode: p["explode"].as_bool().unwrap_or(true),
+        });
+    }
+    let mut has_body = false;
+    if let Some(body) = op.get("requestBody") {
+        let body = resolve_ref(doc, body);
+        let content = body["content"].as_object();
+        let json_schema = content.and_then(|c| {
+            c.iter()
+                .find(|(media, _)| is_json(media))
+                .map(|(_, m)| m.get("schema").cloned().unwrap_or_else(|| json!({})))
+        });
+        match json_schema {
+            Some(schema) => {
+                let mut schema = inline(doc, &schema, 0, &mut budget, legacy)?;
+                if let (Some(description), Some(obj)) =
+                    (body["description"].as_str(), schema.as_object_mut())
+                {
+                    obj.entry("description")
+                        .or_insert_with(|| Value::String(description.to_owned()));
+                }
+                properties.insert("body".into(), schema);
+                if body["required"].as_bool() == Some(true) {
+                    required.push(Value::String("body".into()));
+                }
+                has_body = true;
+            }
+            None if body["required"].as_bool() == Some(true) => {
+                return Err("its request body is not JSON".into());
+            }
+            None => {}
+        }
+    }
+    let mut description = [op["summary"].as_str(), op["description"].as_str()]
+        .into_iter()
+        .flatten()
+        .filter(|s| !s.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    if description.is_empty() {
+        description = format!("{method} {path}");
+    }
+    crate::truncate_text(&mut description, MAX_DESCRIPTION_BYTES);
+    let mut input_schema = json!({
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": false,
+    });
+    if !required.is_empty() {
+        input_schema["required"] = Value::Array(required);
+    }
+    Ok(Operation {
+        id: id.to_owned(),
+        method,
+        path: path.to_owned(),
+        description,
+        parameters,
+        has_body,
+        input_schema,
+    })
+}
+
+fn is_json(media: &str) -> bool {
+    let media = media.split(';').next().unwrap_or_default().trim();
+    media == "application/json" || media.ends_with("+json")
+}
+
+/// The value `value` stands for when it is a local `$ref`, followed a bounded number of
+/// times; anything else as it is.
+fn resolve_ref(doc: &Value, value: &Value) -> Value {
+    let mut current = value;
+    for _ in 0..MAX_REF_DEPTH {
+        match current.get("$ref").and_then(Value::as_str) {
+            Some(reference) => match lookup(doc, reference) {
+                Some(target) => current = target,
+                None => return json!({}),
+            },
+            None => return current.clone(),
+        }
+    }
+    json!({})
+}
+
+/// The value at a local reference (`#/components/schemas/Pet`).
+fn lookup<'a>(doc: &'a Value, reference: &str) -> Option<&'a Value> {
+    let pointer = reference.strip_prefix('#')?;
+    doc.pointer(pointer)
+}
+
+/// A copy of `schema` with every local `$ref` inlined (deeper than [`MAX_REF_DEPTH`]
+/// refs, and refs to other documents, become `{}`), and OpenAPI 3.0's dialect turned into
+/// JSON Schema (`nullable`, boolean `exclusiveMinimum`/`exclusiveMaximum`).
+fn inline(
+    doc: &Value,
+    schema: &Value,
+    depth: usize,
+    budget: &mut usize,
+    legacy: bool,
+) -> Result<Value, String> {
+    if *budget == 0 {
+        return Err(format!(
+            "its schemas hold more than {MAX_NODES} nodes once references are inlined"
+        ));
+    }
+    *budget -= 1;
+    match schema {
+        Value::Object(map) => {
+            if let Some(reference) = map.get("$ref").and_then(Value::as_str) {
+                if depth >= MAX_REF_DEPTH {
+                    return Ok(json!({}));
+                }
+                return match lookup(doc, reference) {
+                    Some(target) => inline(doc, target, depth + 1, budget, legacy),
+                    None => Ok(json!({})),
+                };
+            }
+            let mut out = Map::with_capacity(map.len());
+            for (key, value) in map {
+                // Examples and vendor extensions are not for validation.
+                if key.starts_with("x-") || key == "example" || key == "examples" {
+                    continue;
+                }
+                out.insert(key.clone(), inline(doc, value, depth, budget, legacy)?);
+            }
+            if legacy {
+                dialect_3_0(&mut out);
+            }
+            Ok(Value::Object(out))
+        }
+        Value::Array(items) => items
+            .iter()
+            .map(|v| inline(doc, v, depth, budget, legacy))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Value::Array),
+        other => Ok(other.clone()),
+    }
+}
+
+/// OpenAPI 3.0 schema keywords that mean something else in JSON Schema 2020-12.
+fn dialect_3_0(schema: &mut Map<String, Value>) {
+    if schema.remove("nullable") == Some(Value::Bool(true))
+        && let Some(Value::String(kind)) = schema.get("type").cloned()
+    {
+        schema.insert("type".into(), json!([kind, "null"]));
+    }
+    for (exclusive, bound) in [
+        ("exclusiveMinimum", "minimum"),
+        ("exclusiveMaximum", "maximum"),
+    ] {
+        if let Some(Value::Bool(on)) = schema.get(exclusive).cloned() {
+            schema.remove(exclusive);
+            if on && let Some(limit) = schema.remove(bound) {
+                schema.insert(exclusive.into(), limit);
+            }
+        }
+    }
+}
+
+/// A server object's URL with its variables replaced by their defaults.
+fn server_url(server: &Value) -> Option<String> {
+    let mut url = server["url"].as_str()?.to_owned();
+    if let Some(variables) = server["variables"].as_object() {
+        for (name, variable) in variables {
+            if let Some(default) = variable["default"].as_str() {
+                url = url.replace(&format!("{{{name}}}"), default);
+            }
+        }
+    }
+    Some(url)
+}
+
+/// YAML as JSON: keys that are not strings (`200:` in `responses`) become their text.
+fn yaml_to_json(value: yaml_serde::Value) -> Value {
+    use yaml_serde::Value as Y;
+    match value {
+        Y::Null => Value::Null,
+        Y::Bool(b) => Value::Bool(b),
+        Y::Number(n) => {
+            if let Some(i) = n.as_i64() {
+                json!(i)
+            } else if let Some(u) = n.as_u64() {
+                json!(u)
+            } else {
+                n.as_f64()
+                    .and_then(serde_json::Number::from_f64)
+                    .map_or(Value::Null, Value::Number)
+            }
+        }
+        Y::String(s) => Value::String(s),
+        Y::Sequence(items) => Value::Array(items.into_iter().map(yaml_to_json).collect()),
+        Y::Mapping(map) => Value::Object(
+            map.into_iter()
+                .map(|(k, v)| {
+                    let key = match yaml_to_json(k) {
+                        Value::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    (key, yaml_to_json(v))
+                })
+                .collect(),
+        ),
+        Y::Tagged(tagged) => yaml_to_json(tagged.value),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PETSTORE: &str = r##"
+openapi: 3.0.3
+info: {title: pets, version: "1"}
+servers:
+  - url: "http://{host}:8080/v1"
+    variables: {host: {default: localhost}}
+paths:
+  /pets/{petId}:
+    parameters:
+      - $ref: "#/components/parameters/PetId"
+    get:
+      operationId: showPetById
+      summary: Info for a pet
+      parameters:
+        - name: verbose
+          in: query
+          schema: {type: boolean, nullable: true}
+        - name: X-Trace
+          in: header
+          required: true
+          schema: {type: string}
+      responses:
+        200: {description: ok}
+  /pets:
+    post:
+      operationId: createPet
+      requestBody:
+        required: true
+        content:
+          application/json:
+            schema: {$ref: "#/components/schemas/Pet"}
+      responses:
+        201: {description: created}
+    put:
+      requestBody:
+        content: {application/json: {schema: {type: object}}}
+      responses: {200: {description: no id, so not a tool}}
+  /upload:
+    post:
+      operationId: upload
+      requestBody:
+        required: true
+        content: {multipart/form-data: {schema: {type: object}}}
+      responses: {200: {description: ok}}
+components:
+  parameters:
+    PetId: {name: petId, in: path, required: true, schema: {type: integer, minimum: 0, exclusiveMinimum: true}}
+  schemas:
+    Pet:
+      type: object
+      required: [name]
+      properties:
+        name: {type: string}
+        parent: {$ref: "#/components/schemas/Pet"}
+"##;
+
+    #[test]
+    fn operations_become_tools_with_one_schema() {
+        let doc = parse(PETSTORE).unwrap();
+        assert_eq!(
+            doc.first_server.as_deref(),
+            Some("http://localhost:8080/v1")
+        );
+        let ids: Vec<_> = doc.operations.iter().map(|o| o.id.as_str()).collect();
+        assert_eq!(ids, ["createPet", "showPetById"]);
+        assert_eq!(doc.skipped.len(), 1, "{:?}", doc.skipped);
+        assert!(doc.skipped[0].starts_with("upload:"));
+
+        let show = &doc.operations[1];
+        assert_eq!(show.method, reqwest::Method::GET);
+        assert_eq!(
+            show.input_schema,
+            json!({
+                "type": "object",
+                "properties": {
+                    "petId": {"type": "integer", "exclusiveMinimum": 0},
+                    "verbose": {"type": ["boolean", "null"]},
+                    "X-Trace": {"type": "string"},
+                },
+                "required": ["petId", "X-Trace"],
+                "additionalProperties": false,
+            })
+        );
+        let create = &doc.operations[0];
+        assert!(create.has_body);
+        assert_eq!(create.input_schema["required"], json!(["body"]));
+        let body = &create.input_schema["properties"]["body"];
+        assert_eq!(body["required"], json!(["name"]));
+        assert_eq!(
+            body["properties"]["parent"]["properties"]["name"]["type"],
+            "string"
+        );
+        jsonschema::validator_for(&create.input_schema).unwrap();
+        jsonschema::validator_for(&show.input_schema).unwrap();
+    }
+
+    #[test]
+    fn json_documents_and_3_1_are_read_and_others_refused() {
+        let doc = parse(
+            r#"{"openapi": "3.1.0", "paths": {"/x": {"get": {"operationId": "x",
+                "parameters": [{"name": "q", "in": "query", "schema": {"type": ["string", "null"]}}]}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            doc.operations[0].input_schema["properties"]["q"]["type"],
+            json!(["string", "null"])
+        );
+        assert!(doc.first_server.is_none());
+        assert!(parse("swagger: '2.0'").unwrap_err().contains("3.0 or 3.1"));
+        assert!(parse("{not json").unwrap_err().contains("JSON"));
+    }
+}

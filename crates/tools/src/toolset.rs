@@ -1,0 +1,175 @@
+//! The seam every tool source sits behind.
+
+use std::sync::Arc;
+
+use agentrt_core::ToolSpec;
+use async_trait::async_trait;
+use tokio::sync::Notify;
+
+use crate::{Result, ToolContext, ToolOutput};
+
+/// Longest source name accepted.
+pub const MAX_SOURCE_NAME_LEN: usize = 32;
+
+/// Longest name a model API accepts for a function (OpenAI's limit, the strictest).
+const MAX_OFFERED_NAME_LEN: usize = 64;
+
+/// A source of tools: the built-ins, one MCP server, one OpenAPI document.
+///
+/// A toolset names its tools as the catalogue offers them ([`offered_name`]), keeps the
+/// list it last knew and calls a tool by the name its source knows it by. It tells the
+/// catalogue that its list changed through the [`Changes`] it was built with.
+#[async_trait]
+pub trait Toolset: Send + Sync {
+    /// The source's name, as the config gives it (`builtin` for the built-ins).
+    fn name(&self) -> &str;
+
+    /// The tools on offer now. A source that is down keeps offering the tools it last
+    /// listed: calling them is `UNAVAILABLE` until it is back.
+    async fn list(&self) -> Result<Vec<ListedTool>>;
+
+    /// Calls the tool its source knows as `tool` with arguments already checked against
+    /// its input schema.
+    async fn call(
+        &self,
+        tool: &str,
+        arguments: serde_json::Value,
+        ctx: &ToolContext,
+    ) -> Result<ToolOutput, CallError>;
+
+    /// Asks the source for its tools again.
+    async fn refresh(&self) -> Result<()>;
+
+    /// Stops what the toolset runs (child processes, connections); calls after this
+    /// are `UNAVAILABLE`.
+    async fn shutdown(&self) {}
+}
+
+/// A tool as a toolset offers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ListedTool {
+    /// Name, description and schema, as the catalogue offers it.
+    pub spec: ToolSpec,
+    /// The name its source knows it by, for [`Toolset::call`].
+    pub source_name: String,
+    /// Where it comes from, for people: `MCP server "docs", tool "search"`.
+    pub origin: String,
+}
+
+/// Why a call could not be made.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum CallError {
+    /// The tool's source cannot be reached now (a crashed MCP server, being restarted).
+    #[error("tool source {source_name:?} is unavailable: {reason}")]
+    Unavailable {
+        /// The source, as named in the config.
+        source_name: String,
+        /// What is wrong, and what is being done about it.
+        reason: String,
+    },
+    /// The source no longer has the tool.
+    #[error("tool {0:?} is no longer offered by its source")]
+    Gone(String),
+}
+
+/// How a toolset tells the catalogue that its list changed: a shared wake-up that the
+/// catalogue's refresher waits on (a change before it waits is kept, not lost).
+#[derive(Debug, Clone, Default)]
+pub struct Changes(Arc<Notify>);
+
+impl Changes {
+    /// A new signal.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Says that some toolset's list changed.
+    pub fn notify(&self) {
+        self.0.notify_one();
+    }
+
+    /// Waits for the next change.
+    pub async fn changed(&self) {
+        self.0.notified().await;
+    }
+}
+
+/// Checks a source name from the config: a letter, then letters, digits, `_` or `-`, at
+/// most [`MAX_SOURCE_NAME_LEN`] characters.
+pub fn check_source_name(name: &str) -> std::result::Result<(), String> {
+    let mut chars = name.chars();
+    let Some(first) = chars.next() else {
+        return Err("a name is required".into());
+    };
+    if !first.is_ascii_alphabetic() {
+        return Err(format!("{name:?} must start with a letter"));
+    }
+    if name.len() > MAX_SOURCE_NAME_LEN {
+        return Err(format!(
+            "{name:?} is longer than {MAX_SOURCE_NAME_LEN} characters"
+        ));
+    }
+    if let Some(bad) = chars.find(|c| !(c.is_ascii_alphanumeric() || *c == '_' || *c == '-')) {
+        return Err(format!(
+            "{name:?} may hold only letters, digits, `_` and `-`, not {bad:?}"
+        ));
+    }
+    if name.contains("__") {
+        return Err(format!(
+            "{name:?} must not contain `__`, which separates a source from its tools"
+        ));
+    }
+    Ok(())
+}
+
+/// The name the catalogue offers `tool` of `source` under: `<source>__<tool>`, with every
+/// character a model API does not accept in function names (anything but ASCII letters,
+/// digits, `_` and `-`) replaced by `_`, cut to the 64 characters those APIs allow.
+pub fn offered_name(source: &str, tool: &str) -> String {
+    let mut name = String::with_capacity(source.len() + 2 + tool.len());
+    name.push_str(source);
+    name.push_str("__");
+    name.extend(tool.chars().map(|c| {
+        if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+            c
+        } else {
+            '_'
+        }
+    }));
+    // Only ASCII is left, so any byte index is a character boundary.
+    name.truncate(MAX_OFFERED_NAME_LEN);
+    name
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_names_follow_the_rule() {
+        for good in ["a", "docs", "pet-store_2", &"x".repeat(32)] {
+            assert_eq!(check_source_name(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            "1docs",
+            "_x",
+            "a.b",
+            "a b",
+            "été",
+            &"x".repeat(33),
+            "a__b",
+        ] {
+            assert!(check_source_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn offered_names_replace_what_model_apis_refuse() {
+        assert_eq!(offered_name("docs", "search"), "docs__search");
+        assert_eq!(offered_name("ev", "get-sum"), "ev__get-sum");
+        assert_eq!(offered_name("fs", "read.file/v2"), "fs__read_file_v2");
+        assert_eq!(offered_name("x", "café"), "x__caf_");
+        assert_eq!(offered_name("x", &"t".repeat(100)).len(), 64);
+    }
+}
