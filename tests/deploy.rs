@@ -77,6 +77,7 @@ fn every_variable_the_manifests_set_is_one_the_binaries_read() {
         "base/agent-server.yaml",
         "base/tool-executor.yaml",
         "overlays/production/tls.yaml",
+        "overlays/production/state.yaml",
     ] {
         let text = std::fs::read_to_string(root.join(file)).unwrap();
         for name in text
