@@ -17,7 +17,7 @@ pub use store::{InMemorySessionStore, SessionLimits, SessionStore};
 pub use tokens::TokenCounter;
 
 /// One user turn and what it led to, with its token count measured once.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Exchange {
     /// The messages, starting with the user's.
     pub messages: Vec<ChatMessage>,

@@ -4,17 +4,21 @@ use std::{
     time::Duration,
 };
 
+use agentrt_core::StateResult;
 use tokio::time::Instant;
 
 use crate::Exchange;
 
-/// Where sessions' histories are kept. A trait so that a shared store (Redis, PostgreSQL)
-/// can replace the in-memory one when several replicas serve the same sessions.
+/// Where sessions' histories are kept: in this process, or shared (Redis) when several
+/// replicas serve the same sessions.
+#[async_trait::async_trait]
 pub trait SessionStore: Send + Sync {
     /// The session's exchanges, oldest first; empty for an unknown session.
-    fn history(&self, session_id: &str) -> Vec<Arc<Exchange>>;
-    /// Appends an exchange to the session, creating it if needed.
-    fn append(&self, session_id: &str, exchange: Exchange);
+    async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>>;
+    /// Appends an exchange to the session, creating it if needed, and extends the
+    /// session's life. Appends of one session land in the order they are made, also when
+    /// several replicas append at once; the oldest exchanges beyond the bound go.
+    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()>;
 }
 
 /// Bounds of the in-memory store.
@@ -90,18 +94,19 @@ impl Inner {
     }
 }
 
+#[async_trait::async_trait]
 impl SessionStore for InMemorySessionStore {
-    fn history(&self, session_id: &str) -> Vec<Arc<Exchange>> {
+    async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>> {
         let mut inner = self.lock();
         inner.expire(Instant::now());
-        inner
+        Ok(inner
             .sessions
             .get(session_id)
             .map(|s| s.exchanges.iter().cloned().collect())
-            .unwrap_or_default()
+            .unwrap_or_default())
     }
 
-    fn append(&self, session_id: &str, exchange: Exchange) {
+    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()> {
         let now = Instant::now();
         let expires_at = now + self.limits.ttl;
         let mut inner = self.lock();
@@ -130,6 +135,7 @@ impl SessionStore for InMemorySessionStore {
         while session.exchanges.len() > self.limits.max_exchanges.max(1) {
             session.exchanges.pop_front();
         }
+        Ok(())
     }
 }
 
@@ -152,17 +158,23 @@ mod tests {
             max_exchanges: 3,
         });
         for n in 0..5 {
-            store.append("a", exchange(n));
+            store.append("a", exchange(n)).await.unwrap();
         }
-        let tokens: Vec<u32> = store.history("a").iter().map(|e| e.tokens).collect();
+        let tokens: Vec<u32> = store
+            .history("a")
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.tokens)
+            .collect();
         assert_eq!(tokens, [2, 3, 4], "oldest exchanges go first");
 
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.append("b", exchange(0));
+        store.append("b", exchange(0)).await.unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.append("c", exchange(0));
+        store.append("c", exchange(0)).await.unwrap();
         assert!(
-            store.history("a").is_empty(),
+            store.history("a").await.unwrap().is_empty(),
             "the least recently used session made room"
         );
         assert_eq!(store.sessions(), 2);

@@ -46,7 +46,7 @@ pub mod limits {
 }
 
 /// A validated agent config with every default applied: what an engine runs.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AgentConfig {
     /// The agent's name, for logs and traces.
     pub name: String,
@@ -73,7 +73,7 @@ pub struct AgentConfig {
 }
 
 /// A chat model on a provider configured on the server.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ModelSelection {
     /// The provider's name on this server.
     pub provider: String,
@@ -86,7 +86,7 @@ pub struct ModelSelection {
 }
 
 /// A reranking model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RerankSelection {
     /// The provider's name on this server.
     pub provider: String,
@@ -99,7 +99,7 @@ pub struct RerankSelection {
 }
 
 /// How the model asks for tools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Strategy {
     /// Native tool calling.
     FunctionCall,
@@ -108,14 +108,14 @@ pub enum Strategy {
 }
 
 /// The prompt's token budget.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ContextBudget {
     /// Tokens the whole prompt may take.
     pub max_prompt_tokens: u32,
 }
 
 /// Time limits of a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Timeouts {
     /// The whole run.
     pub run: Duration,

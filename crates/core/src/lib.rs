@@ -6,6 +6,7 @@
 mod config;
 pub mod duration;
 mod secret;
+mod state;
 mod tool;
 mod violation;
 
@@ -13,6 +14,7 @@ pub use config::{
     AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, limits,
 };
 pub use secret::{Secret, mask_url_credentials};
+pub use state::{StateError, StateResult};
 pub use tool::{
     Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError,
     ToolSource, ToolSpec,

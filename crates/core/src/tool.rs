@@ -32,6 +32,12 @@ impl From<Value> for SharedJson {
     }
 }
 
+impl<'de> Deserialize<'de> for SharedJson {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Value::deserialize(deserializer).map(Self::from)
+    }
+}
+
 impl std::ops::Deref for SharedJson {
     type Target = Value;
 
@@ -80,7 +86,7 @@ pub enum ToolSource {
 }
 
 /// What the model and the validator know of a tool.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
     /// Unique name, as agent configs and model tool calls use it.
     pub name: String,

@@ -1,4 +1,9 @@
 //! Publishes a run's events and keeps its record in step with them.
+//!
+//! Events are gathered and published in batches: a batch goes out before the run waits
+//! for anything (the model's next chunk, a tool), so that a burst of deltas reaches the
+//! bus, and readers, once. The record is saved to the run store at the end of each round
+//! and before the `done` event, so that `GetRun` on any replica agrees with the events.
 
 use std::{sync::Arc, time::Duration};
 
@@ -7,21 +12,45 @@ use agentrt_events::{
     EventData, EventKind, JsonText, RerankOutcome, RunEvent, RunFailure, RunPublisher, RunSummary,
 };
 use agentrt_models::Usage;
-use serde_json::{Value, json};
-
-use crate::{
-    react::Piece,
-    record::{RunError, RunRecord, RunState, RunStatus, StepRecord, StopReason, ToolCallRecord},
+use agentrt_state::{
+    RunError, RunRecord, RunStatus, RunStore, StepRecord, StopReason, ToolCallRecord,
 };
+use serde_json::{Value, json};
+use tracing::warn;
+
+use crate::{Outcome, react::Piece};
 
 /// The longest text one event carries: a longer delta goes out as several, so that no
 /// event comes near the gRPC message limit however much text a model sends at once.
 pub const MAX_DELTA_BYTES: usize = 64 * 1024;
 
 pub(crate) struct Emitter {
-    publisher: Arc<dyn RunPublisher>,
-    state: Arc<RunState>,
+    publisher: Box<dyn RunPublisher>,
+    store: Arc<dyn RunStore>,
+    record: RunRecord,
+    /// Events made but not yet published.
+    pending: Vec<RunEvent>,
+    /// Events published.
+    published: u64,
+    /// Steps before this one are saved as they are.
+    saved_steps: usize,
     iteration: u32,
+}
+
+/// How long the end of a run keeps trying to reach the store when it cannot.
+const FINISH_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The failure of a run whose events or record cannot be written.
+fn unwritable(what: &str, error: &dyn std::fmt::Display) -> Outcome {
+    Outcome::Failed(
+        StopReason::InternalError,
+        RunError {
+            code: "STATE_UNAVAILABLE".into(),
+            message: format!("cannot write the run's {what}: {error}"),
+            category: "internal",
+            retryable: true,
+        },
+    )
 }
 
 /// `text` in pieces of at most `max` bytes, cut at character boundaries.
@@ -41,10 +70,18 @@ fn split_text(text: &str, max: usize) -> Vec<String> {
 }
 
 impl Emitter {
-    pub(crate) fn new(publisher: Arc<dyn RunPublisher>, state: Arc<RunState>) -> Self {
+    pub(crate) fn new(
+        publisher: Box<dyn RunPublisher>,
+        store: Arc<dyn RunStore>,
+        record: RunRecord,
+    ) -> Self {
         Self {
             publisher,
-            state,
+            store,
+            record,
+            pending: Vec::new(),
+            published: 0,
+            saved_steps: 0,
             iteration: 0,
         }
     }
@@ -53,31 +90,45 @@ impl Emitter {
         self.iteration
     }
 
-    /// Wakes readers for the deltas published so far; called before the run waits.
-    pub(crate) fn flush(&self) {
-        self.publisher.flush();
-    }
-
-    /// Publishes `event`. Text deltas wait for the next [`Emitter::flush`], so that bursts
-    /// go out together; anything with a payload (tool calls, results, references, the end)
-    /// wakes readers at once.
-    fn publish(&self, event: RunEvent, record: &mut RunRecord) {
-        let structured = event.data.is_some();
-        record.update_time = event.time;
-        record.last_sequence = self.publisher.publish(event);
-        if structured {
-            self.publisher.flush();
+    /// Publishes the events made so far; called before the run waits for anything.
+    pub(crate) async fn flush(&mut self) -> Result<(), Outcome> {
+        if self.pending.is_empty() {
+            return Ok(());
         }
+        let batch = std::mem::take(&mut self.pending);
+        let count = batch.len() as u64;
+        self.publisher
+            .publish(batch)
+            .await
+            .map_err(|e| unwritable("events", &e))?;
+        self.published += count;
+        self.record.last_sequence = self.published;
+        Ok(())
     }
 
-    fn step<'a>(&self, record: &'a mut RunRecord) -> &'a mut StepRecord {
-        if record
-            .steps
-            .last()
-            .is_none_or(|s| s.iteration != self.iteration)
-        {
+    /// Publishes what is pending and saves the record.
+    pub(crate) async fn checkpoint(&mut self) -> Result<(), Outcome> {
+        self.flush().await?;
+        self.store
+            .save(&self.record, self.saved_steps)
+            .await
+            .map_err(|e| unwritable("record", &e))?;
+        // The current round may still change; the ones before it no longer do.
+        self.saved_steps = self.record.steps.len().saturating_sub(1);
+        Ok(())
+    }
+
+    fn publish(&mut self, event: RunEvent) {
+        self.record.update_time = event.time;
+        self.pending.push(event);
+    }
+
+    fn step(&mut self) -> &mut StepRecord {
+        let iteration = self.iteration;
+        let record = &mut self.record;
+        if record.steps.last().is_none_or(|s| s.iteration != iteration) {
             record.steps.push(StepRecord {
-                iteration: self.iteration,
+                iteration,
                 ..StepRecord::default()
             });
         }
@@ -88,21 +139,27 @@ impl Emitter {
 
     pub(crate) fn begin_round(&mut self, iteration: u32) {
         self.iteration = iteration;
-        let mut record = self.state.lock();
-        self.step(&mut record);
+        self.step();
     }
 
-    /// The run's first event: it says the run exists before the model is called.
-    pub(crate) fn run_started(&mut self, engine_id: &str, agent: &str) {
-        let mut record = self.state.lock();
+    /// The run's first event, and its first record: they say the run exists before the
+    /// model is called.
+    pub(crate) async fn run_started(
+        &mut self,
+        engine_id: &str,
+        agent: &str,
+    ) -> Result<(), Outcome> {
         let data = EventData::RunStarted {
             engine_id: engine_id.to_owned(),
             agent: agent.to_owned(),
         };
-        self.publish(
-            RunEvent::new(EventKind::RunStarted, 1, String::new(), Some(data)),
-            &mut record,
-        );
+        self.publish(RunEvent::new(
+            EventKind::RunStarted,
+            1,
+            String::new(),
+            Some(data),
+        ));
+        self.checkpoint().await
     }
 
     /// A reasoning delta: a plain event, no structured payload, one lock.
@@ -119,20 +176,16 @@ impl Emitter {
         if text.is_empty() {
             return;
         }
-        let mut record = self.state.lock();
-        let step = self.step(&mut record);
+        let step = self.step();
         match kind {
             EventKind::Thought => step.thought.push_str(&text),
             _ => step.answer.push_str(&text),
         }
         if text.len() <= MAX_DELTA_BYTES {
-            self.publish(RunEvent::new(kind, self.iteration, text, None), &mut record);
+            self.publish(RunEvent::new(kind, self.iteration, text, None));
         } else {
             for piece in split_text(&text, MAX_DELTA_BYTES) {
-                self.publish(
-                    RunEvent::new(kind, self.iteration, piece, None),
-                    &mut record,
-                );
+                self.publish(RunEvent::new(kind, self.iteration, piece, None));
             }
         }
     }
@@ -149,7 +202,7 @@ impl Emitter {
     /// Adds a model call's usage; `estimated` when the server counted it because the
     /// provider reported none.
     pub(crate) fn usage(&mut self, usage: Usage, estimated: bool) {
-        let mut record = self.state.lock();
+        let record = &mut self.record;
         record.usage.prompt_tokens = record
             .usage
             .prompt_tokens
@@ -163,14 +216,12 @@ impl Emitter {
 
     /// Makes room in the round's record for `count` tool calls.
     pub(crate) fn expect_tool_calls(&mut self, count: usize) {
-        let mut record = self.state.lock();
-        self.step(&mut record).tool_calls.reserve_exact(count);
+        self.step().tool_calls.reserve_exact(count);
     }
 
     pub(crate) fn tool_call(&mut self, id: &str, name: &str, arguments: &Value) {
-        let mut record = self.state.lock();
         let arguments = JsonText::new(arguments);
-        self.step(&mut record).tool_calls.push(ToolCallRecord {
+        self.step().tool_calls.push(ToolCallRecord {
             id: id.into(),
             name: name.into(),
             arguments: arguments.clone(),
@@ -184,15 +235,12 @@ impl Emitter {
             name: name.into(),
             arguments,
         };
-        self.publish(
-            RunEvent::new(
-                EventKind::ToolCall,
-                self.iteration,
-                String::new(),
-                Some(data),
-            ),
-            &mut record,
-        );
+        self.publish(RunEvent::new(
+            EventKind::ToolCall,
+            self.iteration,
+            String::new(),
+            Some(data),
+        ));
     }
 
     /// A call's result, then its references (one event), with how reranking went.
@@ -204,13 +252,7 @@ impl Emitter {
         duration: Duration,
         rerank: Option<RerankOutcome>,
     ) {
-        let mut record = self.state.lock();
-        if let Some(call) = self
-            .step(&mut record)
-            .tool_calls
-            .iter_mut()
-            .find(|c| c.id == id)
-        {
+        if let Some(call) = self.step().tool_calls.iter_mut().find(|c| c.id == id) {
             call.output.clone_from(&result.output);
             call.is_error = result.is_error;
             call.duration = duration;
@@ -224,15 +266,12 @@ impl Emitter {
             is_error: result.is_error,
             duration_ms,
         };
-        self.publish(
-            RunEvent::new(
-                EventKind::ToolResult,
-                self.iteration,
-                String::new(),
-                Some(data),
-            ),
-            &mut record,
-        );
+        self.publish(RunEvent::new(
+            EventKind::ToolResult,
+            self.iteration,
+            String::new(),
+            Some(data),
+        ));
         // A call that returned references has its event, also when reranking kept none of
         // them: the event then says so.
         if !result.references.is_empty() || rerank.is_some() {
@@ -246,15 +285,12 @@ impl Emitter {
                 references,
                 rerank,
             };
-            self.publish(
-                RunEvent::new(
-                    EventKind::References,
-                    self.iteration,
-                    String::new(),
-                    Some(data),
-                ),
-                &mut record,
-            );
+            self.publish(RunEvent::new(
+                EventKind::References,
+                self.iteration,
+                String::new(),
+                Some(data),
+            ));
         }
     }
 
@@ -270,8 +306,8 @@ impl Emitter {
         }
     }
 
-    pub(crate) fn finish_answered(self, reason: StopReason) {
-        let mut record = self.state.lock();
+    pub(crate) async fn finish_answered(mut self, reason: StopReason) {
+        let record = &mut self.record;
         record.status = reason.status();
         record.stop_reason = Some(reason);
         // The final answer rule: exactly the answer deltas of the `done` event's round.
@@ -283,7 +319,7 @@ impl Emitter {
             .find(|s| s.iteration == iteration)
             .map(|s| s.answer.clone())
             .unwrap_or_default();
-        let mut data = self.summary(&record, reason);
+        let mut data = self.summary(&self.record, reason);
         if reason == StopReason::MaxTokens {
             data.note = Some(
                 "the model stopped at its token limit (finish_reason: length): the answer is \
@@ -300,11 +336,11 @@ impl Emitter {
                 Some(EventData::End(data)),
             )
         };
-        self.publish(event, &mut record);
+        self.finish(event).await;
     }
 
-    pub(crate) fn finish_failed(self, reason: StopReason, error: RunError) {
-        let mut record = self.state.lock();
+    pub(crate) async fn finish_failed(mut self, reason: StopReason, error: RunError) {
+        let record = &mut self.record;
         // A run that failed is failed, whatever its stop reason would end it with when
         // it has an answer (a token limit reached before any answer text).
         record.status = match reason.status() {
@@ -312,7 +348,7 @@ impl Emitter {
             status => status,
         };
         record.stop_reason = Some(reason);
-        let mut data = self.summary(&record, reason);
+        let mut data = self.summary(&self.record, reason);
         data.error = Some(RunFailure {
             code: error.code.clone(),
             message: error.message.clone(),
@@ -328,8 +364,48 @@ impl Emitter {
                 Some(EventData::End(data)),
             )
         };
-        record.error = Some(error);
-        self.publish(event, &mut record);
+        self.record.error = Some(error);
+        self.finish(event).await;
+    }
+
+    /// Saves the ended record, then publishes the `done` event (in that order, so that a
+    /// client that sees `done` and asks `GetRun` sees the end too). When the store cannot
+    /// be reached, keeps trying for a while: a run must end where its readers look.
+    async fn finish(mut self, done: RunEvent) {
+        self.record.last_sequence = self.published + self.pending.len() as u64 + 1;
+        self.record.update_time = done.time;
+        self.pending.push(done);
+        let started = tokio::time::Instant::now();
+        let mut wait = Duration::from_millis(100);
+        loop {
+            // The batch is sent again whole when it fails: a publisher writes all of a
+            // batch or none of it.
+            let saved = match self.store.save(&self.record, self.saved_steps).await {
+                Ok(()) => self
+                    .publisher
+                    .publish(self.pending.clone())
+                    .await
+                    .map_err(|e| unwritable("events", &e)),
+                Err(error) => Err(unwritable("record", &error)),
+            };
+            match saved {
+                Ok(()) => return,
+                Err(Outcome::Failed(_, error)) if started.elapsed() < FINISH_PATIENCE => {
+                    warn!(run_id = %self.record.run_id, error = %error.message, "cannot end the run yet; trying again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                Err(_) => {
+                    warn!(run_id = %self.record.run_id, "gave up writing the end of the run");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Marks the run as given up by the client of its `Execute`.
+    pub(crate) fn abandoned(&mut self) {
+        self.record.abandoned = true;
     }
 }
 

@@ -12,7 +12,6 @@
 
 mod emitter;
 pub mod react;
-pub mod record;
 
 use std::{
     sync::{
@@ -33,15 +32,16 @@ use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, RerankRequest, ToolDefinition, Usage,
 };
-use futures_util::{StreamExt, task::AtomicWaker};
+use agentrt_state::RunStore;
+use futures_util::{FutureExt, StreamExt, task::AtomicWaker};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span};
 
-use emitter::Emitter;
-pub use record::{
-    RunError, RunRecord, RunState, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
+pub use agentrt_state::{
+    RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
+use emitter::Emitter;
 
 /// What the engine needs from the rest of the server.
 #[derive(Clone)]
@@ -87,6 +87,8 @@ pub struct RunControl {
     /// time (about 2% of the server's CPU under load).
     stopped: AtomicBool,
     waiter: AtomicWaker,
+    /// Set when the client of the run's `Execute` went away.
+    abandoned: AtomicBool,
 }
 
 impl RunControl {
@@ -96,6 +98,18 @@ impl RunControl {
         self.stopped.store(true, Ordering::Release);
         self.waiter.wake();
         self.cancel.cancel();
+    }
+
+    /// Stops the run because the client of its `Execute` went away: a retry with the
+    /// same message id starts a new run.
+    pub fn abandon(&self) {
+        self.abandoned.store(true, Ordering::Release);
+        self.stop(StopReason::Cancelled);
+    }
+
+    /// Whether the client of the run's `Execute` went away.
+    pub fn is_abandoned(&self) -> bool {
+        self.abandoned.load(Ordering::Acquire)
     }
 
     /// Whether the run was asked to stop.
@@ -122,7 +136,7 @@ impl RunControl {
 
 /// How a run ended.
 #[derive(Debug)]
-enum Outcome {
+pub(crate) enum Outcome {
     Answered(StopReason),
     Failed(StopReason, RunError),
 }
@@ -187,15 +201,61 @@ impl Engine {
         self
     }
 
-    /// Makes the run, publishing its events on `publisher` and keeping `state` up to date,
-    /// until it ends; always publishes exactly one `done` event.
-    pub async fn run(
+    /// Starts the run: publishes its first event and saves its first record, so that
+    /// the run can be found, followed and cancelled from any replica before the model is
+    /// called; [`StartedRun::run`] makes the rest of it. Fails when the store cannot be
+    /// written.
+    pub async fn start(
         &self,
         spec: RunSpec,
-        publisher: Arc<dyn RunPublisher>,
-        state: Arc<RunState>,
+        publisher: Box<dyn RunPublisher>,
+        store: Arc<dyn RunStore>,
         control: Arc<RunControl>,
-    ) {
+    ) -> Result<StartedRun, RunError> {
+        let record = RunRecord::new(
+            &spec.run_id,
+            &spec.engine_id,
+            &spec.session_id,
+            &spec.message_id,
+            &spec.query,
+        );
+        let mut emitter = Emitter::new(publisher, store, record);
+        if let Err(outcome) = emitter
+            .run_started(&spec.engine_id, &spec.config.name)
+            .await
+        {
+            return Err(match outcome {
+                Outcome::Failed(_, error) => error,
+                Outcome::Answered(_) => stopped_error(StopReason::InternalError),
+            });
+        }
+        Ok(StartedRun {
+            engine: self.clone(),
+            spec,
+            emitter,
+            control,
+        })
+    }
+}
+
+/// A run that has started: its first event is out.
+pub struct StartedRun {
+    engine: Engine,
+    spec: RunSpec,
+    emitter: Emitter,
+    control: Arc<RunControl>,
+}
+
+impl StartedRun {
+    /// Makes the run until it ends; always publishes exactly one `done` event (unless the
+    /// store stays unreachable past the end's patience).
+    pub async fn run(self) {
+        let Self {
+            engine,
+            spec,
+            mut emitter,
+            control,
+        } = self;
         let span = info_span!(
             "invoke_agent",
             otel.name = %format!("invoke_agent {}", spec.config.name),
@@ -210,11 +270,9 @@ impl Engine {
         }
         let metrics = Metrics::global();
         let _active = metrics.run_started();
-        let mut emitter = Emitter::new(publisher, state);
-        emitter.run_started(&spec.engine_id, &spec.config.name);
         let run_timeout = spec.config.timeouts.run;
         let outcome = {
-            let drive = self
+            let drive = engine
                 .drive(&spec, &mut emitter, &control.cancel)
                 .instrument(span.clone());
             tokio::select! {
@@ -241,20 +299,24 @@ impl Engine {
                 },
             }
         };
-        let _entered = span.enter();
-        debug!(?outcome, "run ended");
+        if control.abandoned.load(Ordering::Acquire) {
+            emitter.abandoned();
+        }
+        debug!(parent: &span, ?outcome, "run ended");
         match outcome {
             Outcome::Answered(reason) => {
                 metrics.run_finished(reason.as_str());
-                emitter.finish_answered(reason);
+                emitter.finish_answered(reason).instrument(span).await;
             }
             Outcome::Failed(reason, error) => {
                 metrics.run_finished(reason.as_str());
-                emitter.finish_failed(reason, error);
+                emitter.finish_failed(reason, error).instrument(span).await;
             }
         }
     }
+}
 
+impl Engine {
     /// The rounds of a run; `Err` carries an outcome that ends it early.
     async fn drive(
         &self,
@@ -292,7 +354,11 @@ impl Engine {
         });
         let history = match &spec.llm_context {
             Some(messages) => Exchange::group(messages.clone(), counter),
-            None => self.sessions.history(&spec.session_id),
+            None => self
+                .sessions
+                .history(&spec.session_id)
+                .await
+                .map_err(|e| state_failure("session history", &e))?,
         };
         let definitions: Arc<[ToolDefinition]> = if react {
             Arc::default()
@@ -341,7 +407,7 @@ impl Engine {
                 .await?;
             let (content, calls) = match round {
                 Round::Answer { text, cut_short } => {
-                    self.remember(spec, &current, &text, counter);
+                    self.remember(spec, &current, &text, counter).await?;
                     return Ok(Outcome::Answered(if cut_short {
                         StopReason::MaxTokens
                     } else {
@@ -389,7 +455,8 @@ impl Engine {
                 );
                 break;
             }
-            let results = self.run_tools(spec, &calls, em, cancel).await;
+            let results = self.run_tools(spec, &calls, em, cancel).await?;
+            em.checkpoint().await?;
             if react {
                 let observation = results
                     .first()
@@ -478,7 +545,7 @@ impl Engine {
             ));
         };
         current.pop();
-        self.remember(spec, &current, &answer, counter);
+        self.remember(spec, &current, &answer, counter).await?;
         Ok(Outcome::Answered(if cut_short {
             StopReason::MaxTokens
         } else {
@@ -509,13 +576,13 @@ impl Engine {
     }
 
     /// Keeps the turn in the session's history.
-    fn remember(
+    async fn remember(
         &self,
         spec: &RunSpec,
         current: &[(ChatMessage, u32)],
         answer: &str,
         counter: &TokenCounter,
-    ) {
+    ) -> Result<(), Outcome> {
         // The turn's messages were counted as they were added; only the answer is new.
         let answer = ChatMessage::Assistant {
             content: answer.to_owned(),
@@ -526,7 +593,9 @@ impl Engine {
         messages.extend(current.iter().map(|(m, _)| m.clone()));
         messages.push(answer);
         self.sessions
-            .append(&spec.session_id, Exchange { messages, tokens });
+            .append(&spec.session_id, Exchange { messages, tokens })
+            .await
+            .map_err(|e| state_failure("session history", &e))
     }
 
     /// One model call, streamed into events. `prompt_tokens` is what the prompt counts,
@@ -560,6 +629,7 @@ impl Engine {
         let started = Instant::now();
         let mut first_delta = None;
         let work = async {
+            em.flush().await?;
             let mut stream = model
                 .stream(request, cancel.child_token())
                 .await
@@ -575,14 +645,13 @@ impl Engine {
             loop {
                 // Deltas that are already here are published as one batch; readers are
                 // woken only when the model makes us wait.
-                let next = std::future::poll_fn(|cx| {
-                    let next = stream.poll_next_unpin(cx);
-                    if next.is_pending() {
-                        em.flush();
+                let next = match stream.next().now_or_never() {
+                    Some(next) => next,
+                    None => {
+                        em.flush().await?;
+                        stream.next().await
                     }
-                    next
-                })
-                .await;
+                };
                 let Some(delta) = next else { break };
                 first_delta.get_or_insert_with(Instant::now);
                 match delta.map_err(model_failure)? {
@@ -627,7 +696,7 @@ impl Engine {
             tracing::Span::current().record("gen_ai.usage.output_tokens", usage.completion_tokens);
             Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
             em.usage(usage, estimated);
-            em.flush();
+            em.flush().await?;
             debug!(
                 ?finish,
                 calls = calls.len(),
@@ -646,7 +715,7 @@ impl Engine {
             parser.push(&held, &mut pieces);
             parser.finish(&mut pieces);
             em.pieces(pieces.drain(..));
-            em.flush();
+            em.flush().await?;
             if parser.answered() {
                 return answer_or_error(parser.answer().to_owned(), cut_short);
             }
@@ -665,7 +734,7 @@ impl Engine {
                 // No protocol at all: the reply is the answer, streamed once, as such.
                 let text = text.to_owned();
                 em.answer(text.clone());
-                em.flush();
+                em.flush().await?;
                 return answer_or_error(text, cut_short);
             }
             if cut_short {
@@ -703,7 +772,7 @@ impl Engine {
         calls: &[ModelToolCall],
         em: &mut Emitter,
         cancel: &CancellationToken,
-    ) -> Vec<ToolResult> {
+    ) -> Result<Vec<ToolResult>, Outcome> {
         let config = &spec.config;
         em.expect_tool_calls(calls.len());
         let prepared: Vec<Result<ToolInvocation, ToolResult>> = calls
@@ -739,6 +808,7 @@ impl Engine {
                 })
             })
             .collect();
+        em.flush().await?;
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
         let max_output = self.max_tool_output_bytes;
@@ -778,7 +848,9 @@ impl Engine {
         } else {
             1
         };
-        let mut finished = |(index, result, duration, rerank): (
+        let finished = |em: &mut Emitter,
+                        results: &mut Vec<Option<ToolResult>>,
+                        (index, result, duration, rerank): (
             usize,
             ToolResult,
             Duration,
@@ -791,7 +863,9 @@ impl Engine {
         if concurrency == 1 || prepared.len() == 1 {
             // One at a time: awaited in place, without a task set to allocate.
             for (index, prepared) in prepared.into_iter().enumerate() {
-                finished(execute(index, prepared).await);
+                let done = execute(index, prepared).await;
+                finished(em, &mut results, done);
+                em.flush().await?;
             }
         } else {
             let mut running = futures_util::stream::iter(
@@ -799,10 +873,11 @@ impl Engine {
             )
             .buffer_unordered(concurrency);
             while let Some(done) = running.next().await {
-                finished(done);
+                finished(em, &mut results, done);
+                em.flush().await?;
             }
         }
-        results.into_iter().map(Option::unwrap_or_default).collect()
+        Ok(results.into_iter().map(Option::unwrap_or_default).collect())
     }
 }
 
@@ -1011,6 +1086,19 @@ fn depth(value: &serde_json::Value) -> usize {
         serde_json::Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
         _ => 1,
     }
+}
+
+/// The failure of a run whose shared state cannot be read or written.
+fn state_failure(what: &str, error: &agentrt_core::StateError) -> Outcome {
+    Outcome::Failed(
+        StopReason::InternalError,
+        RunError {
+            code: "STATE_UNAVAILABLE".into(),
+            message: format!("cannot reach the {what}: {error}"),
+            category: "internal",
+            retryable: true,
+        },
+    )
 }
 
 fn model_failure(error: ModelError) -> Outcome {

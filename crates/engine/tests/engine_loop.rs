@@ -16,12 +16,13 @@ use agentrt_core::{
     AgentConfig, ContextBudget, ModelSelection, Strategy, Timeouts, ToolInvocation, ToolResult,
     ToolRunner, ToolSource, ToolSpec,
 };
-use agentrt_engine::{Engine, RunControl, RunSpec, RunState, RunStatus, StopReason};
+use agentrt_engine::{Engine, RunControl, RunSpec, RunStatus, StopReason};
 use agentrt_events::{BusLimits, EventBus, EventKind, InMemoryBus, RunEvent};
 use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, ChatStream, FinishReason,
     ModelError, ModelToolCall, Usage,
 };
+use agentrt_state::{MemoryRunStore, RunRetention, RunStore};
 use futures_util::StreamExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -199,6 +200,7 @@ struct Harness {
     model: Arc<Scripted>,
     tools: Arc<Tools>,
     bus: InMemoryBus,
+    store: Arc<MemoryRunStore>,
 }
 
 fn harness(model: Scripted) -> Harness {
@@ -212,6 +214,9 @@ fn harness(model: Scripted) -> Harness {
         model,
         tools,
         bus: InMemoryBus::new(BusLimits::default()),
+        store: Arc::new(MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+        })),
     }
 }
 
@@ -223,14 +228,16 @@ impl Harness {
         control: Arc<RunControl>,
     ) -> (Vec<Arc<RunEvent>>, agentrt_engine::RunRecord) {
         let spec = spec(run_id, config);
-        let publisher = self.bus.open(run_id).unwrap();
-        let state = Arc::new(RunState::new(run_id, "e", "s", run_id, &spec.query));
-        let reader = self.bus.subscribe(run_id, 0).unwrap();
+        let publisher = self.bus.open(run_id).await.unwrap();
+        let reader = self.bus.subscribe(run_id, 0).await.unwrap();
         self.engine
-            .run(spec, publisher, state.clone(), control)
+            .start(spec, publisher, self.store.clone(), control)
+            .await
+            .unwrap()
+            .run()
             .await;
         let events = reader.map(Result::unwrap).collect().await;
-        (events, state.snapshot())
+        (events, self.store.load(run_id).await.unwrap().unwrap())
     }
 }
 
@@ -672,13 +679,16 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
         ])),
         ..Default::default()
     });
-    let publisher = h.bus.open("r").unwrap();
-    let mut reader = h.bus.subscribe("r", 0).unwrap();
+    let publisher = h.bus.open("r").await.unwrap();
+    let mut reader = h.bus.subscribe("r", 0).await.unwrap();
     let config = config(Strategy::FunctionCall, &["calc"]);
     let spec = spec("r", config);
-    let state = Arc::new(RunState::new("r", "e", "s", "r", &spec.query));
-    let engine = h.engine.clone();
-    let run = tokio::spawn(async move { engine.run(spec, publisher, state, Arc::default()).await });
+    let started = h
+        .engine
+        .start(spec, publisher, h.store.clone(), Arc::default())
+        .await
+        .unwrap();
+    let run = tokio::spawn(started.run());
     let started = tokio::time::Instant::now();
     let mut seen = Vec::new();
     while let Some(event) = reader.next().await {
@@ -768,12 +778,15 @@ async fn the_first_event_says_the_run_started_before_the_model_answers() {
         hang: true,
         ..Default::default()
     });
-    let publisher = h.bus.open("r").unwrap();
-    let mut reader = h.bus.subscribe("r", 0).unwrap();
+    let publisher = h.bus.open("r").await.unwrap();
+    let mut reader = h.bus.subscribe("r", 0).await.unwrap();
     let spec = spec("r", config(Strategy::FunctionCall, &[]));
-    let state = Arc::new(RunState::new("r", "e", "s", "r", &spec.query));
-    let engine = h.engine.clone();
-    let run = tokio::spawn(async move { engine.run(spec, publisher, state, Arc::default()).await });
+    let started = h
+        .engine
+        .start(spec, publisher, h.store.clone(), Arc::default())
+        .await
+        .unwrap();
+    let run = tokio::spawn(started.run());
     let first = tokio::time::timeout(Duration::from_secs(5), reader.next())
         .await
         .expect("the first event came while the model had not answered")
@@ -1143,6 +1156,9 @@ async fn run_with_reranker(
         model: Arc::new(Scripted::default()),
         tools: Arc::new(Tools::default()),
         bus: InMemoryBus::new(BusLimits::default()),
+        store: Arc::new(MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+        })),
     };
     let mut cfg = config(Strategy::FunctionCall, &["search"]);
     cfg.rerank_model = Some(agentrt_core::RerankSelection {

@@ -4,7 +4,7 @@ use futures_util::Stream;
 use tokio_util::sync::CancellationToken;
 
 /// One message of the conversation sent to a model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum ChatMessage {
     /// Instructions.
     System(String),
@@ -28,7 +28,7 @@ pub enum ChatMessage {
 
 /// A tool call as the model made it: arguments are the model's raw JSON text, which may
 /// be malformed or truncated.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct ModelToolCall {
     /// The call's id.
     pub id: String,

@@ -38,7 +38,12 @@ pub struct GrpcServer {
     name: &'static str,
     settings: ServerSettings,
     services: Vec<&'static str>,
+    readiness: Option<(ReadinessCheck, std::time::Duration)>,
 }
+
+/// A check of what the services need (a shared store): true when they can serve.
+type ReadinessCheck =
+    Box<dyn Fn() -> std::pin::Pin<Box<dyn Future<Output = bool> + Send>> + Send + Sync + 'static>;
 
 impl GrpcServer {
     /// A server called `name` in logs, with the given settings.
@@ -47,7 +52,19 @@ impl GrpcServer {
             name,
             settings,
             services: Vec::new(),
+            readiness: None,
         }
+    }
+
+    /// Makes health follow `check`, run every `every`: the reported services are
+    /// NOT_SERVING while it says false (`""` stays SERVING: the process is alive).
+    pub fn ready_while<F, Fut>(mut self, check: F, every: std::time::Duration) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = bool> + Send + 'static,
+    {
+        self.readiness = Some((Box::new(move || Box::pin(check())), every));
+        self
     }
 
     /// Names a service served by the routes, so that health reports it.
@@ -61,7 +78,7 @@ impl GrpcServer {
     /// themselves properly), new connections are refused, and running calls get
     /// `drain_grace` to finish before the remaining connections are closed.
     pub async fn serve(
-        self,
+        mut self,
         routes: Routes,
         listener: TcpListener,
         shutdown: impl Future<Output = ()>,
@@ -77,6 +94,38 @@ impl GrpcServer {
             health
                 .set_service_status(*service, ServingStatus::Serving)
                 .await;
+        }
+        let readiness_stop = CancellationToken::new();
+        let _readiness_stop = readiness_stop.clone().drop_guard();
+        if let Some((check, every)) = self.readiness.take() {
+            let health = health.clone();
+            let services = self.services.clone();
+            let stop = readiness_stop.clone();
+            tokio::spawn(async move {
+                let mut ready = true;
+                loop {
+                    let now_ready = tokio::select! {
+                        () = stop.cancelled() => return,
+                        ready = check() => ready,
+                    };
+                    if now_ready != ready {
+                        ready = now_ready;
+                        let status = if ready {
+                            ServingStatus::Serving
+                        } else {
+                            ServingStatus::NotServing
+                        };
+                        info!(ready, "readiness changed");
+                        for service in &services {
+                            health.set_service_status(*service, status).await;
+                        }
+                    }
+                    tokio::select! {
+                        () = stop.cancelled() => return,
+                        () = tokio::time::sleep(every) => {}
+                    }
+                }
+            });
         }
 
         // Advertise exactly what this server serves: the descriptors of the whole
@@ -213,6 +262,7 @@ impl GrpcServer {
 
         let grace = self.settings.drain_grace;
         info!(service = self.name, grace = ?grace, "draining");
+        readiness_stop.cancel();
         health
             .set_service_status("", ServingStatus::NotServing)
             .await;

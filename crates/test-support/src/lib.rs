@@ -6,6 +6,8 @@
 // Fixtures fail loudly: a panic with the process log is the most useful test failure.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
 
+pub mod conformance;
+
 use std::{
     net::SocketAddr,
     path::PathBuf,

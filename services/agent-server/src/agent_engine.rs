@@ -4,19 +4,18 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use agentrt::v1::{self, agent_engine_server::AgentEngine};
 use agentrt_core::Violation;
-use agentrt_engine::{RunSpec, RunStatus, StopReason};
+use agentrt_engine::RunSpec;
 use agentrt_events::{BusError, EventStream};
 use agentrt_models::{ChatMessage, ModelToolCall};
 use agentrt_server::status;
+use agentrt_state::{EngineStore, RunRecord};
 use futures_util::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
-use tracing::info;
 
 use crate::{
     convert,
-    engines::EngineStore,
     error::Error,
-    runs::{RunHandle, RunManager, StartError, Started},
+    runs::{RunManager, StartError, Started},
 };
 
 /// Longest client-chosen message id.
@@ -71,9 +70,10 @@ impl AgentEngineImpl {
     }
 
     /// The events of a run the server knows, after `after_sequence`.
-    fn events(&self, run: &RunHandle, after_sequence: u64) -> Result<EventStream, Status> {
+    async fn events(&self, run: &RunRecord, after_sequence: u64) -> Result<EventStream, Status> {
         self.runs
             .events(&run.run_id, after_sequence)
+            .await
             .map_err(|error| match error {
                 // The run is known, so it ended and its log was dropped early to keep the
                 // ended runs' events within `runs.retained_events`.
@@ -82,17 +82,19 @@ impl AgentEngineImpl {
                      GetRun returns how it ended",
                     run.run_id
                 )),
-                error => bus_status(&error),
+                error => Error::Bus(error).into(),
             })
     }
 
-    fn run(&self, run_id: &str) -> Result<Arc<RunHandle>, Status> {
+    async fn run(&self, run_id: &str) -> Result<RunRecord, Status> {
         if run_id.is_empty() {
             return Err(Error::InvalidRequest(vec![Violation::new("run_id", "required")]).into());
         }
         self.runs
-            .get(run_id)
-            .ok_or_else(|| status::not_found("RUN_NOT_FOUND", "run", run_id))
+            .record(run_id)
+            .await
+            .map_err(Error::from)?
+            .ok_or_else(|| Error::RunNotFound(run_id.to_owned()).into())
     }
 }
 
@@ -100,25 +102,22 @@ impl AgentEngineImpl {
 /// ended: the client went away. Disarmed when the stream ends for another reason (the
 /// client fell behind the replay log: it is told so, and resumes with `Subscribe`).
 struct CancelOnDisconnect {
-    run: Arc<RunHandle>,
+    runs: Arc<RunManager>,
+    run_id: String,
     armed: bool,
 }
 
 impl Drop for CancelOnDisconnect {
     fn drop(&mut self) {
-        if self.armed && self.run.state.lock().status == RunStatus::Running {
-            info!(run_id = %self.run.run_id, "client disconnected, cancelling the run");
-            self.run
-                .disconnected
-                .store(true, std::sync::atomic::Ordering::Release);
-            self.run.control.stop(StopReason::Cancelled);
+        if self.armed {
+            self.runs.abandon(&self.run_id);
         }
     }
 }
 
 fn stream_events(
     events: EventStream,
-    run: &RunHandle,
+    run: &RunRecord,
     mut guard: Option<CancelOnDisconnect>,
 ) -> EventResponseStream {
     let ids = Arc::new((
@@ -127,22 +126,21 @@ fn stream_events(
         run.message_id.clone(),
     ));
     Box::pin(events.map(move |event| match event {
-        Ok(event) => Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2)),
+        Ok(event) => {
+            if event.done
+                && let Some(guard) = guard.as_mut()
+            {
+                guard.armed = false;
+            }
+            Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2))
+        }
         Err(error) => {
             if let Some(guard) = guard.as_mut() {
                 guard.armed = false;
             }
-            Err(bus_status(&error))
+            Err(Error::Bus(error).into())
         }
     }))
-}
-
-fn bus_status(error: &BusError) -> Status {
-    match error {
-        BusError::UnknownRun(id) => status::not_found("RUN_NOT_FOUND", "run", id),
-        BusError::Lagged { .. } => Status::out_of_range(error.to_string()),
-        BusError::DuplicateRun(_) => Status::internal(error.to_string()),
-    }
 }
 
 fn check_execute(
@@ -260,6 +258,7 @@ impl AgentEngine for AgentEngineImpl {
             .engines
             .get(&request.engine_id)
             .await
+            .map_err(Error::from)?
             .ok_or_else(|| Error::EngineNotFound(request.engine_id.clone()))?;
         if !request.session_id.is_empty() && request.session_id != engine.session_id {
             return Err(Error::InvalidRequest(vec![Violation::new(
@@ -286,9 +285,9 @@ impl AgentEngine for AgentEngineImpl {
             config: engine.config.clone(),
             tools: engine.tools.clone(),
         };
-        let (handle, owner) = match self.runs.start(spec) {
-            Ok(Started::New(handle)) => (handle, !request.detach),
-            Ok(Started::Existing(handle)) => (handle, false),
+        let (run_id, owner) = match self.runs.start(spec).await {
+            Ok(Started::New(run_id)) => (run_id, !request.detach),
+            Ok(Started::Existing(run_id)) => (run_id, false),
             Err(StartError::Busy(active)) => {
                 return Err(status::resource_exhausted(
                     "TOO_MANY_RUNS",
@@ -296,17 +295,27 @@ impl AgentEngine for AgentEngineImpl {
                     Duration::from_secs(1),
                 ));
             }
-            Err(StartError::Bus(error)) => return Err(bus_status(&error)),
+            Err(StartError::Bus(error)) => return Err(Error::Bus(error).into()),
+            Err(StartError::State(error)) => return Err(Error::State(error).into()),
+            Err(StartError::Failed(error)) => {
+                return Err(status::unavailable(
+                    &error.code,
+                    error.message,
+                    Duration::from_secs(1),
+                ));
+            }
             Err(error @ StartError::MessageIdReused { .. }) => {
                 return Err(Status::already_exists(error.to_string()));
             }
         };
-        let events = self.events(&handle, 0)?;
         let guard = owner.then(|| CancelOnDisconnect {
-            run: handle.clone(),
+            runs: self.runs.clone(),
+            run_id: run_id.clone(),
             armed: true,
         });
-        Ok(Response::new(stream_events(events, &handle, guard)))
+        let record = self.run(&run_id).await?;
+        let events = self.events(&record, 0).await?;
+        Ok(Response::new(stream_events(events, &record, guard)))
     }
 
     async fn subscribe(
@@ -314,19 +323,24 @@ impl AgentEngine for AgentEngineImpl {
         request: Request<v1::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
         let request = request.into_inner();
-        let handle = self.run(&request.run_id)?;
-        let events = self.events(&handle, request.after_sequence)?;
-        Ok(Response::new(stream_events(events, &handle, None)))
+        let record = self.run(&request.run_id).await?;
+        let events = self.events(&record, request.after_sequence).await?;
+        Ok(Response::new(stream_events(events, &record, None)))
     }
 
     async fn cancel(
         &self,
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
-        let handle = self.run(&request.into_inner().run_id)?;
-        handle.control.stop(StopReason::Cancelled);
-        handle.ended_within(CANCEL_WAIT).await;
-        let status = convert::run_status_to_wire(handle.state.lock().status);
+        let run_id = request.into_inner().run_id;
+        self.run(&run_id).await?;
+        let record = self
+            .runs
+            .cancel(&run_id, CANCEL_WAIT)
+            .await
+            .map_err(Error::from)?
+            .ok_or_else(|| Error::RunNotFound(run_id.clone()))?;
+        let status = convert::run_status_to_wire(record.status);
         Ok(Response::new(v1::CancelResponse {
             status: status as i32,
         }))
@@ -336,9 +350,9 @@ impl AgentEngine for AgentEngineImpl {
         &self,
         request: Request<v1::GetRunRequest>,
     ) -> Result<Response<v1::AgentState>, Status> {
-        let handle = self.run(&request.into_inner().run_id)?;
+        let record = self.run(&request.into_inner().run_id).await?;
         Ok(Response::new(convert::record_to_wire(
-            &handle.state.snapshot(),
+            &record,
             self.limits.max_message_bytes,
         )))
     }

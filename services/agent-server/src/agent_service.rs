@@ -4,12 +4,12 @@ use std::{sync::Arc, time::SystemTime};
 
 use agentrt::v1::{self, agent_service_server::AgentService};
 use agentrt_core::Violation;
+use agentrt_state::{EngineStore, StoredEngine};
 use tonic::{Request, Response, Status};
 use tracing::info;
 
 use crate::{
     convert,
-    engines::{Engine, EngineStore},
     error::{Error, Result},
     validate::ConfigValidator,
 };
@@ -28,7 +28,7 @@ impl AgentServiceImpl {
         Self { validator, engines }
     }
 
-    async fn create(&self, request: v1::CreateAgentEngineRequest) -> Result<Engine> {
+    async fn create(&self, request: v1::CreateAgentEngineRequest) -> Result<StoredEngine> {
         let checked = self.validator.check(request.config.as_ref()).await?;
         let mut violations = checked.violations;
         let session_id = if request.session_id.is_empty() {
@@ -46,7 +46,7 @@ impl AgentServiceImpl {
         let now = SystemTime::now();
         let engine = self
             .engines
-            .insert(Engine {
+            .insert(StoredEngine {
                 id: uuid::Uuid::new_v4().to_string(),
                 session_id,
                 config: Arc::new(config),
@@ -54,12 +54,12 @@ impl AgentServiceImpl {
                 create_time: now,
                 expire_time: now,
             })
-            .await;
+            .await?;
         info!(engine_id = %engine.id, session_id = %engine.session_id, agent = %engine.config.name, "engine created");
         Ok(engine)
     }
 
-    async fn engine(&self, engine_id: &str) -> Result<Engine> {
+    async fn engine(&self, engine_id: &str) -> Result<StoredEngine> {
         if engine_id.is_empty() {
             return Err(Error::InvalidRequest(vec![Violation::new(
                 "engine_id",
@@ -68,7 +68,7 @@ impl AgentServiceImpl {
         }
         self.engines
             .get(engine_id)
-            .await
+            .await?
             .ok_or_else(|| Error::EngineNotFound(engine_id.to_owned()))
     }
 }
@@ -152,7 +152,7 @@ impl AgentService for AgentServiceImpl {
                 Error::InvalidRequest(vec![Violation::new("engine_id", "required")]).into(),
             );
         }
-        if !self.engines.remove(&engine_id).await {
+        if !self.engines.remove(&engine_id).await.map_err(Error::from)? {
             return Err(Error::EngineNotFound(engine_id).into());
         }
         info!(%engine_id, "engine deleted");

@@ -431,6 +431,7 @@ mod tests {
             last_sequence: 3,
             create_time: now,
             update_time: now,
+            abandoned: false,
         };
         let limit = 4 * 1024 * 1024;
         // 2 MiB answers, each held twice and a thought beside: 6 MiB whole.

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use agentrt_core::{ToolServiceError, Violation};
+use agentrt_core::{StateError, ToolServiceError, Violation};
+use agentrt_events::BusError;
 use agentrt_server::status;
 use tonic::Status;
 
@@ -21,6 +22,15 @@ pub enum Error {
     /// The tool executor could not be asked.
     #[error(transparent)]
     ToolService(#[from] ToolServiceError),
+    /// The shared state could not be read or written.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// A run's events could not be read.
+    #[error(transparent)]
+    Bus(#[from] BusError),
+    /// No run has this id (or it expired).
+    #[error("run {0:?} not found")]
+    RunNotFound(String),
 }
 
 /// A `Result` with this crate's [`Error`].
@@ -41,6 +51,16 @@ impl From<Error> for Status {
                 format!("cannot check the config's tools: {e}"),
                 Duration::from_secs(1),
             ),
+            Error::State(StateError::Unavailable(message))
+            | Error::Bus(BusError::Unavailable(message)) => {
+                status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))
+            }
+            Error::State(error @ StateError::Corrupt { .. }) => Status::internal(error.to_string()),
+            Error::RunNotFound(id) | Error::Bus(BusError::UnknownRun(id)) => {
+                status::not_found("RUN_NOT_FOUND", "run", &id)
+            }
+            Error::Bus(error @ BusError::Lagged { .. }) => Status::out_of_range(error.to_string()),
+            Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
         }
     }
 }

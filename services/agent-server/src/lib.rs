@@ -7,7 +7,6 @@
 mod agent_engine;
 mod agent_service;
 mod convert;
-mod engines;
 mod error;
 mod runs;
 mod settings;
@@ -20,18 +19,20 @@ use agentrt::{
     service_names,
     v1::{agent_engine_server::AgentEngineServer, agent_service_server::AgentServiceServer},
 };
-use agentrt_context::{InMemorySessionStore, SessionLimits};
 use agentrt_engine::StopReason;
-use agentrt_events::{BusLimits, InMemoryBus};
 use agentrt_models::{ChatModels, ProviderError, ProviderRegistry, RetryPolicy};
 use agentrt_server::{GrpcServer, ServerError};
+use agentrt_state::{
+    BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore, MemoryEngineStore,
+    MemoryRunStore, RunRetention, RunStore, SessionLimits, SessionStore, StateError,
+    redis::{Redis, RedisLimits},
+};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 
-pub use engines::{Engine, EngineStore, InMemoryEngineStore};
 pub use error::{Error, Result};
-pub use settings::{Cli, EngineSettings, RunSettings, SessionSettings, Settings};
+pub use settings::{Cli, EngineSettings, RunSettings, SessionSettings, Settings, StateSetting};
 
 /// How much of the drain grace is kept, at most, for the streams of runs stopped at its
 /// end to deliver their last event.
@@ -52,7 +53,76 @@ pub enum StartError {
     /// The gRPC server failed.
     #[error(transparent)]
     Server(#[from] ServerError),
+    /// The state setting is wrong, or the store refused to start.
+    #[error("state: {0}")]
+    State(String),
 }
+
+/// The stores of the server's state.
+struct Stores {
+    engines: Arc<dyn EngineStore>,
+    sessions: Arc<dyn SessionStore>,
+    runs: Arc<dyn RunStore>,
+    bus: Arc<dyn EventBus>,
+    /// The shared Redis, when the state is there.
+    redis: Option<Redis>,
+}
+
+fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
+    let state = settings
+        .state()
+        .map_err(|e| StartError::State(e.to_string()))?;
+    Ok(match state {
+        StateSetting::Memory => {
+            tracing::info!("state: in memory (this process only)");
+            Stores {
+                engines: Arc::new(MemoryEngineStore::new(
+                    settings.engines.ttl,
+                    settings.engines.max_engines,
+                )),
+                sessions: Arc::new(InMemorySessionStore::new(SessionLimits {
+                    ttl: settings.sessions.ttl,
+                    max_sessions: settings.sessions.max_sessions,
+                    max_exchanges: settings.sessions.max_turns,
+                })),
+                runs: Arc::new(MemoryRunStore::new(RunRetention {
+                    ended: settings.runs.retention,
+                })),
+                bus: Arc::new(InMemoryBus::new(BusLimits {
+                    events_per_run: settings.runs.events_per_run,
+                    retention: settings.runs.retention,
+                    retained_events: settings.runs.retained_events,
+                })),
+                redis: None,
+            }
+        }
+        StateSetting::Redis(url) => {
+            let redis = Redis::connect(
+                &url,
+                &settings.state_key_prefix,
+                RedisLimits {
+                    engine_ttl: settings.engines.ttl,
+                    session_ttl: settings.sessions.ttl,
+                    max_exchanges: settings.sessions.max_turns,
+                    run_retention: settings.runs.retention,
+                    events_per_run: settings.runs.events_per_run,
+                },
+            )
+            .map_err(|e| StartError::State(e.to_string()))?;
+            tracing::info!(redis = %agentrt_core::mask_url_credentials(&url), prefix = %settings.state_key_prefix, "state: shared through Redis");
+            Stores {
+                engines: redis.engines(),
+                sessions: redis.sessions(),
+                runs: redis.runs(),
+                bus: redis.bus(),
+                redis: Some(redis),
+            }
+        }
+    })
+}
+
+/// How often readiness checks that Redis answers.
+const STATE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The providers the settings and the environment configure.
 pub fn providers(settings: &Settings) -> std::result::Result<ProviderRegistry, ProviderError> {
@@ -106,29 +176,24 @@ pub async fn serve(
         .map_err(StartError::ToolExecutor)?,
     );
     let validator = validate::ConfigValidator::new(providers, tools.clone());
-    let engines: Arc<dyn EngineStore> = Arc::new(InMemoryEngineStore::new(
-        settings.engines.ttl,
-        settings.engines.max_engines,
-    ));
-    let sessions = Arc::new(InMemorySessionStore::new(SessionLimits {
-        ttl: settings.sessions.ttl,
-        max_sessions: settings.sessions.max_sessions,
-        max_exchanges: settings.sessions.max_turns,
-    }));
-    let bus = Arc::new(InMemoryBus::new(BusLimits {
-        events_per_run: settings.runs.events_per_run,
-        retention: settings.runs.retention,
-        retained_events: settings.runs.retained_events,
-    }));
+    let Stores {
+        engines,
+        sessions,
+        runs: run_store,
+        bus,
+        redis,
+    } = stores(&settings)?;
     let runs = runs::RunManager::new(
         agentrt_engine::Engine::new(models, tools, sessions)
             .with_max_tool_output_bytes(settings.runs.max_tool_output_bytes),
         bus,
+        run_store,
         runs::RunLimits {
             max_active: settings.runs.max_active,
-            retention: settings.runs.retention,
         },
-    );
+    )
+    .await
+    .map_err(|e: StateError| StartError::State(e.to_string()))?;
     let max = settings.server.max_message_bytes;
     let routes = Routes::new(
         AgentServiceServer::new(agent_service::AgentServiceImpl::new(
@@ -167,10 +232,29 @@ pub async fn serve(
             std::future::pending::<()>().await;
         }
     };
-    let server = GrpcServer::new("agent-server", settings.server)
+    let mut server = GrpcServer::new("agent-server", settings.server)
         .reporting(service_names::AGENT_SERVICE)
-        .reporting(service_names::AGENT_ENGINE)
-        .serve(routes, listener, shutdown, drain);
+        .reporting(service_names::AGENT_ENGINE);
+    if let Some(redis) = redis {
+        // Readiness follows Redis: the services are NOT_SERVING while it cannot be
+        // reached, and SERVING again once it answers.
+        server = server.ready_while(
+            move || {
+                let redis = redis.clone();
+                async move {
+                    match redis.ping().await {
+                        Ok(()) => true,
+                        Err(error) => {
+                            tracing::warn!(%error, "readiness: the shared state is unreachable");
+                            false
+                        }
+                    }
+                }
+            },
+            STATE_CHECK_EVERY,
+        );
+    }
+    let server = server.serve(routes, listener, shutdown, drain);
     tokio::select! {
         result = server => result?,
         () = stopper => {}

@@ -1,48 +1,23 @@
-//! The runs of this server: starting them, finding them again by id or by idempotency key,
-//! stopping them, and forgetting them some time after they end.
+//! The runs this replica executes, and the ways to reach any run: starting one (or finding
+//! the one a message id already names), stopping one wherever it executes, reading its
+//! record. What a client can observe comes from the shared stores, so it does not depend
+//! on which replica it asks.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     sync::{
-        Arc, Mutex, MutexGuard, PoisonError,
-        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex, MutexGuard, PoisonError, Weak,
+        atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
 };
 
-use agentrt_engine::{Engine, RunControl, RunSpec, RunState, StopReason};
+use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StopReason};
 use agentrt_events::{BusError, EventBus, EventStream};
-use tokio::{sync::watch, time::Instant};
-use tracing::{Instrument, info};
-
-/// A run, as the server tracks it.
-pub struct RunHandle {
-    /// The run's id.
-    pub run_id: String,
-    /// Its session.
-    pub session_id: String,
-    /// Its message id.
-    pub message_id: String,
-    /// Stops it.
-    pub control: Arc<RunControl>,
-    /// Its record.
-    pub state: Arc<RunState>,
-    /// Set when the run was cancelled because the client of its `Execute` went away: a
-    /// retry with the same message id starts a new run instead of getting this one back.
-    pub disconnected: AtomicBool,
-    /// True once it has ended.
-    ended: watch::Receiver<bool>,
-}
-
-impl RunHandle {
-    /// Waits until the run has ended, at most `limit`.
-    pub async fn ended_within(&self, limit: Duration) -> bool {
-        let mut ended = self.ended.clone();
-        tokio::time::timeout(limit, ended.wait_for(|done| *done))
-            .await
-            .is_ok()
-    }
-}
+use agentrt_state::{Claim, RunRecord, RunStatus, RunStore, StateError};
+use futures_util::{FutureExt, StreamExt};
+use tokio::sync::watch;
+use tracing::{Instrument, error, info, warn};
 
 /// Why a run could not start.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +28,12 @@ pub enum StartError {
     /// The bus refused the run.
     #[error(transparent)]
     Bus(#[from] BusError),
+    /// The shared state cannot be reached.
+    #[error(transparent)]
+    State(#[from] StateError),
+    /// The run could not be started.
+    #[error("{}", .0.message)]
+    Failed(RunError),
     /// The session's message id belongs to a run of another query (or engine).
     #[error(
         "message id {message_id:?} was already used in this session for run {run_id:?}, with another query"
@@ -67,165 +48,273 @@ pub enum StartError {
 
 /// Whether `start` made a new run or found the one with the same idempotency key.
 pub enum Started {
-    /// A new run.
-    New(Arc<RunHandle>),
-    /// The run that already has this session and message id.
-    Existing(Arc<RunHandle>),
+    /// A new run, executing here.
+    New(String),
+    /// The run that already has this session and message id (on any replica).
+    Existing(String),
 }
 
 /// Bounds of the run manager.
 #[derive(Debug, Clone, Copy)]
 pub struct RunLimits {
-    /// Runs in progress at once.
+    /// Runs in progress at once on this replica.
     pub max_active: usize,
-    /// How long an ended run stays readable (`Subscribe`, `GetRun`, idempotent `Execute`).
-    pub retention: Duration,
 }
 
-/// Starts and tracks runs.
+/// How long a claimed message id may go without its run's record before another request
+/// takes it over (the replica that claimed it writes the record at once, unless it died).
+const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
+
+/// A run executing on this replica.
+struct LocalRun {
+    control: Arc<RunControl>,
+    ended: watch::Receiver<bool>,
+}
+
+/// Starts runs here and reaches runs anywhere.
 pub struct RunManager {
     engine: Engine,
     bus: Arc<dyn EventBus>,
+    store: Arc<dyn RunStore>,
     limits: RunLimits,
     active: AtomicUsize,
     /// Woken when the last active run ends.
     idle: tokio::sync::Notify,
-    index: Mutex<Index>,
+    local: Mutex<HashMap<String, LocalRun>>,
 }
 
-#[derive(Default)]
-struct Index {
-    by_id: HashMap<String, Arc<RunHandle>>,
-    by_message: HashMap<(String, String), String>,
-    ended: VecDeque<(Instant, String)>,
-}
+/// A slot of `max_active`, given back when dropped.
+struct Slot<'a>(&'a RunManager);
 
-impl Index {
-    fn expire(&mut self, retention: Duration) {
-        let now = Instant::now();
-        while let Some((at, _)) = self.ended.front() {
-            if now.duration_since(*at) < retention {
-                break;
-            }
-            if let Some((_, run_id)) = self.ended.pop_front()
-                && let Some(handle) = self.by_id.remove(&run_id)
-            {
-                self.by_message
-                    .remove(&(handle.session_id.clone(), handle.message_id.clone()));
-            }
-        }
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.release();
     }
 }
 
 impl RunManager {
-    /// A manager running `engine`, publishing on `bus`.
-    pub fn new(engine: Engine, bus: Arc<dyn EventBus>, limits: RunLimits) -> Arc<Self> {
-        Arc::new(Self {
+    /// A manager running `engine`, publishing on `bus` and recording in `store`; it
+    /// follows the stop requests made on any replica.
+    pub async fn new(
+        engine: Engine,
+        bus: Arc<dyn EventBus>,
+        store: Arc<dyn RunStore>,
+        limits: RunLimits,
+    ) -> Result<Arc<Self>, StateError> {
+        let manager = Arc::new(Self {
             engine,
             bus,
+            store: store.clone(),
             limits,
             active: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
-            index: Mutex::new(Index::default()),
-        })
+            local: Mutex::new(HashMap::new()),
+        });
+        let mut requests = store.stop_requests().await?;
+        let weak: Weak<Self> = Arc::downgrade(&manager);
+        tokio::spawn(async move {
+            while let Some(request) = requests.next().await {
+                let Some(manager) = weak.upgrade() else {
+                    return;
+                };
+                if let Some(run) = manager.lock().get(&request.run_id) {
+                    info!(run_id = %request.run_id, reason = request.reason.as_str(), "stop requested");
+                    run.control.stop(request.reason);
+                }
+            }
+        });
+        Ok(manager)
     }
 
-    fn lock(&self) -> MutexGuard<'_, Index> {
-        // Each critical section leaves the maps consistent before anything can panic.
-        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
+        // Each critical section leaves the map consistent before anything can panic.
+        self.local.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn release(&self) {
+        if self.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle.notify_waiters();
+        }
     }
 
     /// Starts the run `spec`, or finds the run with the same session and message id.
-    pub fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, StartError> {
-        let key = (spec.session_id.clone(), spec.message_id.clone());
-        let (handle, publisher, control, state, done) = {
-            let mut index = self.lock();
-            index.expire(self.limits.retention);
-            if let Some(existing) = index
-                .by_message
-                .get(&key)
-                .and_then(|id| index.by_id.get(id))
-            {
-                // A retry after the client's own disconnect cancelled the run gets a new
-                // run (the old one stays readable by its id); any other repeat gets the
-                // run back, provided it asks the same.
-                if !existing.disconnected.load(Ordering::Acquire) {
-                    let same = {
-                        let record = existing.state.lock();
-                        record.query == spec.query && record.engine_id == spec.engine_id
-                    };
-                    if !same {
-                        return Err(StartError::MessageIdReused {
-                            message_id: spec.message_id.clone(),
-                            run_id: existing.run_id.clone(),
-                        });
-                    }
-                    return Ok(Started::Existing(existing.clone()));
-                }
-            }
-            let active = self.active.load(Ordering::Acquire);
-            if active >= self.limits.max_active {
-                return Err(StartError::Busy(active));
-            }
-            let publisher = self.bus.open(&spec.run_id)?;
-            self.active.fetch_add(1, Ordering::AcqRel);
-            let control = Arc::new(RunControl::default());
-            let state = Arc::new(RunState::new(
-                &spec.run_id,
-                &spec.engine_id,
-                &spec.session_id,
-                &spec.message_id,
-                &spec.query,
-            ));
-            let (done, ended) = watch::channel(false);
-            let handle = Arc::new(RunHandle {
-                run_id: spec.run_id.clone(),
-                session_id: spec.session_id.clone(),
-                message_id: spec.message_id.clone(),
-                control: control.clone(),
-                state: state.clone(),
-                disconnected: AtomicBool::new(false),
-                ended,
-            });
-            index.by_id.insert(spec.run_id.clone(), handle.clone());
-            index.by_message.insert(key, spec.run_id.clone());
-            (handle, publisher, control, state, done)
-        };
-        info!(run_id = %spec.run_id, session_id = %spec.session_id, "run started");
-        let manager = self.clone();
+    pub async fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, StartError> {
+        let active = self.active.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(self);
+        if active >= self.limits.max_active {
+            return Err(StartError::Busy(active));
+        }
+        if let Some(existing) = self.claim(&spec).await? {
+            return Ok(Started::Existing(existing));
+        }
+        let publisher = self.bus.open(&spec.run_id).await?;
+        let control = Arc::new(RunControl::default());
         let run_id = spec.run_id.clone();
-        // The run is owned by the manager: it always ends (it is bounded by its timeout and
-        // stopped by `stop_all` on shutdown), and then deregisters itself.
+        let session_id = spec.session_id.clone();
+        let started = self
+            .engine
+            .start(spec, publisher, self.store.clone(), control.clone())
+            .await
+            .map_err(StartError::Failed)?;
+        let (done, ended) = watch::channel(false);
+        self.lock()
+            .insert(run_id.clone(), LocalRun { control, ended });
+        std::mem::forget(slot); // given back by the run's task
+        info!(%run_id, %session_id, "run started");
+        let manager = self.clone();
         // The run belongs to the call that started it: its spans are children of the
-        // call's span (and so of the caller's trace).
+        // call's span (and so of the caller's trace). It is owned by the manager: it always
+        // ends (bounded by its timeout, stopped by `stop_all` on shutdown), and a panic in
+        // it ends it too, with one `done` event.
         let call_span = tracing::Span::current();
+        let task_run_id = run_id.clone();
         tokio::spawn(
             async move {
-                manager.engine.run(spec, publisher, state, control).await;
-                if manager.active.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    manager.idle.notify_waiters();
+                let outcome = std::panic::AssertUnwindSafe(started.run())
+                    .catch_unwind()
+                    .await;
+                if outcome.is_err() {
+                    error!(run_id = %task_run_id, "the run panicked");
+                    manager.record_panic(&task_run_id).await;
                 }
-                manager.lock().ended.push_back((Instant::now(), run_id));
+                manager.lock().remove(&task_run_id);
+                manager.release();
                 let _ = done.send(true);
             }
             .instrument(call_span),
         );
-        Ok(Started::New(handle))
+        Ok(Started::New(run_id))
     }
 
-    /// The run `run_id`, while it runs and for the retention after.
-    pub fn get(&self, run_id: &str) -> Option<Arc<RunHandle>> {
-        let mut index = self.lock();
-        index.expire(self.limits.retention);
-        index.by_id.get(run_id).cloned()
+    /// Claims the run's message id; `Some` with the run that already has it.
+    async fn claim(&self, spec: &RunSpec) -> Result<Option<String>, StartError> {
+        let mut replacing: Option<String> = None;
+        let mut waited = Duration::ZERO;
+        loop {
+            let claim = self
+                .store
+                .claim(
+                    &spec.session_id,
+                    &spec.message_id,
+                    &spec.run_id,
+                    replacing.as_deref(),
+                )
+                .await?;
+            let holder = match claim {
+                Claim::Claimed => return Ok(None),
+                Claim::Taken(holder) => holder,
+            };
+            let abandoned_here = self
+                .lock()
+                .get(&holder)
+                .is_some_and(|run| run.control.is_abandoned());
+            match self.store.load(&holder).await? {
+                Some(record) if !record.abandoned && !abandoned_here => {
+                    // A repeat gets the run back, provided it asks the same.
+                    if record.query == spec.query && record.engine_id == spec.engine_id {
+                        return Ok(Some(holder));
+                    }
+                    return Err(StartError::MessageIdReused {
+                        message_id: spec.message_id.clone(),
+                        run_id: holder,
+                    });
+                }
+                // Given up by its client: a retry gets a new run (the old one stays
+                // readable by its id).
+                Some(_) => replacing = Some(holder),
+                // Claimed a moment ago, its record not written yet; or its replica died
+                // before writing it.
+                None if waited < CLAIM_PATIENCE => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    waited += Duration::from_millis(20);
+                }
+                None => replacing = Some(holder),
+            }
+        }
+    }
+
+    /// Records that a run ended in a panic (its events end by themselves).
+    async fn record_panic(&self, run_id: &str) {
+        match self.store.load(run_id).await {
+            Ok(Some(mut record)) if !record.ended() => {
+                record.status = RunStatus::Failed;
+                record.stop_reason = Some(StopReason::InternalError);
+                record.error = Some(RunError {
+                    code: "INTERNAL".into(),
+                    message: "the run ended without a final event".into(),
+                    category: "internal",
+                    retryable: true,
+                });
+                let steps = record.steps.len();
+                if let Err(error) = self.store.save(&record, steps).await {
+                    warn!(%run_id, %error, "cannot record the end of a run that panicked");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The run's record, from the shared store.
+    pub async fn record(&self, run_id: &str) -> Result<Option<RunRecord>, StateError> {
+        self.store.load(run_id).await
     }
 
     /// The run's events after `after_sequence`.
-    pub fn events(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
-        self.bus.subscribe(run_id, after_sequence)
+    pub async fn events(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
+        self.bus.subscribe(run_id, after_sequence).await
     }
 
-    /// Resolves once no run is in progress.
+    /// Stops a run executing here because the client of its `Execute` went away.
+    pub fn abandon(&self, run_id: &str) {
+        if let Some(run) = self.lock().get(run_id)
+            && !*run.ended.borrow()
+        {
+            info!(%run_id, "client disconnected, cancelling the run");
+            run.control.abandon();
+        }
+    }
+
+    /// Stops the run wherever it executes and waits, at most `wait`, for it to end;
+    /// answers its record then. `None` for an unknown run.
+    pub async fn cancel(
+        &self,
+        run_id: &str,
+        wait: Duration,
+    ) -> Result<Option<RunRecord>, StateError> {
+        let Some(record) = self.store.load(run_id).await? else {
+            return Ok(None);
+        };
+        if record.ended() {
+            return Ok(Some(record));
+        }
+        let local = self
+            .lock()
+            .get(run_id)
+            .map(|run| (run.control.clone(), run.ended.clone()));
+        match local {
+            Some((control, mut ended)) => {
+                control.stop(StopReason::Cancelled);
+                let _ = tokio::time::timeout(wait, ended.wait_for(|done| *done)).await;
+            }
+            None => {
+                self.store
+                    .request_stop(run_id, StopReason::Cancelled)
+                    .await?;
+                let deadline = tokio::time::Instant::now() + wait;
+                while tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    if let Some(record) = self.store.load(run_id).await?
+                        && record.ended()
+                    {
+                        return Ok(Some(record));
+                    }
+                }
+            }
+        }
+        self.store.load(run_id).await.map(|r| r.or(Some(record)))
+    }
+
+    /// Resolves once no run is in progress here.
     pub async fn all_ended(&self) {
         loop {
             let idle = self.idle.notified();
@@ -238,11 +327,15 @@ impl RunManager {
         }
     }
 
-    /// Stops every run in progress for `reason`.
+    /// Stops every run in progress here for `reason`.
     pub fn stop_all(&self, reason: StopReason) {
-        let handles: Vec<Arc<RunHandle>> = self.lock().by_id.values().cloned().collect();
-        for handle in handles {
-            handle.control.stop(reason);
+        let controls: Vec<Arc<RunControl>> = self
+            .lock()
+            .values()
+            .map(|run| run.control.clone())
+            .collect();
+        for control in controls {
+            control.stop(reason);
         }
     }
 }

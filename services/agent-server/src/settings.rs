@@ -29,6 +29,14 @@ pub struct Settings {
     /// A file holding that token (a mounted Secret), read at start-up.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_executor_token_file: Option<PathBuf>,
+    /// Where engines, sessions, runs and their events live: `memory` (this process
+    /// only) or the URL of a Redis every replica shares (`redis://host:port/db`,
+    /// `rediss://...` for TLS). Credentials in the URL are masked when printed.
+    #[serde(serialize_with = "masked_url")]
+    pub state: String,
+    /// The prefix of every key in the shared Redis, so that several deployments (or
+    /// tests) can share one Redis.
+    pub state_key_prefix: String,
     /// The engine registry's bounds.
     pub engines: EngineSettings,
     /// Bounds of runs and their events.
@@ -42,6 +50,19 @@ pub struct Settings {
     /// Model providers by name. When empty, `OPENAI_BASE_URL`/`OPENAI_API_KEY` register
     /// `openai`.
     pub providers: BTreeMap<String, ProviderSettings>,
+}
+
+fn masked_url<S: serde::Serializer>(url: &str, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&agentrt_core::mask_url_credentials(url))
+}
+
+/// Where the state lives, as the `state` setting says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StateSetting {
+    /// In this process.
+    Memory,
+    /// In the Redis at this URL.
+    Redis(String),
 }
 
 /// Bounds of the engine registry.
@@ -137,6 +158,8 @@ impl Default for Settings {
             tool_executor_tls: ClientTlsSettings::default(),
             tool_executor_token: Secret::default(),
             tool_executor_token_file: None,
+            state: "memory".into(),
+            state_key_prefix: "agentrt".into(),
             engines: EngineSettings::default(),
             runs: RunSettings::default(),
             sessions: SessionSettings::default(),
@@ -171,9 +194,37 @@ impl Settings {
         Ok(Some(token))
     }
 
+    /// Where the state lives.
+    pub fn state(&self) -> Result<StateSetting, ConfigError> {
+        let state = self.state.trim();
+        if state.eq_ignore_ascii_case("memory") {
+            return Ok(StateSetting::Memory);
+        }
+        if state.starts_with("redis://") || state.starts_with("rediss://") {
+            return Ok(StateSetting::Redis(state.to_owned()));
+        }
+        Err(ConfigError::Invalid {
+            field: "state",
+            message: format!(
+                "{:?} must be `memory` or a redis:// or rediss:// URL",
+                agentrt_core::mask_url_credentials(state)
+            ),
+        })
+    }
+
     /// Checks ranges once at start-up.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
+        self.state()?;
+        if self.state_key_prefix.is_empty()
+            || self.state_key_prefix.len() > 64
+            || self.state_key_prefix.contains(char::is_whitespace)
+        {
+            return Err(ConfigError::Invalid {
+                field: "state_key_prefix",
+                message: "must be 1 to 64 characters without whitespace".into(),
+            });
+        }
         if !(self.tool_executor.starts_with("http://")
             || self.tool_executor.starts_with("https://"))
         {
@@ -288,6 +339,14 @@ pub struct Cli {
     /// A file holding the bearer token for the tool executor.
     #[arg(long, value_name = "FILE")]
     pub tool_executor_token_file: Option<PathBuf>,
+    /// Where engines, sessions, runs and events live: `memory` (the default: this process
+    /// only) or a Redis URL (`redis://host:port/db`, `rediss://...`) shared by every
+    /// replica.
+    #[arg(long, value_name = "memory|URL", hide_env_values = true)]
+    pub state: Option<String>,
+    /// The prefix of every key in the shared Redis.
+    #[arg(long, value_name = "PREFIX")]
+    pub state_key_prefix: Option<String>,
     /// Unused engines expire after this long, e.g. `1h`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub engine_ttl: Option<Duration>,
@@ -344,6 +403,11 @@ impl Cli {
                 .tool_executor_token_file
                 .clone_from(&self.tool_executor_token_file);
         }
+        config::override_with(&mut settings.state, self.state.clone());
+        config::override_with(
+            &mut settings.state_key_prefix,
+            self.state_key_prefix.clone(),
+        );
         config::override_with(&mut settings.engines.ttl, self.engine_ttl);
         config::override_with(&mut settings.engines.max_engines, self.max_engines);
         config::override_with(&mut settings.runs.max_active, self.max_active_runs);

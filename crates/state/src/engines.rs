@@ -1,4 +1,5 @@
-//! The engine registry: engines by id, bounded in size and time.
+//! Engines by id: a validated agent config bound to a session, kept for a time after its
+//! last use.
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -6,14 +7,15 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt_core::{AgentConfig, ToolSpec};
+use agentrt_core::{AgentConfig, StateResult, ToolSpec};
 use async_trait::async_trait;
 use tokio::time::Instant;
 use tracing::debug;
 
-/// An engine: a validated config bound to a session.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Engine {
+/// An engine as stored: a validated config bound to a session. (The loop that runs it
+/// is `agentrt_engine::Engine`.)
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoredEngine {
     /// The engine's id.
     pub id: String,
     /// The session it belongs to.
@@ -28,22 +30,21 @@ pub struct Engine {
     pub expire_time: SystemTime,
 }
 
-/// Where engines are kept. A trait so that a shared store can replace the in-memory one
-/// when several replicas serve the same clients.
+/// Where engines are kept: in this process, or shared (Redis) by every replica.
 #[async_trait]
 pub trait EngineStore: Send + Sync {
-    /// Keeps `engine`, possibly dropping the least recently used one to stay in bounds.
-    /// Sets the engine's expiry.
-    async fn insert(&self, engine: Engine) -> Engine;
+    /// Keeps `engine` (a bounded store may drop the least recently used one to make
+    /// room) and sets its expiry.
+    async fn insert(&self, engine: StoredEngine) -> StateResult<StoredEngine>;
     /// The engine, if it exists and has not expired; extends its life.
-    async fn get(&self, id: &str) -> Option<Engine>;
+    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>>;
     /// Drops the engine; false when there was none.
-    async fn remove(&self, id: &str) -> bool;
+    async fn remove(&self, id: &str) -> StateResult<bool>;
 }
 
 /// The in-memory store: a map plus an index ordered by expiry, which is also the order of
 /// last use, so that expired and least-recently-used engines are found in O(log n).
-pub struct InMemoryEngineStore {
+pub struct MemoryEngineStore {
     ttl: Duration,
     max_engines: usize,
     inner: Mutex<Inner>,
@@ -56,11 +57,11 @@ struct Inner {
 }
 
 struct Entry {
-    engine: Engine,
+    engine: StoredEngine,
     expires_at: Instant,
 }
 
-impl InMemoryEngineStore {
+impl MemoryEngineStore {
     /// A store keeping at most `max_engines`, each for `ttl` after its last use.
     pub fn new(ttl: Duration, max_engines: usize) -> Self {
         Self {
@@ -98,8 +99,8 @@ impl Inner {
 }
 
 #[async_trait]
-impl EngineStore for InMemoryEngineStore {
-    async fn insert(&self, mut engine: Engine) -> Engine {
+impl EngineStore for MemoryEngineStore {
+    async fn insert(&self, mut engine: StoredEngine) -> StateResult<StoredEngine> {
         let now = Instant::now();
         let (expires_at, expire_time) = self.expiry(now);
         engine.expire_time = expire_time;
@@ -123,33 +124,35 @@ impl EngineStore for InMemoryEngineStore {
                 expires_at,
             },
         );
-        engine
+        Ok(engine)
     }
 
-    async fn get(&self, id: &str) -> Option<Engine> {
+    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
         let now = Instant::now();
         let (expires_at, expire_time) = self.expiry(now);
         let mut inner = self.lock();
         inner.purge_expired(now);
-        let entry = inner.engines.get_mut(id)?;
+        let Some(entry) = inner.engines.get_mut(id) else {
+            return Ok(None);
+        };
         let previous = std::mem::replace(&mut entry.expires_at, expires_at);
         entry.engine.expire_time = expire_time;
         let engine = entry.engine.clone();
         inner.by_expiry.remove(&(previous, id.to_owned()));
         inner.by_expiry.insert((expires_at, id.to_owned()));
-        Some(engine)
+        Ok(Some(engine))
     }
 
-    async fn remove(&self, id: &str) -> bool {
+    async fn remove(&self, id: &str) -> StateResult<bool> {
         let mut inner = self.lock();
         inner.purge_expired(Instant::now());
-        match inner.engines.remove(id) {
+        Ok(match inner.engines.remove(id) {
             Some(entry) => {
                 inner.by_expiry.remove(&(entry.expires_at, id.to_owned()));
                 true
             }
             None => false,
-        }
+        })
     }
 }
 
@@ -158,8 +161,8 @@ mod tests {
     use super::*;
     use agentrt_core::{ContextBudget, ModelSelection, Strategy, Timeouts};
 
-    fn engine(id: &str) -> Engine {
-        Engine {
+    fn engine(id: &str) -> StoredEngine {
+        StoredEngine {
             id: id.into(),
             session_id: "s".into(),
             config: Arc::new(AgentConfig {
@@ -190,38 +193,44 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn engines_expire_after_the_ttl_unless_used() {
-        let store = InMemoryEngineStore::new(Duration::from_secs(60), 10);
-        store.insert(engine("a")).await;
-        store.insert(engine("b")).await;
+        let store = MemoryEngineStore::new(Duration::from_secs(60), 10);
+        store.insert(engine("a")).await.unwrap();
+        store.insert(engine("b")).await.unwrap();
         tokio::time::advance(Duration::from_secs(45)).await;
-        assert!(store.get("a").await.is_some(), "a use extends the life");
+        assert!(
+            store.get("a").await.unwrap().is_some(),
+            "a use extends the life"
+        );
         tokio::time::advance(Duration::from_secs(45)).await;
-        assert!(store.get("a").await.is_some());
-        assert!(store.get("b").await.is_none(), "b was not used for 90s");
+        assert!(store.get("a").await.unwrap().is_some());
+        assert!(
+            store.get("b").await.unwrap().is_none(),
+            "b was not used for 90s"
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_full_store_drops_the_least_recently_used() {
-        let store = InMemoryEngineStore::new(Duration::from_secs(60), 2);
-        store.insert(engine("a")).await;
+        let store = MemoryEngineStore::new(Duration::from_secs(60), 2);
+        store.insert(engine("a")).await.unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.insert(engine("b")).await;
+        store.insert(engine("b")).await.unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.get("a").await;
-        store.insert(engine("c")).await;
-        assert!(store.get("a").await.is_some());
-        assert!(store.get("b").await.is_none());
-        assert!(store.get("c").await.is_some());
+        store.get("a").await.unwrap();
+        store.insert(engine("c")).await.unwrap();
+        assert!(store.get("a").await.unwrap().is_some());
+        assert!(store.get("b").await.unwrap().is_none());
+        assert!(store.get("c").await.unwrap().is_some());
         assert_eq!(store.lock().engines.len(), 2);
         assert_eq!(store.lock().by_expiry.len(), 2);
     }
 
     #[tokio::test]
     async fn remove_reports_whether_there_was_one() {
-        let store = InMemoryEngineStore::new(Duration::from_secs(60), 2);
-        store.insert(engine("a")).await;
-        assert!(store.remove("a").await);
-        assert!(!store.remove("a").await);
+        let store = MemoryEngineStore::new(Duration::from_secs(60), 2);
+        store.insert(engine("a")).await.unwrap();
+        assert!(store.remove("a").await.unwrap());
+        assert!(!store.remove("a").await.unwrap());
         assert!(store.lock().by_expiry.is_empty());
     }
 }

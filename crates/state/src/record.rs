@@ -1,12 +1,12 @@
-//! What is known of a run while and after it runs: `AgentEngine.GetRun` reads it.
+//! What is known of a run while and after it runs: `AgentEngine.GetRun` reads it from the
+//! run store, on whichever replica it is asked.
 
-use std::{
-    sync::{Mutex, MutexGuard, PoisonError},
-    time::{Duration, SystemTime},
-};
+use std::time::{Duration, SystemTime};
+
+use serde::{Deserialize, Serialize};
 
 /// Where a run is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RunStatus {
     /// In progress.
     Running,
@@ -21,7 +21,7 @@ pub enum RunStatus {
 }
 
 /// Why a run ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum StopReason {
     /// The model answered.
     FinalAnswer,
@@ -56,6 +56,22 @@ impl StopReason {
         }
     }
 
+    /// The reason named `name` (as [`StopReason::as_str`] gives it).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [
+            Self::FinalAnswer,
+            Self::MaxIterations,
+            Self::Cancelled,
+            Self::Timeout,
+            Self::ModelError,
+            Self::Shutdown,
+            Self::InternalError,
+            Self::MaxTokens,
+        ]
+        .into_iter()
+        .find(|reason| reason.as_str() == name)
+    }
+
     /// The status a run that stopped for this reason ends with.
     pub fn status(self) -> RunStatus {
         match self {
@@ -68,7 +84,7 @@ impl StopReason {
 }
 
 /// Why a run failed, for clients.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RunError {
     /// Stable machine-readable code.
     pub code: String,
@@ -81,7 +97,7 @@ pub struct RunError {
 }
 
 /// One tool call of a step.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCallRecord {
     /// The call's id.
     pub id: String,
@@ -100,7 +116,7 @@ pub struct ToolCallRecord {
 }
 
 /// One model round.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct StepRecord {
     /// The round, from 1.
     pub iteration: u32,
@@ -113,7 +129,7 @@ pub struct StepRecord {
 }
 
 /// Tokens used by a run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct TokenUsage {
     /// In prompts.
     pub prompt_tokens: u64,
@@ -125,7 +141,7 @@ pub struct TokenUsage {
 }
 
 /// Everything known of a run.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
     /// The run.
     pub run_id: String,
@@ -141,7 +157,9 @@ pub struct RunRecord {
     pub status: RunStatus,
     /// Why it ended.
     pub stop_reason: Option<StopReason>,
-    /// Its rounds.
+    /// Its rounds. Stores keep them apart from the rest of the record, so that saving a
+    /// round does not write the rounds before it again.
+    #[serde(skip)]
     pub steps: Vec<StepRecord>,
     /// The final answer.
     pub final_answer: String,
@@ -155,13 +173,33 @@ pub struct RunRecord {
     pub create_time: SystemTime,
     /// When it last changed.
     pub update_time: SystemTime,
+    /// Whether the client of its `Execute` went away and so cancelled it: a retry with the
+    /// same message id then starts a new run instead of getting this one back.
+    #[serde(default)]
+    pub abandoned: bool,
 }
 
-/// A run's record, shared by the run and its readers.
-#[derive(Debug)]
-pub struct RunState(Mutex<RunRecord>);
+impl<'de> Deserialize<'de> for RunError {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// [`RunError`] as stored, with an owned category.
+        #[derive(Deserialize)]
+        struct Stored {
+            code: String,
+            message: String,
+            category: String,
+            retryable: bool,
+        }
+        let stored = Stored::deserialize(deserializer)?;
+        Ok(Self {
+            code: stored.code,
+            message: stored.message,
+            category: agentrt_events::static_name_of(&stored.category),
+            retryable: stored.retryable,
+        })
+    }
+}
 
-impl RunState {
+impl RunRecord {
     /// The record of a run that starts now.
     pub fn new(
         run_id: &str,
@@ -171,7 +209,7 @@ impl RunState {
         query: &str,
     ) -> Self {
         let now = SystemTime::now();
-        Self(Mutex::new(RunRecord {
+        Self {
             run_id: run_id.into(),
             engine_id: engine_id.into(),
             session_id: session_id.into(),
@@ -186,17 +224,33 @@ impl RunState {
             last_sequence: 0,
             create_time: now,
             update_time: now,
-        }))
+            abandoned: false,
+        }
     }
 
-    /// Locks the record for an update or a read.
-    pub fn lock(&self) -> MutexGuard<'_, RunRecord> {
-        // Updates leave the record consistent before anything can panic.
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    /// A copy of the record without its rounds.
+    pub fn without_steps(&self) -> Self {
+        Self {
+            run_id: self.run_id.clone(),
+            engine_id: self.engine_id.clone(),
+            session_id: self.session_id.clone(),
+            message_id: self.message_id.clone(),
+            query: self.query.clone(),
+            status: self.status,
+            stop_reason: self.stop_reason,
+            steps: Vec::new(),
+            final_answer: self.final_answer.clone(),
+            usage: self.usage,
+            error: self.error.clone(),
+            last_sequence: self.last_sequence,
+            create_time: self.create_time,
+            update_time: self.update_time,
+            abandoned: self.abandoned,
+        }
     }
 
-    /// A copy of the record.
-    pub fn snapshot(&self) -> RunRecord {
-        self.lock().clone()
+    /// Whether the run has ended.
+    pub fn ended(&self) -> bool {
+        self.status != RunStatus::Running
     }
 }

@@ -1,0 +1,21 @@
+//! Errors of the stores that hold state which may outlive one process.
+
+/// Why shared state could not be read or written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// The store cannot be reached (Redis is down or unreachable); the same call may
+    /// succeed later. The message names the store.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The store holds a value this version cannot read.
+    #[error("stored {what} cannot be read: {detail}")]
+    Corrupt {
+        /// What was read.
+        what: &'static str,
+        /// Why it could not be.
+        detail: String,
+    },
+}
+
+/// A store's result.
+pub type StateResult<T> = Result<T, StateError>;

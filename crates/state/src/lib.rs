@@ -1,0 +1,22 @@
+//! The state of agent-server that may outlive one process: engines, session histories,
+//! run records with their idempotency keys and stop requests, and (through
+//! `agentrt-events`) run event logs.
+//!
+//! Every store is an `async` trait returning `Result`, over serializable domain types.
+//! The in-memory stores are the embedded default and the test double; the Redis stores
+//! ([`redis::Redis`]) let any number of replicas share one state. Both pass the same
+//! conformance suites (`agentrt-test-support`).
+
+mod engines;
+mod record;
+pub mod redis;
+mod runs;
+
+pub use agentrt_context::{Exchange, InMemorySessionStore, SessionLimits, SessionStore};
+pub use agentrt_core::{StateError, StateResult};
+pub use agentrt_events::{BusError, BusLimits, EventBus, InMemoryBus};
+pub use engines::{EngineStore, MemoryEngineStore, StoredEngine};
+pub use record::{
+    RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
+};
+pub use runs::{Claim, MemoryRunStore, RunRetention, RunStore, StopRequest, StopRequests};

@@ -1,0 +1,873 @@
+//! The stores shared through Redis: every replica pointed at one Redis serves any engine,
+//! session and run.
+//!
+//! A replica holds two connections, whatever its load: one multiplexed connection for
+//! commands (pipelined; the engine, session, run and event stores share it) and one for
+//! subscriptions (stop requests, and the "new events" notices that wake the readers of a
+//! run on this replica). Both reconnect by themselves; while Redis cannot be reached,
+//! every call fails at once with [`StateError::Unavailable`], naming Redis.
+//!
+//! Keys, under a prefix (`agentrt` unless set), each with a time to live:
+//! - `P:engine:ID`: the engine (JSON), for the engine TTL after its last use;
+//! - `P:session:ID`: the session's exchanges (a list of JSON), for the session TTL after
+//!   its last turn, the oldest beyond the bound trimmed;
+//! - `P:run:ID`: the run's record (a hash: `h` the record, `s:N` each round), and
+//!   `P:msg:LEN:SESSION:MESSAGE` the run a message id names; while the run runs and for the
+//!   retention after;
+//! - `P:events:ID`: the run's event log (a stream whose entry ids are the sequence
+//!   numbers), at most `events_per_run` entries, kept as long as the record.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, SystemTime},
+};
+
+use agentrt_context::{Exchange, SessionStore};
+use agentrt_core::{StateError, StateResult};
+use agentrt_events::{BusError, EventBus, EventStream, RunEvent, RunPublisher};
+use async_trait::async_trait;
+use redis::{
+    AsyncCommands, Client, ProtocolVersion, PushInfo, PushKind, Value,
+    aio::{ConnectionManager, ConnectionManagerConfig},
+};
+use tokio::sync::{broadcast, watch};
+use tracing::{debug, info, warn};
+
+use crate::{
+    EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
+    runs::{Claim, RunStore, StopRequest, StopRequests},
+};
+
+/// How long one command may take before it fails, and one connection attempt.
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a reader waits for a notice before it looks for new events anyway (a notice
+/// may be lost while the subscription connection reconnects).
+const READ_POLL: Duration = Duration::from_secs(2);
+/// How long a running run's keys live without being written; every round renews them.
+const RUNNING_TTL: Duration = Duration::from_secs(3600);
+/// Events a reader takes from the log at once.
+const READ_BATCH: usize = 256;
+
+/// The bounds of what is kept in Redis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisLimits {
+    /// How long an engine lives after its last use.
+    pub engine_ttl: Duration,
+    /// How long a session lives after its last turn.
+    pub session_ttl: Duration,
+    /// Exchanges kept per session.
+    pub max_exchanges: usize,
+    /// How long an ended run (record and events) stays readable.
+    pub run_retention: Duration,
+    /// Events kept per run.
+    pub events_per_run: usize,
+}
+
+/// A connection to the Redis every replica shares.
+#[derive(Clone)]
+pub struct Redis {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    commands: ConnectionManager,
+    subscriptions: ConnectionManager,
+    prefix: String,
+    /// The URL without credentials, for messages.
+    target: String,
+    limits: RedisLimits,
+    listeners: Arc<Mutex<Listeners>>,
+}
+
+#[derive(Default)]
+struct Listeners {
+    /// Per event channel: the last sequence announced, and how many readers here follow.
+    events: HashMap<String, (watch::Sender<u64>, usize)>,
+    /// Stop requests, to every run manager of this process.
+    stops: Option<broadcast::Sender<StopRequest>>,
+    stop_channel: String,
+}
+
+fn lock(listeners: &Mutex<Listeners>) -> MutexGuard<'_, Listeners> {
+    // Each critical section leaves the maps consistent before anything can panic.
+    listeners.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Redis {
+    /// Connects to `url` (`redis://` or `rediss://`), keeping keys under `prefix`.
+    /// Connections are made lazily and remade as needed: a Redis that is down now makes
+    /// calls fail until it is up, not the start-up.
+    pub fn connect(url: &str, prefix: &str, limits: RedisLimits) -> StateResult<Self> {
+        let target = agentrt_core::mask_url_credentials(url);
+        let invalid = |e: redis::RedisError| {
+            StateError::Unavailable(format!("the Redis URL {target} is not valid: {e}"))
+        };
+        let client = Client::open(url).map_err(invalid)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(COMMAND_TIMEOUT))
+            .set_response_timeout(Some(COMMAND_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        let commands = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+            .map_err(invalid)?;
+        let info = client.get_connection_info().clone();
+        let settings = info
+            .redis_settings()
+            .clone()
+            .set_protocol(ProtocolVersion::RESP3);
+        let subscriber = Client::open(info.set_redis_settings(settings)).map_err(invalid)?;
+        let listeners = Arc::new(Mutex::new(Listeners {
+            stop_channel: format!("{prefix}:stop"),
+            ..Listeners::default()
+        }));
+        let dispatch = {
+            let listeners = listeners.clone();
+            move |push: PushInfo| -> Result<(), ()> {
+                dispatch(&listeners, push);
+                Ok(())
+            }
+        };
+        let subscriptions = ConnectionManager::new_lazy_with_config(
+            subscriber,
+            config
+                .set_push_sender(dispatch)
+                .set_automatic_resubscription(),
+        )
+        .map_err(invalid)?;
+        Ok(Self {
+            shared: Arc::new(Shared {
+                commands,
+                subscriptions,
+                prefix: prefix.to_owned(),
+                target,
+                limits,
+                listeners,
+            }),
+        })
+    }
+
+    /// Checks that both connections reach Redis (and reconnects them if needed).
+    pub async fn ping(&self) -> StateResult<()> {
+        let mut commands = self.shared.commands.clone();
+        let mut subscriptions = self.shared.subscriptions.clone();
+        let _: String = redis::cmd("PING")
+            .query_async(&mut commands)
+            .await
+            .map_err(|e| self.shared.unavailable(&e))?;
+        let _: Value = redis::cmd("PING")
+            .query_async(&mut subscriptions)
+            .await
+            .map_err(|e| self.shared.unavailable(&e))?;
+        Ok(())
+    }
+
+    /// The engine store.
+    pub fn engines(&self) -> Arc<dyn EngineStore> {
+        Arc::new(RedisEngines(self.shared.clone()))
+    }
+
+    /// The session store.
+    pub fn sessions(&self) -> Arc<dyn SessionStore> {
+        Arc::new(RedisSessions(self.shared.clone()))
+    }
+
+    /// The run store.
+    pub fn runs(&self) -> Arc<dyn RunStore> {
+        Arc::new(RedisRuns(self.shared.clone()))
+    }
+
+    /// The event bus.
+    pub fn bus(&self) -> Arc<dyn EventBus> {
+        Arc::new(RedisBus(self.shared.clone()))
+    }
+}
+
+/// Hands a message of a subscription to the readers or run managers of this process.
+fn dispatch(listeners: &Mutex<Listeners>, push: PushInfo) {
+    match push.kind {
+        PushKind::Message => {
+            let mut data = push.data.into_iter();
+            let (Some(channel), Some(payload)) = (data.next(), data.next()) else {
+                return;
+            };
+            let (Some(channel), Some(payload)) = (text(channel), text(payload)) else {
+                return;
+            };
+            let listeners = lock(listeners);
+            if channel == listeners.stop_channel {
+                if let Some((reason, run_id)) = payload.split_once(' ')
+                    && let Some(reason) = StopReason::from_name(reason)
+                    && let Some(stops) = &listeners.stops
+                {
+                    let _ = stops.send(StopRequest {
+                        run_id: run_id.to_owned(),
+                        reason,
+                    });
+                }
+            } else if let Some((sender, _)) = listeners.events.get(&channel)
+                && let Ok(sequence) = payload.parse::<u64>()
+            {
+                sender.send_if_modified(|last| {
+                    let newer = sequence > *last;
+                    *last = (*last).max(sequence);
+                    newer
+                });
+            }
+        }
+        PushKind::Disconnection => {
+            // Readers look again when the connection is back (they also poll).
+            debug!("redis subscription connection lost");
+        }
+        _ => {}
+    }
+}
+
+fn text(value: Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes).ok(),
+        Value::SimpleString(text) => Some(text),
+        _ => None,
+    }
+}
+
+impl Shared {
+    fn unavailable(&self, error: &redis::RedisError) -> StateError {
+        StateError::Unavailable(format!("Redis at {} is unavailable: {error}", self.target))
+    }
+
+    fn key(&self, kind: &str, id: &str) -> String {
+        format!("{}:{kind}:{id}", self.prefix)
+    }
+
+    fn connection(&self) -> ConnectionManager {
+        self.commands.clone()
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+fn corrupt(what: &'static str, error: &dyn std::fmt::Display) -> StateError {
+    StateError::Corrupt {
+        what,
+        detail: error.to_string(),
+    }
+}
+
+struct RedisEngines(Arc<Shared>);
+
+#[async_trait]
+impl EngineStore for RedisEngines {
+    async fn insert(&self, mut engine: StoredEngine) -> StateResult<StoredEngine> {
+        let ttl = self.0.limits.engine_ttl;
+        engine.expire_time = SystemTime::now() + ttl;
+        let json = serde_json::to_string(&engine).map_err(|e| corrupt("engine", &e))?;
+        let _: () = redis::cmd("SET")
+            .arg(self.0.key("engine", &engine.id))
+            .arg(json)
+            .arg("PX")
+            .arg(millis(ttl))
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(engine)
+    }
+
+    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
+        let ttl = self.0.limits.engine_ttl;
+        let json: Option<String> = redis::cmd("GETEX")
+            .arg(self.0.key("engine", id))
+            .arg("PX")
+            .arg(millis(ttl))
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        let Some(json) = json else { return Ok(None) };
+        let mut engine: StoredEngine =
+            serde_json::from_str(&json).map_err(|e| corrupt("engine", &e))?;
+        engine.expire_time = SystemTime::now() + ttl;
+        Ok(Some(engine))
+    }
+
+    async fn remove(&self, id: &str) -> StateResult<bool> {
+        let removed: u64 = self
+            .0
+            .connection()
+            .del(self.0.key("engine", id))
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(removed > 0)
+    }
+}
+
+struct RedisSessions(Arc<Shared>);
+
+#[async_trait]
+impl SessionStore for RedisSessions {
+    async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>> {
+        let items: Vec<String> = self
+            .0
+            .connection()
+            .lrange(self.0.key("session", session_id), 0, -1)
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        items
+            .iter()
+            .map(|json| {
+                serde_json::from_str(json)
+                    .map(Arc::new)
+                    .map_err(|e| corrupt("session exchange", &e))
+            })
+            .collect()
+    }
+
+    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()> {
+        let key = self.0.key("session", session_id);
+        let json = serde_json::to_string(&exchange).map_err(|e| corrupt("exchange", &e))?;
+        let keep = isize::try_from(self.0.limits.max_exchanges.max(1)).unwrap_or(isize::MAX);
+        // One transaction: the push lands whole, in the order appends reach Redis, and
+        // the trim and the TTL with it.
+        let _: () = redis::pipe()
+            .atomic()
+            .rpush(&key, json)
+            .ignore()
+            .ltrim(&key, -keep, -1)
+            .ignore()
+            .pexpire(
+                &key,
+                i64::try_from(millis(self.0.limits.session_ttl)).unwrap_or(i64::MAX),
+            )
+            .ignore()
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+}
+
+struct RedisRuns(Arc<Shared>);
+
+/// Sets the key to the run when it is free or held by the run it replaces.
+const CLAIM: &str = r"
+local holder = redis.call('GET', KEYS[1])
+if holder == false or (ARGV[2] ~= '' and holder == ARGV[2]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+  return ''
+end
+return holder
+";
+
+impl RedisRuns {
+    fn message_key(&self, session_id: &str, message_id: &str) -> String {
+        self.0.key(
+            "msg",
+            &format!("{}:{session_id}:{message_id}", session_id.len()),
+        )
+    }
+
+    fn ttl(&self, record: &RunRecord) -> Duration {
+        if record.ended() {
+            self.0.limits.run_retention
+        } else {
+            RUNNING_TTL + self.0.limits.run_retention
+        }
+    }
+}
+
+#[async_trait]
+impl RunStore for RedisRuns {
+    async fn claim(
+        &self,
+        session_id: &str,
+        message_id: &str,
+        run_id: &str,
+        replacing: Option<&str>,
+    ) -> StateResult<Claim> {
+        let holder: String = redis::Script::new(CLAIM)
+            .key(self.message_key(session_id, message_id))
+            .arg(run_id)
+            .arg(replacing.unwrap_or(""))
+            .arg(millis(RUNNING_TTL + self.0.limits.run_retention))
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(if holder.is_empty() {
+            Claim::Claimed
+        } else {
+            Claim::Taken(holder)
+        })
+    }
+
+    async fn save(&self, record: &RunRecord, from_step: usize) -> StateResult<()> {
+        let key = self.0.key("run", &record.run_id);
+        let header = serde_json::to_string(record).map_err(|e| corrupt("run record", &e))?;
+        let mut fields = vec![("h".to_owned(), header)];
+        for (index, step) in record.steps.iter().enumerate().skip(from_step) {
+            let json = serde_json::to_string(step).map_err(|e| corrupt("run step", &e))?;
+            fields.push((format!("s:{index}"), json));
+        }
+        let ttl = i64::try_from(millis(self.ttl(record))).unwrap_or(i64::MAX);
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .hset_multiple(&key, &fields)
+            .ignore()
+            .pexpire(&key, ttl)
+            .ignore()
+            .pexpire(self.0.key("events", &record.run_id), ttl)
+            .ignore()
+            .pexpire(
+                self.message_key(&record.session_id, &record.message_id),
+                ttl,
+            )
+            .ignore();
+        let _: () = pipe
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+
+    async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
+        let fields: HashMap<String, String> = self
+            .0
+            .connection()
+            .hgetall(self.0.key("run", run_id))
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        let Some(header) = fields.get("h") else {
+            return Ok(None);
+        };
+        let mut record: RunRecord =
+            serde_json::from_str(header).map_err(|e| corrupt("run record", &e))?;
+        let mut steps: Vec<(usize, StepRecord)> = Vec::with_capacity(fields.len());
+        for (name, json) in &fields {
+            if let Some(index) = name.strip_prefix("s:").and_then(|i| i.parse().ok()) {
+                let step = serde_json::from_str(json).map_err(|e| corrupt("run step", &e))?;
+                steps.push((index, step));
+            }
+        }
+        steps.sort_by_key(|(index, _)| *index);
+        record.steps = steps.into_iter().map(|(_, step)| step).collect();
+        Ok(Some(record))
+    }
+
+    async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {
+        let channel = lock(&self.0.listeners).stop_channel.clone();
+        let _: u64 = self
+            .0
+            .connection()
+            .publish(channel, format!("{} {run_id}", reason.as_str()))
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+
+    async fn stop_requests(&self) -> StateResult<StopRequests> {
+        let (receiver, channel, first) = {
+            let mut listeners = lock(&self.0.listeners);
+            let first = listeners.stops.is_none();
+            let sender = listeners
+                .stops
+                .get_or_insert_with(|| broadcast::channel(1024).0);
+            (sender.subscribe(), listeners.stop_channel.clone(), first)
+        };
+        if first {
+            // Subscribed once per process; the connection subscribes again by itself
+            // after a reconnect. Until Redis answers, keep trying in the background.
+            let mut subscriptions = self.0.subscriptions.clone();
+            tokio::spawn(async move {
+                let mut wait = Duration::from_millis(100);
+                loop {
+                    match subscriptions.subscribe(&channel).await {
+                        Ok(()) => {
+                            info!("subscribed to stop requests");
+                            return;
+                        }
+                        Err(error) => {
+                            warn!(%error, "cannot subscribe to stop requests yet");
+                            tokio::time::sleep(wait).await;
+                            wait = (wait * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                }
+            });
+        }
+        Ok(Box::pin(futures_util::stream::unfold(
+            receiver,
+            |mut receiver| async move {
+                loop {
+                    match receiver.recv().await {
+                        Ok(request) => return Some((request, receiver)),
+                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(broadcast::error::RecvError::Closed) => return None,
+                    }
+                }
+            },
+        )))
+    }
+}
+
+struct RedisBus(Arc<Shared>);
+
+fn bus_error(shared: &Shared, error: &redis::RedisError) -> BusError {
+    BusError::Unavailable(shared.unavailable(error).to_string())
+}
+
+/// The sequence number of a stream entry id (`SEQ-0`).
+fn sequence_of(id: &str) -> u64 {
+    id.split('-')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+type Entries = Vec<(String, Vec<Vec<u8>>)>;
+
+fn decode(entries: Entries) -> Result<Vec<Arc<RunEvent>>, BusError> {
+    entries
+        .into_iter()
+        .map(|(id, fields)| {
+            let json = fields.get(1).ok_or_else(|| {
+                BusError::Unavailable(format!("event {id} in Redis has no payload"))
+            })?;
+            let mut event: RunEvent = serde_json::from_slice(json)
+                .map_err(|e| BusError::Unavailable(format!("event {id} in Redis: {e}")))?;
+            event.sequence = sequence_of(&id);
+            Ok(Arc::new(event))
+        })
+        .collect()
+}
+
+#[async_trait]
+impl EventBus for RedisBus {
+    async fn open(&self, run_id: &str) -> Result<Box<dyn RunPublisher>, BusError> {
+        let key = self.0.key("events", run_id);
+        let exists: bool = self
+            .0
+            .connection()
+            .exists(&key)
+            .await
+            .map_err(|e| bus_error(&self.0, &e))?;
+        if exists {
+            return Err(BusError::DuplicateRun(run_id.to_owned()));
+        }
+        Ok(Box::new(RedisPublisher {
+            shared: self.0.clone(),
+            key,
+            state: Mutex::new(PublisherState {
+                next: 1,
+                done: false,
+            }),
+        }))
+    }
+
+    async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
+        let key = self.0.key("events", run_id);
+        let last: Entries = redis::cmd("XREVRANGE")
+            .arg(&key)
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| bus_error(&self.0, &e))?;
+        let Some(last) = decode(last)?.pop() else {
+            return Err(BusError::UnknownRun(run_id.to_owned()));
+        };
+        let follow = Follow::start(&self.0, &key);
+        let reader = RedisReader {
+            shared: self.0.clone(),
+            key,
+            cursor: after_sequence,
+            batch: Vec::new(),
+            finished: false,
+            owes_done: !last.done,
+            follow,
+        };
+        Ok(Box::pin(futures_util::stream::unfold(
+            reader,
+            RedisReader::next,
+        )))
+    }
+}
+
+struct PublisherState {
+    next: u64,
+    done: bool,
+}
+
+struct RedisPublisher {
+    shared: Arc<Shared>,
+    key: String,
+    state: Mutex<PublisherState>,
+}
+
+impl RedisPublisher {
+    fn state(&self) -> MutexGuard<'_, PublisherState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[async_trait]
+impl RunPublisher for RedisPublisher {
+    async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
+        let (first, mut pipe, last, done) = {
+            let state = self.state();
+            if state.done {
+                return Ok(());
+            }
+            let mut pipe = redis::pipe();
+            pipe.atomic();
+            let mut sequence = state.next;
+            let mut done = false;
+            for event in &events {
+                let json = serde_json::to_vec(event)
+                    .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
+                pipe.cmd("XADD")
+                    .arg(&self.key)
+                    .arg("MAXLEN")
+                    .arg("=")
+                    .arg(self.shared.limits.events_per_run.max(1))
+                    .arg(format!("{sequence}-1"))
+                    .arg("e")
+                    .arg(json)
+                    .ignore();
+                sequence += 1;
+                if event.done {
+                    done = true;
+                    break;
+                }
+            }
+            (state.next, pipe, sequence - 1, done)
+        };
+        if last < first {
+            return Ok(());
+        }
+        let ttl = if done {
+            self.shared.limits.run_retention
+        } else {
+            RUNNING_TTL + self.shared.limits.run_retention
+        };
+        if first == 1 || done {
+            pipe.pexpire(&self.key, i64::try_from(millis(ttl)).unwrap_or(i64::MAX))
+                .ignore();
+        }
+        pipe.publish(&self.key, last).ignore();
+        let _: () = pipe
+            .query_async(&mut self.shared.connection())
+            .await
+            .map_err(|e| bus_error(&self.shared, &e))?;
+        let mut state = self.state();
+        state.next = last + 1;
+        state.done |= done;
+        Ok(())
+    }
+}
+
+impl Drop for RedisPublisher {
+    /// A run whose publisher goes away without a `done` event (a bug, or a panic in the
+    /// run) still ends, so that no reader waits forever: the end is written in the
+    /// background.
+    fn drop(&mut self) {
+        let state = self.state();
+        if state.done {
+            return;
+        }
+        let next = state.next;
+        drop(state);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let publisher = RedisPublisher {
+            shared: self.shared.clone(),
+            key: self.key.clone(),
+            state: Mutex::new(PublisherState { next, done: false }),
+        };
+        runtime.spawn(async move {
+            let message = "the run ended without a final event";
+            let data = agentrt_events::EventData::End(agentrt_events::RunSummary {
+                stop_reason: "internal_error",
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                usage_estimated: false,
+                iterations: 0,
+                note: None,
+                error: Some(agentrt_events::RunFailure {
+                    code: "INTERNAL".into(),
+                    message: message.into(),
+                    category: "internal",
+                    retryable: true,
+                }),
+            });
+            let event = RunEvent {
+                done: true,
+                ..RunEvent::new(
+                    agentrt_events::EventKind::Error,
+                    0,
+                    message.into(),
+                    Some(data),
+                )
+            };
+            if let Err(error) = publisher.publish(vec![event]).await {
+                warn!(%error, "cannot end a run whose publisher went away");
+            }
+            // Ended now: its own drop has nothing to do.
+        });
+    }
+}
+
+/// This process's interest in one run's notices, shared by its readers here.
+struct Follow {
+    listeners: Arc<Mutex<Listeners>>,
+    subscriptions: ConnectionManager,
+    channel: String,
+    notices: watch::Receiver<u64>,
+}
+
+impl Follow {
+    fn start(shared: &Arc<Shared>, channel: &str) -> Self {
+        let (notices, first) = {
+            let mut listeners = lock(&shared.listeners);
+            let entry = listeners
+                .events
+                .entry(channel.to_owned())
+                .or_insert_with(|| (watch::Sender::new(0), 0));
+            entry.1 += 1;
+            (entry.0.subscribe(), entry.1 == 1)
+        };
+        if first {
+            let mut subscriptions = shared.subscriptions.clone();
+            let channel = channel.to_owned();
+            tokio::spawn(async move {
+                if let Err(error) = subscriptions.subscribe(&channel).await {
+                    // The reader polls meanwhile.
+                    debug!(%error, "cannot subscribe to a run's notices");
+                }
+            });
+        }
+        Self {
+            listeners: shared.listeners.clone(),
+            subscriptions: shared.subscriptions.clone(),
+            channel: channel.to_owned(),
+            notices,
+        }
+    }
+}
+
+impl Drop for Follow {
+    fn drop(&mut self) {
+        let last = {
+            let mut listeners = lock(&self.listeners);
+            match listeners.events.get_mut(&self.channel) {
+                Some(entry) if entry.1 > 1 => {
+                    entry.1 -= 1;
+                    false
+                }
+                Some(_) => {
+                    listeners.events.remove(&self.channel);
+                    true
+                }
+                None => false,
+            }
+        };
+        if last && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let mut subscriptions = self.subscriptions.clone();
+            let channel = std::mem::take(&mut self.channel);
+            runtime.spawn(async move {
+                let _ = subscriptions.unsubscribe(&channel).await;
+            });
+        }
+    }
+}
+
+struct RedisReader {
+    shared: Arc<Shared>,
+    key: String,
+    cursor: u64,
+    batch: Vec<Arc<RunEvent>>,
+    finished: bool,
+    /// Whether the reader attached while the run ran and has not been given its `done`.
+    owes_done: bool,
+    follow: Follow,
+}
+
+impl RedisReader {
+    async fn read(&mut self) -> Result<bool, BusError> {
+        let wanted = self.cursor.saturating_add(1);
+        let entries: Entries = redis::cmd("XRANGE")
+            .arg(&self.key)
+            .arg(format!("{wanted}-0"))
+            .arg("+")
+            .arg("COUNT")
+            .arg(READ_BATCH)
+            .query_async(&mut self.shared.connection())
+            .await
+            .map_err(|e| bus_error(&self.shared, &e))?;
+        let mut events = decode(entries)?;
+        if let Some(first) = events.first()
+            && first.sequence > wanted
+        {
+            return Err(BusError::Lagged {
+                from: wanted,
+                to: first.sequence - 1,
+            });
+        }
+        if events.is_empty() && self.owes_done {
+            // Attached beyond the end: the `done` event still closes the stream once the
+            // run has ended.
+            let last: Entries = redis::cmd("XREVRANGE")
+                .arg(&self.key)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(&mut self.shared.connection())
+                .await
+                .map_err(|e| bus_error(&self.shared, &e))?;
+            match decode(last)?.pop() {
+                Some(last) if last.done => events.push(last),
+                Some(_) => {}
+                None => return Err(BusError::UnknownRun(self.key.clone())),
+            }
+        }
+        events.reverse();
+        let found = !events.is_empty();
+        self.batch = events;
+        Ok(found)
+    }
+
+    async fn next(mut self) -> Option<(Result<Arc<RunEvent>, BusError>, Self)> {
+        loop {
+            if let Some(event) = self.batch.pop() {
+                self.cursor = self.cursor.max(event.sequence);
+                if event.done {
+                    self.owes_done = false;
+                    self.finished = true;
+                    self.batch.clear();
+                }
+                return Some((Ok(event), self));
+            }
+            if self.finished {
+                return None;
+            }
+            self.follow.notices.borrow_and_update();
+            match self.read().await {
+                Ok(true) => continue,
+                Ok(false) if !self.owes_done => return None,
+                Ok(false) => {
+                    let notices = &mut self.follow.notices;
+                    let _ = tokio::time::timeout(READ_POLL, notices.changed()).await;
+                }
+                Err(error) => {
+                    self.finished = true;
+                    return Some((Err(error), self));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,217 @@
+//! Several agent-server replicas sharing one Redis (`--state`): any replica serves any
+//! engine, session and run.
+//!
+//! Needs Redis at `AGENTRT_TEST_REDIS` (default `redis://127.0.0.1:6379/0`); `scripts/test`
+//! starts one when none answers. Each test keeps its keys under a prefix of its own.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use agentrt::v1::{
+    self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
+};
+use agentrt_test_support::{
+    Server, agent_server_with_model,
+    conformance::{redis_prefix, redis_url},
+    connect,
+};
+use common::{Stack, agent, assert_well_formed, collect, data, done, kind, text};
+use tonic::transport::Channel;
+
+const SCENARIOS: &str = r#"{"scenarios": {
+  "calc": {"turns": [
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}]},
+    {"content": "the answer is 42"}]},
+  "memory": {"turns": [{"content": "seen {user_messages}"}]},
+  "slow": {"turns": [{"content": "a very slow answer, one character at a time, taking its time", "chunk_chars": 1, "chunk_delay_ms": 50}]}
+}}"#;
+
+struct Replica {
+    _server: Server,
+    service: AgentServiceClient<Channel>,
+    engine: AgentEngineClient<Channel>,
+}
+
+/// A stack (replica A) and a second agent-server (replica B) on the same Redis.
+async fn replicas(test: &str) -> (Stack, Replica) {
+    let prefix = redis_prefix(test);
+    let url = redis_url();
+    let args = [
+        "--state",
+        url.as_str(),
+        "--state-key-prefix",
+        prefix.as_str(),
+    ];
+    let a = Stack::up(SCENARIOS, &args).await;
+    let server =
+        agent_server_with_model(&a.tools.url(), &format!("{}/v1", a.model.url()), &args).await;
+    let channel = connect(&server.url()).await;
+    let b = Replica {
+        _server: server,
+        service: AgentServiceClient::new(channel.clone()),
+        engine: AgentEngineClient::new(channel),
+    };
+    (a, b)
+}
+
+async fn state(engine: &mut AgentEngineClient<Channel>, run_id: &str) -> v1::AgentState {
+    engine
+        .get_run(v1::GetRunRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+#[tokio::test]
+async fn an_engine_made_on_one_replica_runs_on_another_and_both_agree_on_the_run() {
+    let (mut a, mut b) = replicas("engine").await;
+    let engine_id = a.engine_for(agent("calc", &["calculator"])).await;
+    let got = b
+        .service
+        .get_agent_engine(v1::GetAgentEngineRequest {
+            engine_id: engine_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.engine_id, engine_id);
+    let events = collect(
+        b.engine
+            .execute(v1::ExecuteRequest {
+                engine_id: engine_id.clone(),
+                query: "what is 6 * 7?".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+    assert_eq!(
+        text(&events, v1::EventType::FinalAnswer),
+        "the answer is 42"
+    );
+    let run_id = events[0].run_id.clone();
+    // GetRun agrees everywhere, and so does a replay from either replica.
+    let on_a = a.state(&run_id).await;
+    let on_b = state(&mut b.engine, &run_id).await;
+    assert_eq!(on_a, on_b);
+    assert_eq!(on_a.status, v1::RunStatus::Succeeded as i32);
+    assert_eq!(on_a.final_answer, "the answer is 42");
+    assert_eq!(on_a.last_sequence, events.len() as u64);
+    let replay = collect(
+        a.engine
+            .subscribe(v1::SubscribeRequest {
+                run_id: run_id.clone(),
+                after_sequence: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_eq!(replay, events);
+    let results: Vec<_> = events
+        .iter()
+        .filter(|e| kind(e) == v1::EventType::ToolResult)
+        .map(|e| data(e)["output"].clone())
+        .collect();
+    assert_eq!(results, [serde_json::json!("42")]);
+}
+
+#[tokio::test]
+async fn subscribe_and_cancel_on_another_replica_reach_the_run() {
+    let (mut a, mut b) = replicas("cancel").await;
+    let engine_id = a.engine_for(agent("slow", &[])).await;
+    let mut execute = a.start(&engine_id, "take your time").await;
+    let first = execute.message().await.unwrap().unwrap();
+    let run_id = first.run_id.clone();
+    let subscribed = b
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let follower = tokio::spawn(collect(subscribed));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = tokio::time::Instant::now();
+    let cancelled = b
+        .engine
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let took = asked.elapsed();
+    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
+    assert!(
+        took < Duration::from_millis(1000),
+        "Cancel on another replica took {took:?}"
+    );
+    let mut rest = vec![first];
+    rest.extend(common::rest(execute).await);
+    assert_well_formed(&rest);
+    assert_eq!(done(&rest)["stop_reason"], "cancelled");
+    let followed = follower.await.unwrap();
+    assert_eq!(
+        followed, rest,
+        "every event exactly once, on the other replica too"
+    );
+    let on_a = a.state(&run_id).await;
+    assert_eq!(on_a, state(&mut b.engine, &run_id).await);
+    assert_eq!(on_a.status, v1::RunStatus::Cancelled as i32);
+}
+
+#[tokio::test]
+async fn a_session_carries_across_replicas_and_a_message_id_makes_one_run() {
+    let (mut a, mut b) = replicas("session").await;
+    let engine_id = a.engine_for(agent("memory", &[])).await;
+    let ask = |query: &str, message_id: &str| v1::ExecuteRequest {
+        engine_id: engine_id.clone(),
+        query: query.into(),
+        message_id: message_id.into(),
+        ..Default::default()
+    };
+    let first = collect(
+        a.engine
+            .execute(ask("first", "m1"))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_eq!(done(&first)["stop_reason"], "final_answer");
+    let second = collect(
+        b.engine
+            .execute(ask("second", "m2"))
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await;
+    assert_eq!(
+        text(&second, v1::EventType::FinalAnswer),
+        "seen 2",
+        "replica B saw the turn made on A"
+    );
+    // The same message id sent to both replicas at once makes one run.
+    let (mut ea, mut eb) = (a.engine.clone(), b.engine.clone());
+    let (left, right) = tokio::join!(
+        ea.execute(ask("third", "m3")),
+        eb.execute(ask("third", "m3"))
+    );
+    let left = collect(left.unwrap().into_inner()).await;
+    let right = collect(right.unwrap().into_inner()).await;
+    assert_eq!(left[0].run_id, right[0].run_id);
+    assert_eq!(left, right);
+}
