@@ -215,3 +215,123 @@ async fn a_session_carries_across_replicas_and_a_message_id_makes_one_run() {
     assert_eq!(left[0].run_id, right[0].run_id);
     assert_eq!(left, right);
 }
+
+/// A Redis of this test's own (so that stopping it disturbs no other test), on a free port,
+/// without persistence: a restart empties it, as losing a cache node would.
+struct OwnRedis {
+    port: u16,
+    child: Option<tokio::process::Child>,
+}
+
+impl OwnRedis {
+    async fn start(port: u16) -> Self {
+        let child = tokio::process::Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("this test needs redis-server on PATH (scripts/test installs it)");
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self {
+            port,
+            child: Some(child),
+        }
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+}
+
+async fn readiness(url: &str) -> i32 {
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+    HealthClient::new(connect(url).await)
+        .check(HealthCheckRequest {
+            service: "agent.v1.AgentEngine".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+async fn readiness_becomes(url: &str, status: i32, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while readiness(url).await != status {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn redis_stopped_and_started_again() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    let port = agentrt_test_support::unused_addr().port();
+    let mut redis = OwnRedis::start(port).await;
+    let url = format!("redis://127.0.0.1:{}/0", redis.port);
+    let prefix = redis_prefix("outage");
+    let mut a = Stack::up(
+        SCENARIOS,
+        &[
+            "--state",
+            url.as_str(),
+            "--state-key-prefix",
+            prefix.as_str(),
+        ],
+    )
+    .await;
+    let agents = a.agents.url();
+    readiness_becomes(&agents, SERVING, "serving with Redis up").await;
+    let engine_id = a.engine_for(agent("slow", &[])).await;
+    let mut running = a.start(&engine_id, "take your time").await;
+    assert!(running.message().await.unwrap().is_some());
+
+    redis.stop().await;
+    // A run in flight cannot go on without its store: its stream ends, it does not hang.
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match running.message().await {
+                Ok(Some(event)) if event.done => return Ok(event),
+                Ok(Some(_)) => {}
+                Ok(None) => panic!("the stream ended without a status"),
+                Err(status) => return Err(status),
+            }
+        }
+    })
+    .await
+    .expect("the run's stream ends while Redis is down");
+    if let Err(status) = ended {
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("Redis"), "{status:?}");
+    }
+    let refused = a
+        .service
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(agent("calc", &["calculator"])),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("Redis"), "{refused:?}");
+    readiness_becomes(&agents, NOT_SERVING, "NOT_SERVING while Redis is down").await;
+
+    let _redis = OwnRedis::start(port).await;
+    readiness_becomes(&agents, SERVING, "serving again once Redis is back").await;
+    let events = a
+        .run(agent("calc", &["calculator"]), "what is 6 * 7?")
+        .await;
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}

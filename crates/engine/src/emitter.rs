@@ -18,7 +18,7 @@ use agentrt_state::{
 use serde_json::{Value, json};
 use tracing::warn;
 
-use crate::{Outcome, react::Piece};
+use crate::{Outcome, react::Segment};
 
 /// The longest text one event carries: a longer delta goes out as several, so that no
 /// event comes near the gRPC message limit however much text a model sends at once.
@@ -84,10 +84,6 @@ impl Emitter {
             saved_steps: 0,
             iteration: 0,
         }
-    }
-
-    pub(crate) fn iteration(&self) -> u32 {
-        self.iteration
     }
 
     /// Publishes the events made so far; called before the run waits for anything.
@@ -190,11 +186,11 @@ impl Emitter {
         }
     }
 
-    pub(crate) fn pieces(&mut self, pieces: impl Iterator<Item = Piece>) {
+    pub(crate) fn pieces(&mut self, pieces: impl Iterator<Item = Segment>) {
         for piece in pieces {
             match piece {
-                Piece::Thought(text) => self.thought(text),
-                Piece::Answer(text) => self.answer(text),
+                Segment::Thought(text) => self.thought(text),
+                Segment::Answer(text) => self.answer(text),
             }
         }
     }

@@ -11,7 +11,9 @@
 //! HTTP connection closes) and running tool calls (their gRPC calls are cancelled).
 
 mod emitter;
+pub mod machine;
 pub mod react;
+mod strategy;
 
 use std::{
     sync::{
@@ -23,9 +25,7 @@ use std::{
 };
 
 use agentrt_context::{Exchange, SessionStore, TokenCounter, fit};
-use agentrt_core::{
-    AgentConfig, Reference, Strategy, ToolInvocation, ToolResult, ToolRunner, ToolSpec,
-};
+use agentrt_core::{AgentConfig, Reference, ToolInvocation, ToolResult, ToolRunner, ToolSpec};
 use agentrt_events::{RerankOutcome, RunPublisher};
 use agentrt_metrics::Metrics;
 use agentrt_models::{
@@ -42,6 +42,8 @@ pub use agentrt_state::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
 use emitter::Emitter;
+use machine::{Ending, Reply, RunState, Step};
+use strategy::Strategy as RunStrategy;
 
 /// What the engine needs from the rest of the server.
 #[derive(Clone)]
@@ -147,36 +149,15 @@ struct RoundSetup<'a> {
     model: &'a Arc<dyn ChatModel>,
     /// The provider's name, for spans.
     provider: &'a str,
-    react: bool,
+    strategy: &'a dyn RunStrategy,
     timeout: Duration,
     cancel: &'a CancellationToken,
 }
-
-/// What a model round produced.
-enum Round {
-    /// An answer; `cut_short` when the model stopped at its token limit.
-    Answer { text: String, cut_short: bool },
-    /// Tool calls, and the text the model wrote before them.
-    Tools {
-        content: String,
-        calls: Vec<ModelToolCall>,
-    },
-    /// A ReAct reply that neither acts nor answers: the model is told so and tries again.
-    Unreadable { content: String },
-}
-
-/// What the model is told when a ReAct reply neither acts nor answers.
-const REACT_FORMAT_REMINDER: &str = "Invalid format: your reply had neither `Action:` with \
-    `Action Input:` nor `Final Answer:`. Reply in the format described above.";
 
 /// Deepest nesting of tool-call arguments accepted: each JSON level costs three levels of
 /// Protobuf messages on the wire (`Struct`, map entry, `Value`), and decoders commonly stop
 /// at 100, so deeper arguments would make events that clients cannot decode.
 pub const MAX_ARGUMENT_DEPTH: usize = 20;
-
-/// Asked after the last allowed round, so that the run still ends with an answer.
-const FINAL_REQUEST: &str = "You have used all the steps you may take. Without calling any tool, \
-    answer the original question now, as well as you can from the information above.";
 
 impl Engine {
     /// An engine over these parts.
@@ -317,7 +298,8 @@ impl StartedRun {
 }
 
 impl Engine {
-    /// The rounds of a run; `Err` carries an outcome that ends it early.
+    /// Drives the run's step machine: asks it what to do, does it, feeds the result back,
+    /// until it ends. `Err` carries an outcome that ends the run early (a model failure).
     async fn drive(
         &self,
         spec: &RunSpec,
@@ -340,15 +322,15 @@ impl Engine {
             ));
         };
         let counter = TokenCounter::shared();
-        let react = config.strategy == Strategy::React;
+        let strategy = strategy::of(config.strategy);
         let round_setup = RoundSetup {
             model: &model,
             provider: &config.model.provider,
-            react,
+            strategy,
             timeout: config.timeouts.model_call,
             cancel,
         };
-        let system = system_message(config, &spec.tools, react).map(|m| {
+        let system = strategy.system_message(config, &spec.tools).map(|m| {
             let tokens = counter.message(&m);
             (m, tokens)
         });
@@ -360,18 +342,7 @@ impl Engine {
                 .await
                 .map_err(|e| state_failure("session history", &e))?,
         };
-        let definitions: Arc<[ToolDefinition]> = if react {
-            Arc::default()
-        } else {
-            spec.tools
-                .iter()
-                .map(|t| ToolDefinition {
-                    name: t.name.clone(),
-                    description: t.description.clone(),
-                    parameters: t.input_schema.clone(),
-                })
-                .collect()
-        };
+        let definitions = strategy.tool_definitions(&spec.tools);
         let reserved: u32 = definitions
             .iter()
             .map(|d| {
@@ -380,177 +351,75 @@ impl Engine {
                     + counter.text(&d.parameters.text())
             })
             .sum();
-        let user = ChatMessage::User(spec.query.clone());
-        let mut current = vec![(user.clone(), counter.message(&user))];
-        let mut previous_calls: Option<Vec<(String, String)>> = None;
-        let mut repeats = 0;
-
-        for iteration in 1..=config.max_iterations {
-            em.begin_round(iteration);
-            let fitted = fit(
-                system.as_ref().map(|(m, t)| (m, *t)),
-                &history,
-                &current,
-                reserved,
-                config.context.max_prompt_tokens,
-            );
-            if fitted.dropped > 0 {
-                debug!(
-                    dropped = fitted.dropped,
-                    "history trimmed to the token budget"
-                );
-            }
-            let prompt_tokens = fitted.tokens;
-            let request = self.request(config, fitted.messages, definitions.clone(), react);
-            let round = self
-                .model_round(&round_setup, request, prompt_tokens, em, iteration)
-                .await?;
-            let (content, calls) = match round {
-                Round::Answer { text, cut_short } => {
-                    self.remember(spec, &current, &text, counter).await?;
-                    return Ok(Outcome::Answered(if cut_short {
-                        StopReason::MaxTokens
+        let mut state = RunState::new(&spec.query, config.max_iterations, counter);
+        loop {
+            match state.next() {
+                Step::Model {
+                    iteration,
+                    with_tools,
+                } => {
+                    em.begin_round(iteration);
+                    // The final request is asked once and not kept in the turn.
+                    let asked = !with_tools;
+                    if asked {
+                        strategy::push(
+                            &mut state.messages,
+                            ChatMessage::User(strategy.final_request()),
+                            counter,
+                        );
+                    }
+                    let fitted = fit(
+                        system.as_ref().map(|(m, t)| (m, *t)),
+                        &history,
+                        &state.messages,
+                        if with_tools { reserved } else { 0 },
+                        config.context.max_prompt_tokens,
+                    );
+                    if asked {
+                        state.messages.pop();
+                    }
+                    if fitted.dropped > 0 {
+                        debug!(
+                            dropped = fitted.dropped,
+                            "history trimmed to the token budget"
+                        );
+                    }
+                    let tools = if with_tools {
+                        definitions.clone()
                     } else {
-                        StopReason::FinalAnswer
-                    }));
+                        Arc::default()
+                    };
+                    let request = self.request(config, fitted.messages, tools, strategy);
+                    let reply = self
+                        .model_round(&round_setup, request, fitted.tokens, em, iteration)
+                        .await?;
+                    if let Some(refused) = state.model_replied(iteration, reply, strategy, counter)
+                    {
+                        if refused.why == machine::REPEATED {
+                            debug!(
+                                "the model repeats the same tool calls; asking for a final answer"
+                            );
+                        }
+                        refuse_calls(em, &refused.calls, refused.why);
+                    }
                 }
-                Round::Unreadable { content } => {
-                    push(
-                        &mut current,
-                        ChatMessage::Assistant {
-                            content,
-                            tool_calls: Vec::new(),
-                        },
-                        counter,
-                    );
-                    push(
-                        &mut current,
-                        ChatMessage::User(format!("{} {REACT_FORMAT_REMINDER}", react::STOP)),
-                        counter,
-                    );
-                    continue;
+                Step::Tools(calls) => {
+                    let calls = calls.to_vec();
+                    let results = self.run_tools(spec, &calls, em, cancel).await?;
+                    state.tools_ran(results, strategy, counter);
+                    em.checkpoint().await?;
                 }
-                Round::Tools { content, calls } => (content, calls),
-            };
-            // A model that asks for the same calls round after round is stuck: its calls
-            // are not run again (each still gets its events, saying so), and it is asked
-            // for an answer.
-            let signature: Vec<(String, String)> = calls
-                .iter()
-                .map(|c| (c.name.clone(), c.arguments.clone()))
-                .collect();
-            if previous_calls.as_ref() == Some(&signature) {
-                repeats += 1;
-            } else {
-                repeats = 0;
-            }
-            previous_calls = Some(signature);
-            if repeats >= 2 {
-                debug!("the model repeats the same tool calls; asking for a final answer");
-                refuse_calls(
-                    em,
-                    &calls,
-                    "not run: this exact call was already made twice with the same arguments \
-                     and returned the results above; answer from them",
-                );
-                break;
-            }
-            let results = self.run_tools(spec, &calls, em, cancel).await?;
-            em.checkpoint().await?;
-            if react {
-                let observation = results
-                    .first()
-                    .map(|r| r.output.clone())
-                    .unwrap_or_default();
-                push(
-                    &mut current,
-                    ChatMessage::Assistant {
-                        content,
-                        tool_calls: Vec::new(),
-                    },
-                    counter,
-                );
-                push(
-                    &mut current,
-                    ChatMessage::User(format!("{} {observation}", react::STOP)),
-                    counter,
-                );
-            } else {
-                push(
-                    &mut current,
-                    ChatMessage::Assistant {
-                        content,
-                        tool_calls: calls.clone(),
-                    },
-                    counter,
-                );
-                for (call, result) in calls.iter().zip(results) {
-                    push(
-                        &mut current,
-                        ChatMessage::Tool {
-                            call_id: call.id.clone(),
-                            content: result.output,
-                        },
-                        counter,
-                    );
+                Step::End(Ending::Answered { answer, reason }) => {
+                    let reason = *reason;
+                    self.remember(spec, &state.messages, answer, counter)
+                        .await?;
+                    return Ok(Outcome::Answered(reason));
+                }
+                Step::End(Ending::Failed { reason, error }) => {
+                    return Err(Outcome::Failed(*reason, error.clone()));
                 }
             }
         }
-
-        // Out of rounds (or stuck): one last call without tools, for an answer from what
-        // there is.
-        let iteration = em.iteration() + 1;
-        em.begin_round(iteration);
-        let ask = if react {
-            format!("{FINAL_REQUEST} Reply with `Final Answer:` followed by the answer.")
-        } else {
-            FINAL_REQUEST.to_owned()
-        };
-        push(&mut current, ChatMessage::User(ask), counter);
-        let fitted = fit(
-            system.as_ref().map(|(m, t)| (m, *t)),
-            &history,
-            &current,
-            0,
-            config.context.max_prompt_tokens,
-        );
-        let prompt_tokens = fitted.tokens;
-        let request = self.request(config, fitted.messages, Arc::default(), react);
-        let answer = match self
-            .model_round(&round_setup, request, prompt_tokens, em, iteration)
-            .await?
-        {
-            Round::Answer { text, cut_short } => Some((text, cut_short)),
-            Round::Tools { content, calls } => {
-                // Offered no tools, it called some anyway: none runs, each is said so. Text
-                // it wrote beside them (streamed as this round's answer) still answers.
-                refuse_calls(
-                    em,
-                    &calls,
-                    "not run: no more tool calls are allowed in this run",
-                );
-                (!react && !content.trim().is_empty()).then_some((content, false))
-            }
-            Round::Unreadable { .. } => None,
-        };
-        let Some((answer, cut_short)) = answer else {
-            return Err(Outcome::Failed(
-                StopReason::ModelError,
-                RunError {
-                    code: "MODEL_NO_ANSWER".into(),
-                    message: "asked for a final answer without tools, the model wrote none".into(),
-                    category: "model",
-                    retryable: true,
-                },
-            ));
-        };
-        current.pop();
-        self.remember(spec, &current, &answer, counter).await?;
-        Ok(Outcome::Answered(if cut_short {
-            StopReason::MaxTokens
-        } else {
-            StopReason::MaxIterations
-        }))
     }
 
     fn request(
@@ -558,7 +427,7 @@ impl Engine {
         config: &AgentConfig,
         messages: Vec<ChatMessage>,
         tools: Arc<[ToolDefinition]>,
-        react: bool,
+        strategy: &dyn RunStrategy,
     ) -> ChatRequest {
         ChatRequest {
             model: config.model.name.clone(),
@@ -567,11 +436,7 @@ impl Engine {
             tools,
             temperature: config.model.temperature,
             max_tokens: config.model.max_tokens,
-            stop: if react {
-                vec![react::STOP.to_owned()]
-            } else {
-                Vec::new()
-            },
+            stop: strategy.stop(),
         }
     }
 
@@ -607,11 +472,11 @@ impl Engine {
         prompt_tokens: u32,
         em: &mut Emitter,
         iteration: u32,
-    ) -> Result<Round, Outcome> {
+    ) -> Result<Reply, Outcome> {
         let RoundSetup {
             model,
             provider,
-            react,
+            strategy,
             timeout,
             cancel,
         } = *setup;
@@ -634,7 +499,7 @@ impl Engine {
                 .stream(request, cancel.child_token())
                 .await
                 .map_err(model_failure)?;
-            let mut parser = react.then(react::Parser::default);
+            let mut parser = strategy.reply_parser();
             let mut stop_cut = react::StopCut::default();
             let mut pieces = Vec::new();
             let mut content = String::new();
@@ -706,7 +571,7 @@ impl Engine {
             let cut_short = finish == FinishReason::Length;
             let Some(mut parser) = parser else {
                 if !calls.is_empty() {
-                    return Ok(Round::Tools { content, calls });
+                    return Ok(Reply::Tools { content, calls });
                 }
                 return answer_or_error(content, cut_short);
             };
@@ -725,7 +590,7 @@ impl Engine {
                     name,
                     arguments: input,
                 };
-                return Ok(Round::Tools {
+                return Ok(Reply::Tools {
                     content,
                     calls: vec![call],
                 });
@@ -740,7 +605,7 @@ impl Engine {
             if cut_short {
                 return answer_or_error(String::new(), cut_short);
             }
-            Ok(Round::Unreadable { content })
+            Ok(Reply::Unreadable { content })
         }
         .instrument(span);
         let result = tokio::time::timeout(timeout, work).await;
@@ -984,9 +849,9 @@ fn truncate_output(output: &mut String, max: usize) {
 }
 
 /// An answer, unless there is none: an empty reply is a model failure, never a success.
-fn answer_or_error(text: String, cut_short: bool) -> Result<Round, Outcome> {
+fn answer_or_error(text: String, cut_short: bool) -> Result<Reply, Outcome> {
     if !text.trim().is_empty() {
-        return Ok(Round::Answer { text, cut_short });
+        return Ok(Reply::Answer { text, cut_short });
     }
     let (reason, code, message) = if cut_short {
         (
@@ -1039,23 +904,6 @@ fn refuse_calls(em: &mut Emitter, calls: &[ModelToolCall], why: &str) {
             None,
         );
     }
-}
-
-fn push(current: &mut Vec<(ChatMessage, u32)>, message: ChatMessage, counter: &TokenCounter) {
-    let tokens = counter.message(&message);
-    current.push((message, tokens));
-}
-
-/// The system message: the agent's prompt, and for ReAct the protocol with the tools.
-fn system_message(config: &AgentConfig, tools: &[ToolSpec], react: bool) -> Option<ChatMessage> {
-    let mut text = config.system_prompt.clone();
-    if react {
-        if !text.is_empty() {
-            text.push_str("\n\n");
-        }
-        text.push_str(&react::instructions(tools));
-    }
-    (!text.is_empty()).then_some(ChatMessage::System(text))
 }
 
 /// Parses a model's argument text: an object, or empty for none; anything else is an

@@ -85,9 +85,9 @@ impl StopCut {
     }
 }
 
-/// A piece of the model's text, routed.
+/// A segment of a ReAct reply, routed to the thought or the answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Piece {
+pub enum Segment {
     /// Reasoning text (Thought, and anything outside the markers).
     Thought(String),
     /// Final answer text.
@@ -148,14 +148,14 @@ impl Default for Parser {
 
 impl Parser {
     /// Routes a chunk of model text.
-    pub fn push(&mut self, chunk: &str, out: &mut Vec<Piece>) {
+    pub fn push(&mut self, chunk: &str, out: &mut Vec<Segment>) {
         for (i, line) in chunk.split_inclusive('\n').enumerate() {
             let _ = i;
             self.push_line_part(line, out);
         }
     }
 
-    fn push_line_part(&mut self, part: &str, out: &mut Vec<Piece>) {
+    fn push_line_part(&mut self, part: &str, out: &mut Vec<Segment>) {
         let ends_line = part.ends_with('\n');
         if self.section == Section::Answer {
             // Everything after `Final Answer:` is the answer.
@@ -176,7 +176,7 @@ impl Parser {
                 // a longer line that merely starts with `Action`.
                 let rest = trimmed[marker.len()..].to_owned();
                 if !self.saw_marker && !self.unmarked.is_empty() {
-                    out.push(Piece::Thought(std::mem::take(&mut self.unmarked)));
+                    out.push(Segment::Thought(std::mem::take(&mut self.unmarked)));
                 }
                 self.section = *section;
                 self.saw_marker = true;
@@ -195,7 +195,7 @@ impl Parser {
         }
     }
 
-    fn emit(&mut self, mut text: String, out: &mut Vec<Piece>) {
+    fn emit(&mut self, mut text: String, out: &mut Vec<Segment>) {
         if self.trim_next {
             let start = text.len() - text.trim_start().len();
             text.drain(..start);
@@ -209,18 +209,18 @@ impl Parser {
         }
         match self.section {
             Section::Thought if !self.saw_marker => self.unmarked.push_str(&text),
-            Section::Thought => out.push(Piece::Thought(text)),
+            Section::Thought => out.push(Segment::Thought(text)),
             Section::Action => self.action.push_str(&text),
             Section::ActionInput => self.action_input.push_str(&text),
             Section::Answer => {
                 self.answer.push_str(&text);
-                out.push(Piece::Answer(text));
+                out.push(Segment::Answer(text));
             }
         }
     }
 
     /// Flushes what is held back at the end of the model's output.
-    pub fn finish(&mut self, out: &mut Vec<Piece>) {
+    pub fn finish(&mut self, out: &mut Vec<Segment>) {
         let rest = std::mem::take(&mut self.line_start);
         self.deciding = false;
         self.emit(rest, out);
@@ -269,8 +269,8 @@ mod tests {
         let mut answer = String::new();
         for piece in out {
             match piece {
-                Piece::Thought(t) => thought.push_str(&t),
-                Piece::Answer(a) => answer.push_str(&a),
+                Segment::Thought(t) => thought.push_str(&t),
+                Segment::Answer(a) => answer.push_str(&a),
             }
         }
         (parser, thought, answer)

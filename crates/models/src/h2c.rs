@@ -88,12 +88,12 @@ fn millis(duration: Duration) -> u64 {
 struct Connection {
     sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
-    usage: Arc<Usage>,
+    usage: Arc<Load>,
 }
 
 /// The calls on a connection, and when it last took one.
 #[derive(Default)]
-struct Usage {
+struct Load {
     calls: AtomicUsize,
     /// Milliseconds from the client's epoch.
     last_call: AtomicU64,
@@ -128,7 +128,7 @@ impl Connection {
 
 /// A call counted on its connection, from the moment it took it until its answer is read
 /// or dropped.
-struct CallGuard(Arc<Usage>);
+struct CallGuard(Arc<Load>);
 
 impl Drop for CallGuard {
     fn drop(&mut self) {

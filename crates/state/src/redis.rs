@@ -579,7 +579,7 @@ impl EventBus for RedisBus {
         let Some(last) = decode(last)?.pop() else {
             return Err(BusError::UnknownRun(run_id.to_owned()));
         };
-        let follow = Follow::start(&self.0, &key);
+        let follow = Follow::start(&self.0, &key).await;
         let reader = RedisReader {
             shared: self.0.clone(),
             key,
@@ -730,7 +730,9 @@ struct Follow {
 }
 
 impl Follow {
-    fn start(shared: &Arc<Shared>, channel: &str) -> Self {
+    /// Follows `channel`; the first follower here subscribes (waiting a moment for Redis
+    /// to confirm, so that the notices of the next events are not missed).
+    async fn start(shared: &Arc<Shared>, channel: &str) -> Self {
         let (notices, first) = {
             let mut listeners = lock(&shared.listeners);
             let entry = listeners
@@ -740,22 +742,22 @@ impl Follow {
             entry.1 += 1;
             (entry.0.subscribe(), entry.1 == 1)
         };
-        if first {
-            let mut subscriptions = shared.subscriptions.clone();
-            let channel = channel.to_owned();
-            tokio::spawn(async move {
-                if let Err(error) = subscriptions.subscribe(&channel).await {
-                    // The reader polls meanwhile.
-                    debug!(%error, "cannot subscribe to a run's notices");
-                }
-            });
-        }
-        Self {
+        let follow = Self {
             listeners: shared.listeners.clone(),
             subscriptions: shared.subscriptions.clone(),
             channel: channel.to_owned(),
             notices,
+        };
+        if first {
+            let mut subscriptions = shared.subscriptions.clone();
+            match tokio::time::timeout(COMMAND_TIMEOUT, subscriptions.subscribe(channel)).await {
+                Ok(Ok(())) => {}
+                // The reader polls meanwhile.
+                Ok(Err(error)) => debug!(%error, "cannot subscribe to a run's notices"),
+                Err(_) => debug!("subscribing to a run's notices takes long"),
+            }
         }
+        follow
     }
 }
 

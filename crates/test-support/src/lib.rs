@@ -331,7 +331,7 @@ mod tests {
 
     #[test]
     fn addresses_are_read_from_log_lines() {
-        let line = "2026-11-22T08:00:00Z  INFO agentrt_server::grpc: listening service=\"tool-executor\" addr=127.0.0.1:41234";
+        let line = "2026-11-22T08:00:00Z  INFO agentrt_grpc::grpc: listening service=\"tool-executor\" addr=127.0.0.1:41234";
         assert_eq!(
             listening_addr(line),
             Some("127.0.0.1:41234".parse().unwrap())

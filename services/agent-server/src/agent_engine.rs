@@ -6,8 +6,7 @@ use agentrt::v1::{self, agent_engine_server::AgentEngine};
 use agentrt_core::Violation;
 use agentrt_engine::RunSpec;
 use agentrt_events::{BusError, EventStream};
-use agentrt_models::{ChatMessage, ModelToolCall};
-use agentrt_server::status;
+use agentrt_models::ChatMessage;
 use agentrt_state::{EngineStore, RunRecord};
 use futures_util::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
@@ -15,7 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::{
     convert,
     error::Error,
-    runs::{RunManager, StartError, Started},
+    runs::{RunManager, Started},
 };
 
 /// Longest client-chosen message id.
@@ -77,11 +76,7 @@ impl AgentEngineImpl {
             .map_err(|error| match error {
                 // The run is known, so it ended and its log was dropped early to keep the
                 // ended runs' events within `runs.retained_events`.
-                BusError::UnknownRun(_) => Status::out_of_range(format!(
-                    "the events of run {:?} are no longer retained (runs.retained_events); \
-                     GetRun returns how it ended",
-                    run.run_id
-                )),
+                BusError::UnknownRun(_) => Error::EventsExpired(run.run_id.clone()).into(),
                 error => Error::Bus(error).into(),
             })
     }
@@ -197,45 +192,10 @@ fn check_execute(
     }
     let mut context = Vec::with_capacity(request.llm_context.len());
     for (index, message) in request.llm_context.iter().enumerate() {
-        let content = message.content.clone();
-        let converted = match v1::Role::try_from(message.role) {
-            Ok(v1::Role::System) => ChatMessage::System(content),
-            Ok(v1::Role::User) => ChatMessage::User(content),
-            Ok(v1::Role::Assistant) => ChatMessage::Assistant {
-                content,
-                tool_calls: message
-                    .tool_calls
-                    .iter()
-                    .map(|c| ModelToolCall {
-                        id: c.id.clone(),
-                        name: c.name.clone(),
-                        arguments: c.arguments.as_ref().map_or_else(
-                            || "{}".to_owned(),
-                            |a| agentrt::json::struct_to_json(a).to_string(),
-                        ),
-                    })
-                    .collect(),
-            },
-            Ok(v1::Role::Tool) if message.tool_call_id.is_empty() => {
-                violations.push(Violation::new(
-                    format!("llm_context[{index}].tool_call_id"),
-                    "required for ROLE_TOOL",
-                ));
-                continue;
-            }
-            Ok(v1::Role::Tool) => ChatMessage::Tool {
-                call_id: message.tool_call_id.clone(),
-                content,
-            },
-            Ok(v1::Role::Unspecified) | Err(_) => {
-                violations.push(Violation::new(
-                    format!("llm_context[{index}].role"),
-                    "must be ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL",
-                ));
-                continue;
-            }
-        };
-        context.push(converted);
+        match convert::message_from_wire(index, message) {
+            Ok(message) => context.push(message),
+            Err(violation) => violations.push(violation),
+        }
     }
     if !violations.is_empty() {
         return Err(violations);
@@ -285,28 +245,9 @@ impl AgentEngine for AgentEngineImpl {
             config: engine.config.clone(),
             tools: engine.tools.clone(),
         };
-        let (run_id, owner) = match self.runs.start(spec).await {
-            Ok(Started::New(run_id)) => (run_id, !request.detach),
-            Ok(Started::Existing(run_id)) => (run_id, false),
-            Err(StartError::Busy(active)) => {
-                return Err(status::resource_exhausted(
-                    "TOO_MANY_RUNS",
-                    format!("this server already runs {active} runs; retry later"),
-                    Duration::from_secs(1),
-                ));
-            }
-            Err(StartError::Bus(error)) => return Err(Error::Bus(error).into()),
-            Err(StartError::State(error)) => return Err(Error::State(error).into()),
-            Err(StartError::Failed(error)) => {
-                return Err(status::unavailable(
-                    &error.code,
-                    error.message,
-                    Duration::from_secs(1),
-                ));
-            }
-            Err(error @ StartError::MessageIdReused { .. }) => {
-                return Err(Status::already_exists(error.to_string()));
-            }
+        let (run_id, owner) = match self.runs.start(spec).await.map_err(Error::from)? {
+            Started::New(run_id) => (run_id, !request.detach),
+            Started::Existing(run_id) => (run_id, false),
         };
         let guard = owner.then(|| CancelOnDisconnect {
             runs: self.runs.clone(),

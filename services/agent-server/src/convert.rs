@@ -7,7 +7,7 @@ use std::{
 
 use agentrt::v1;
 use agentrt_core::{
-    AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
+    AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, Violation,
 };
 use agentrt_engine::{RunRecord, RunStatus, StopReason};
 use agentrt_events::{EventData, EventKind, RunEvent};
@@ -333,6 +333,47 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
         create_time: Some(timestamp(record.create_time)),
         update_time: Some(timestamp(record.update_time)),
         truncated: false,
+    }
+}
+
+/// A message of an `Execute` request's `llm_context`, as the model is sent it; `index`
+/// names it in the violation when it is not one.
+pub fn message_from_wire(
+    index: usize,
+    message: &v1::ChatMessage,
+) -> Result<agentrt_models::ChatMessage, Violation> {
+    use agentrt_models::{ChatMessage, ModelToolCall};
+    let content = message.content.clone();
+    match v1::Role::try_from(message.role) {
+        Ok(v1::Role::System) => Ok(ChatMessage::System(content)),
+        Ok(v1::Role::User) => Ok(ChatMessage::User(content)),
+        Ok(v1::Role::Assistant) => Ok(ChatMessage::Assistant {
+            content,
+            tool_calls: message
+                .tool_calls
+                .iter()
+                .map(|c| ModelToolCall {
+                    id: c.id.clone(),
+                    name: c.name.clone(),
+                    arguments: c.arguments.as_ref().map_or_else(
+                        || "{}".to_owned(),
+                        |a| agentrt::json::struct_to_json(a).to_string(),
+                    ),
+                })
+                .collect(),
+        }),
+        Ok(v1::Role::Tool) if message.tool_call_id.is_empty() => Err(Violation::new(
+            format!("llm_context[{index}].tool_call_id"),
+            "required for ROLE_TOOL",
+        )),
+        Ok(v1::Role::Tool) => Ok(ChatMessage::Tool {
+            call_id: message.tool_call_id.clone(),
+            content,
+        }),
+        Ok(v1::Role::Unspecified) | Err(_) => Err(Violation::new(
+            format!("llm_context[{index}].role"),
+            "must be ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL",
+        )),
     }
 }
 

@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use agentrt_core::{StateError, ToolServiceError, Violation};
 use agentrt_events::BusError;
-use agentrt_server::status;
+
+use crate::runs::RunStartError;
+use agentrt_grpc::status;
 use tonic::Status;
 
 /// What can go wrong in a call to the agent server.
@@ -31,6 +33,14 @@ pub enum Error {
     /// No run has this id (or it expired).
     #[error("run {0:?} not found")]
     RunNotFound(String),
+    /// The run is known, but its events are no longer kept.
+    #[error(
+        "the events of run {0:?} are no longer retained (runs.retained_events); GetRun returns how it ended"
+    )]
+    EventsExpired(String),
+    /// A run could not start.
+    #[error(transparent)]
+    RunStart(#[from] crate::runs::RunStartError),
 }
 
 /// A `Result` with this crate's [`Error`].
@@ -61,6 +71,22 @@ impl From<Error> for Status {
             }
             Error::Bus(error @ BusError::Lagged { .. }) => Status::out_of_range(error.to_string()),
             Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
+            Error::EventsExpired(_) => Status::out_of_range(error.to_string()),
+            Error::RunStart(error) => match error {
+                RunStartError::Busy(active) => status::resource_exhausted(
+                    "TOO_MANY_RUNS",
+                    format!("this server already runs {active} runs; retry later"),
+                    Duration::from_secs(1),
+                ),
+                RunStartError::Bus(error) => Error::Bus(error).into(),
+                RunStartError::State(error) => Error::State(error).into(),
+                RunStartError::Failed(error) => {
+                    status::unavailable(&error.code, error.message, Duration::from_secs(1))
+                }
+                error @ RunStartError::MessageIdReused { .. } => {
+                    Status::already_exists(error.to_string())
+                }
+            },
         }
     }
 }

@@ -20,8 +20,8 @@ use agentrt::{
     v1::{agent_engine_server::AgentEngineServer, agent_service_server::AgentServiceServer},
 };
 use agentrt_engine::StopReason;
+use agentrt_grpc::{GrpcServer, ServerError};
 use agentrt_models::{ChatModels, ProviderError, ProviderRegistry, RetryPolicy};
-use agentrt_server::{GrpcServer, ServerError};
 use agentrt_state::{
     BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore, MemoryEngineStore,
     MemoryRunStore, RunRetention, RunStore, SessionLimits, SessionStore, StateError,
@@ -140,6 +140,9 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> std::result::Result<(), StartError> {
+    // The tokenizer's tables are built before the first run needs them: built on first
+    // use, they held that run's task (and its cancellation) for up to a second.
+    let _ = tokio::task::spawn_blocking(agentrt_context::TokenCounter::shared).await;
     let providers = Arc::new(providers(&settings)?);
     match providers.names().collect::<Vec<_>>() {
         names if names.is_empty() => tracing::warn!(

@@ -21,7 +21,7 @@ use tracing::{Instrument, error, info, warn};
 
 /// Why a run could not start.
 #[derive(Debug, thiserror::Error)]
-pub enum StartError {
+pub enum RunStartError {
     /// The server runs as many runs as it may.
     #[error("this server already runs {0} runs, its limit")]
     Busy(usize),
@@ -138,11 +138,11 @@ impl RunManager {
     }
 
     /// Starts the run `spec`, or finds the run with the same session and message id.
-    pub async fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, StartError> {
+    pub async fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, RunStartError> {
         let active = self.active.fetch_add(1, Ordering::AcqRel);
         let slot = Slot(self);
         if active >= self.limits.max_active {
-            return Err(StartError::Busy(active));
+            return Err(RunStartError::Busy(active));
         }
         if let Some(existing) = self.claim(&spec).await? {
             return Ok(Started::Existing(existing));
@@ -155,7 +155,7 @@ impl RunManager {
             .engine
             .start(spec, publisher, self.store.clone(), control.clone())
             .await
-            .map_err(StartError::Failed)?;
+            .map_err(RunStartError::Failed)?;
         let (done, ended) = watch::channel(false);
         self.lock()
             .insert(run_id.clone(), LocalRun { control, ended });
@@ -187,7 +187,7 @@ impl RunManager {
     }
 
     /// Claims the run's message id; `Some` with the run that already has it.
-    async fn claim(&self, spec: &RunSpec) -> Result<Option<String>, StartError> {
+    async fn claim(&self, spec: &RunSpec) -> Result<Option<String>, RunStartError> {
         let mut replacing: Option<String> = None;
         let mut waited = Duration::ZERO;
         loop {
@@ -214,7 +214,7 @@ impl RunManager {
                     if record.query == spec.query && record.engine_id == spec.engine_id {
                         return Ok(Some(holder));
                     }
-                    return Err(StartError::MessageIdReused {
+                    return Err(RunStartError::MessageIdReused {
                         message_id: spec.message_id.clone(),
                         run_id: holder,
                     });

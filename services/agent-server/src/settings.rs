@@ -1,11 +1,11 @@
 use std::{collections::BTreeMap, net::SocketAddr, path::PathBuf, time::Duration};
 
 use agentrt_core::Secret;
-use agentrt_models::ProviderSettings;
-use agentrt_server::{
+use agentrt_grpc::{
     config::{self, CommonArgs, ConfigError, ServerSettings, parse_duration},
     security::ClientTlsSettings,
 };
+use agentrt_models::ProviderSettings;
 use serde::{Deserialize, Serialize};
 
 /// The agent server's settings, as a config file writes them.

@@ -7,6 +7,11 @@
 //!
 //! CPU time and memory are read from `/proc` for the server processes only, so the bench
 //! client's own work does not count. Linux only.
+//!
+//! With `--state redis://...` the agent-servers share their state through that Redis
+//! (`--replicas N` of them, clients spread over all), and Redis's own CPU (from its
+//! `INFO cpu`) and memory per ended run (`INFO memory`, before and after, with the runs'
+//! keys still retained) are printed beside the figures.
 
 use std::{
     path::{Path, PathBuf},
@@ -40,6 +45,13 @@ struct Cli {
     /// Model latency per call in the load figure, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     latency_ms: u64,
+    /// The agent-servers' state: `memory`, or a Redis URL shared by every replica.
+    #[arg(long, default_value = "memory")]
+    state: String,
+    /// Agent-server replicas (more than one needs a Redis `--state`); the bench's clients
+    /// spread their runs over all of them.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
     /// Runs of the tool-loop figure (10 tool iterations each).
     #[arg(long, default_value_t = 200)]
     tool_runs: usize,
@@ -137,14 +149,17 @@ struct Stack {
     /// The simulator.
     model: Server,
     tools: Server,
-    agents: Server,
+    agents: Vec<Server>,
     channels: Vec<Channel>,
 }
 
 impl Stack {
-    fn pids(&self) -> anyhow::Result<(u32, u32)> {
+    fn pids(&self) -> anyhow::Result<(Vec<u32>, u32)> {
         Ok((
-            self.agents.pid().context("agent-server exited")?,
+            self.agents
+                .iter()
+                .map(|a| a.pid().context("agent-server exited"))
+                .collect::<anyhow::Result<_>>()?,
             self.tools.pid().context("tool-executor exited")?,
         ))
     }
@@ -355,29 +370,40 @@ async fn start(
         ),
     )?;
     let max_engines = (concurrent * 2 + 10_000).to_string();
-    let agents = Server::start_at(
-        &dir.join("agent-server"),
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--tool-executor",
-            &tools.url(),
-            "--max-engines",
-            &max_engines,
-            "--max-active-runs",
-            &max_engines,
-            "--config",
-            &config_file.to_string_lossy(),
-        ],
-        &[("RUST_LOG", "warn,agentrt_server=info")],
-    )
-    .await;
-    // Enough connections that no one carries more streams than the server allows.
-    let connections = concurrent.div_ceil(512).max(1);
+    let prefix = format!("agentrt-bench-{}", std::process::id());
+    let mut agents = Vec::with_capacity(cli.replicas);
+    for _ in 0..cli.replicas.max(1) {
+        agents.push(
+            Server::start_at(
+                &dir.join("agent-server"),
+                &[
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--tool-executor",
+                    &tools.url(),
+                    "--max-engines",
+                    &max_engines,
+                    "--max-active-runs",
+                    &max_engines,
+                    "--config",
+                    &config_file.to_string_lossy(),
+                    "--state",
+                    &cli.state,
+                    "--state-key-prefix",
+                    &prefix,
+                ],
+                &[("RUST_LOG", "warn,agentrt_grpc=info")],
+            )
+            .await,
+        );
+    }
+    // Enough connections that no one carries more streams than the server allows, and at
+    // least one per replica.
+    let connections = concurrent.div_ceil(512).max(agents.len());
     let mut channels = Vec::with_capacity(connections);
-    for _ in 0..connections {
+    for i in 0..connections {
         channels.push(
-            Endpoint::from_shared(agents.url())?
+            Endpoint::from_shared(agents[i % agents.len()].url())?
                 .initial_connection_window_size(16 * 1024 * 1024)
                 .initial_stream_window_size(1024 * 1024)
                 .tcp_nodelay(true)
@@ -391,6 +417,33 @@ async fn start(
         agents,
         channels,
     }))
+}
+
+/// Redis's CPU (user + system) and memory, from `INFO`.
+struct RedisStats {
+    url: String,
+}
+
+impl RedisStats {
+    fn info(&self) -> anyhow::Result<(Duration, u64)> {
+        let client = redis::Client::open(self.url.as_str())?;
+        let mut connection = client.get_connection()?;
+        let info: String = redis::cmd("INFO").arg("cpu").query(&mut connection)?;
+        let memory: String = redis::cmd("INFO").arg("memory").query(&mut connection)?;
+        let field = |text: &str, name: &str| -> anyhow::Result<f64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .context("INFO field missing")?
+                .trim()
+                .parse::<f64>()
+                .map_err(Into::into)
+        };
+        let cpu = field(&info, "used_cpu_user")? + field(&info, "used_cpu_sys")?;
+        Ok((
+            Duration::from_secs_f64(cpu),
+            field(&memory, "used_memory")? as u64,
+        ))
+    }
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -420,14 +473,33 @@ async fn main() -> anyhow::Result<()> {
     std::fs::write(&scenarios_file, scenarios(cli.latency_ms))?;
     let config_file =
         std::env::temp_dir().join(format!("agentrt-bench-{}.toml", std::process::id()));
+    if cli.replicas > 1 && cli.state == "memory" {
+        bail!(
+            "--replicas {} needs a shared state: --state redis://...",
+            cli.replicas
+        );
+    }
+    let redis = (cli.state != "memory").then(|| RedisStats {
+        url: cli.state.clone(),
+    });
     let stack = start(&dir, &cli, &scenarios_file, &config_file).await?;
-    let (agents_pid, tools_pid) = stack.pids()?;
+    let (agent_pids, tools_pid) = stack.pids()?;
+    let agents_cpu =
+        |pids: &[u32]| -> anyhow::Result<Duration> { pids.iter().map(|pid| cpu_time(*pid)).sum() };
     let cpu = || -> anyhow::Result<(Duration, Duration)> {
-        Ok((cpu_time(agents_pid)?, cpu_time(tools_pid)?))
+        Ok((agents_cpu(&agent_pids)?, cpu_time(tools_pid)?))
+    };
+    let redis_cpu = || -> anyhow::Result<Duration> {
+        redis
+            .as_ref()
+            .map_or(Ok(Duration::ZERO), |r| r.info().map(|(cpu, _)| cpu))
     };
     println!(
-        "agentrt-bench: {} cores; client -> agent-server -> simulator ({} SSE) -> tool-executor (gRPC)",
+        "agentrt-bench: {} cores; client -> {} agent-server{} (state: {}) -> simulator ({} SSE) -> tool-executor (gRPC)",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
+        stack.agents.len(),
+        if stack.agents.len() == 1 { "" } else { "s" },
+        if redis.is_some() { "Redis" } else { "memory" },
         if cli.model_http1 {
             "HTTP/1.1"
         } else {
@@ -446,8 +518,16 @@ async fn main() -> anyhow::Result<()> {
     // an answer; every run is checked to have made its 10 tool calls and answered.
     let engines = stack.engines("tool_loop", cli.tool_runs).await?;
     let (a0, t0) = cpu()?;
+    let (r0, memory0) = match &redis {
+        Some(r) => r.info()?,
+        None => (Duration::ZERO, 0),
+    };
     let totals = stack.run_all(engines, 16).await?;
     let (a1, t1) = cpu()?;
+    let (r1, memory1) = match &redis {
+        Some(r) => r.info()?,
+        None => (Duration::ZERO, 0),
+    };
     totals.expect(
         "tool iterations",
         cli.tool_runs,
@@ -463,12 +543,23 @@ async fn main() -> anyhow::Result<()> {
         a1 - a0,
         t1 - t0
     );
+    if redis.is_some() {
+        println!(
+            "Redis: CPU {:.1} us per tool iteration, {:.0} us per run; memory {:.1} KB per ended run (retained)  [{} runs]",
+            (r1 - r0).as_secs_f64() * 1e6 / iterations as f64,
+            (r1 - r0).as_secs_f64() * 1e6 / cli.tool_runs as f64,
+            memory1.saturating_sub(memory0) as f64 / 1000.0 / cli.tool_runs as f64,
+            cli.tool_runs
+        );
+    }
 
     // 2. agent-server CPU per streamed answer delta.
     let engines = stack.engines("long_answer", cli.stream_runs).await?;
     let (a0, _) = cpu()?;
+    let r0 = redis_cpu()?;
     let totals = stack.run_all(engines, cli.stream_concurrency).await?;
     let (a1, _) = cpu()?;
+    let r1 = redis_cpu()?;
     totals.expect("answer deltas", cli.stream_runs, 0, "final_answer")?;
     if totals.deltas != cli.stream_runs * LONG_ANSWER_CHARS {
         bail!(
@@ -485,6 +576,12 @@ async fn main() -> anyhow::Result<()> {
         totals.deltas,
         totals.events
     );
+    if redis.is_some() {
+        println!(
+            "Redis: CPU {:.2} us per delta",
+            (r1 - r0).as_secs_f64() * 1e6 / totals.deltas as f64
+        );
+    }
 
     // 3. Time to the first event, measured at the client (an upper bound of the time after
     // Execute reaches the server): sequential runs, no model latency.
@@ -527,7 +624,9 @@ async fn main() -> anyhow::Result<()> {
     let cpu_small = (a1 - a0 + t1 - t0) / small as u32;
 
     let engines = stack.engines("three_calls", cli.concurrent).await?;
-    let rss_before = rss_kib(agents_pid)?;
+    let rss = |pids: &[u32]| -> anyhow::Result<u64> { pids.iter().map(|pid| rss_kib(*pid)).sum() };
+    let rss_before = rss(&agent_pids)?;
+    let r0 = redis_cpu()?;
     let model_pid = stack.model.pid().context("model-simulator exited")?;
     let bench_pid = std::process::id();
     let (m0, b0) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
@@ -535,9 +634,14 @@ async fn main() -> anyhow::Result<()> {
     let peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
     let sampler = {
         let peak = peak.clone();
+        let pids = agent_pids.clone();
         tokio::spawn(async move {
             loop {
-                if let Ok(rss) = rss_kib(agents_pid) {
+                if let Ok(rss) = pids
+                    .iter()
+                    .map(|pid| rss_kib(*pid))
+                    .sum::<anyhow::Result<u64>>()
+                {
                     peak.fetch_max(rss, std::sync::atomic::Ordering::Relaxed);
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -551,7 +655,7 @@ async fn main() -> anyhow::Result<()> {
     if failed > 0 {
         for (name, server) in [
             ("model-simulator", &stack.model),
-            ("agent-server", &stack.agents),
+            ("agent-server", &stack.agents[0]),
         ] {
             let logs = server.logs();
             let tail: Vec<&str> = logs.lines().rev().take(10).collect();
@@ -567,6 +671,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let (a1, t1) = cpu()?;
     let (m1, b1) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
+    let r1 = redis_cpu()?;
     let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;
     let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
     println!(
@@ -579,6 +684,13 @@ async fn main() -> anyhow::Result<()> {
         (m1 - m0).as_secs_f64(),
         (b1 - b0).as_secs_f64(),
     );
+    if redis.is_some() {
+        println!(
+            "Redis: CPU {:.2} s in the load, {:.0} us per run",
+            (r1 - r0).as_secs_f64(),
+            (r1 - r0).as_secs_f64() * 1e6 / cli.concurrent as f64
+        );
+    }
     println!(
         "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
         (peak.saturating_sub(rss_before)) as f64 * 1.024 / cli.concurrent as f64,

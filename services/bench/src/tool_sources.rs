@@ -82,7 +82,7 @@ pub(crate) async fn run(dir: &Path, everything_js: &Path) -> anyhow::Result<()> 
             "--config",
             &config.to_string_lossy(),
         ],
-        &[("RUST_LOG", "warn,agentrt_server=info")],
+        &[("RUST_LOG", "warn,agentrt_grpc=info")],
     )
     .await;
     let pid = tools.pid().context("tool-executor has no pid")?;

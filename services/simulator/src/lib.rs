@@ -45,7 +45,7 @@ pub struct Settings {
     /// Address to listen on.
     pub listen: SocketAddr,
     /// Latency added before every answer.
-    #[serde(with = "agentrt_server::config::duration")]
+    #[serde(with = "agentrt_grpc::config::duration")]
     pub latency: Duration,
     /// Scenarios file: JSON, or TOML when its name ends in `.toml`; the built-in `demo`
     /// model is always there.
@@ -88,7 +88,7 @@ pub struct Cli {
     #[arg(long, value_name = "HOST:PORT")]
     pub listen: Option<SocketAddr>,
     /// Latency added before every answer, e.g. `1s`.
-    #[arg(long, value_name = "DURATION", value_parser = agentrt_server::config::parse_duration)]
+    #[arg(long, value_name = "DURATION", value_parser = agentrt_grpc::config::parse_duration)]
     pub latency: Option<Duration>,
     /// Scenarios file: JSON, or TOML when its name ends in `.toml`.
     #[arg(long, value_name = "FILE")]
@@ -108,8 +108,8 @@ impl Cli {
     /// Defaults overridden by flags and environment.
     pub fn settings(&self) -> Settings {
         let mut settings = Settings::default();
-        agentrt_server::config::override_with(&mut settings.listen, self.listen);
-        agentrt_server::config::override_with(&mut settings.latency, self.latency);
+        agentrt_grpc::config::override_with(&mut settings.listen, self.listen);
+        agentrt_grpc::config::override_with(&mut settings.latency, self.latency);
         if self.scenarios.is_some() {
             settings.scenarios.clone_from(&self.scenarios);
         }
@@ -147,7 +147,7 @@ pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
         reason,
     };
     if path.extension().is_some_and(|e| e == "toml") {
-        return agentrt_server::config::load_file(path).map_err(|e| failed(e.to_string()));
+        return agentrt_grpc::config::load_file(path).map_err(|e| failed(e.to_string()));
     }
     let text = std::fs::read_to_string(path).map_err(|e| failed(e.to_string()))?;
     serde_json::from_str(&text).map_err(|e| failed(e.to_string()))
@@ -206,7 +206,7 @@ pub async fn serve(
         let _ = stream.set_nodelay(true);
         let connection = http
             .serve_connection_with_upgrades(
-                TokioIo::new(agentrt_io::Coalesced::new(stream)),
+                TokioIo::new(agentrt_coalesce::Coalesced::new(stream)),
                 service.clone(),
             )
             .into_owned();

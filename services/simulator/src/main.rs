@@ -10,11 +10,11 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let cli: Cli = agentrt_server::config::parse_cli(Cli::ENV_PREFIX);
+    let cli: Cli = agentrt_grpc::config::parse_cli(Cli::ENV_PREFIX);
     let settings = cli.settings();
     let _telemetry = agentrt_telemetry::init("model-simulator").map_err(anyhow::Error::msg)?;
     // Before binding: a signal that arrives while starting must still drain and exit.
-    let shutdown = agentrt_server::shutdown::signal();
+    let shutdown = agentrt_grpc::shutdown::signal();
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
         .with_context(|| format!("cannot listen on {}", settings.listen))?;

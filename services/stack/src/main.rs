@@ -40,7 +40,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let _telemetry = agentrt_telemetry::init("agent-stack").map_err(anyhow::Error::msg)?;
     // Before binding: a Ctrl-C while starting must still stop everything cleanly.
-    let first_signal = agentrt_server::shutdown::signal();
+    let first_signal = agentrt_grpc::shutdown::signal();
 
     let tools_listener = tokio::net::TcpListener::bind(cli.tool_executor_listen)
         .await
@@ -65,7 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let mut tools_settings = match &cli.tool_config {
         // Read as the tool executor reads its `--config`: paths relative to the file.
         Some(path) => agentrt_tool_executor::Cli {
-            common: agentrt_server::config::CommonArgs {
+            common: agentrt_grpc::config::CommonArgs {
                 config: Some(path.clone()),
                 ..Default::default()
             },

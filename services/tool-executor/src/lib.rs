@@ -10,7 +10,7 @@ mod settings;
 use std::{future::Future, sync::Arc};
 
 use agentrt::service_names;
-use agentrt_server::{GrpcServer, ServerError};
+use agentrt_grpc::{GrpcServer, ServerError};
 use agentrt_tools::{
     Catalogue, Changes, Toolset, builtin::Builtins, mcp::McpToolset, openapi::OpenApiToolset,
 };

@@ -5,7 +5,7 @@ use agentrt::{
     v1::{self, tool_executor_server::ToolExecutor},
 };
 use agentrt_core::{ToolSource, ToolSpec, Violation};
-use agentrt_server::status;
+use agentrt_grpc::status;
 use agentrt_tools::{Catalogue, ExecuteError, ToolContext, ToolOutput};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -50,7 +50,7 @@ impl ToolExecutor for ToolExecutorService {
         // worker under load come out of the call's time, not on top of it.
         let arrival = request
             .extensions()
-            .get::<agentrt_server::metrics::Arrival>()
+            .get::<agentrt_grpc::metrics::Arrival>()
             .map_or_else(Instant::now, |arrival| arrival.0);
         let deadline = limit.and_then(|limit| {
             Some((

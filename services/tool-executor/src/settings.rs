@@ -1,6 +1,6 @@
 use std::net::SocketAddr;
 
-use agentrt_server::config::{self, CommonArgs, ConfigError, ServerSettings};
+use agentrt_grpc::config::{self, CommonArgs, ConfigError, ServerSettings};
 use agentrt_tools::{builtin, mcp::McpServerConfig, openapi::OpenApiConfig};
 use serde::{Deserialize, Serialize};
 

@@ -248,7 +248,7 @@ impl GrpcServer {
             .serve_with_incoming_shutdown(
                 tokio_stream::StreamExt::map(
                     TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    |accepted| accepted.map(agentrt_io::Coalesced::new),
+                    |accepted| accepted.map(agentrt_coalesce::Coalesced::new),
                 ),
                 stop_accepting.clone().cancelled_owned(),
             );

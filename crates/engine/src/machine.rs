@@ -1,0 +1,447 @@
+//! A run as data: the state of one user turn between its steps, and the transitions that
+//! model replies and tool results make. Nothing here does I/O or waits: the driver
+//! (`Engine::drive`) asks [`RunState::next`] what to do, does it (calls the model, runs the
+//! tools, publishes events) and feeds the result back, so that the state can be stored
+//! between two steps and the run continued from it.
+
+use agentrt_context::TokenCounter;
+use agentrt_core::ToolResult;
+use agentrt_models::{ChatMessage, ModelToolCall};
+use serde::{Deserialize, Serialize};
+
+use crate::{RunError, StopReason, strategy::Strategy};
+
+/// The whole state of a run between two steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    /// This turn's messages so far, the user's query first, each with its token count.
+    pub messages: Vec<(ChatMessage, u32)>,
+    /// The last model round made; 0 before the first.
+    pub iteration: u32,
+    /// Rounds the model may call tools in.
+    pub max_iterations: u32,
+    /// What happens next.
+    pub phase: Phase,
+    /// The calls of the last tool round, to catch a model that repeats itself.
+    previous_calls: Option<Vec<(String, String)>>,
+    /// How many rounds in a row asked for exactly those calls.
+    repeats: u32,
+}
+
+/// Where a run is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Phase {
+    /// The model is asked next, with tools.
+    AskModel,
+    /// The calls the model asked for in the last round run next.
+    RunTools {
+        /// The text the model wrote beside them.
+        content: String,
+        /// The calls.
+        calls: Vec<ModelToolCall>,
+    },
+    /// Out of rounds (or stuck): the model is asked next for an answer without tools.
+    AskFinal,
+    /// The run has its outcome.
+    Ended(Ending),
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Ending {
+    /// With an answer.
+    Answered {
+        /// The answer.
+        answer: String,
+        /// Why the run stopped.
+        reason: StopReason,
+    },
+    /// Without one.
+    Failed {
+        /// Why the run stopped.
+        reason: StopReason,
+        /// What went wrong.
+        error: RunError,
+    },
+}
+
+/// What the driver does next.
+#[derive(Debug, PartialEq)]
+pub enum Step<'a> {
+    /// Calls the model for round `iteration`, offering tools or not.
+    Model {
+        /// The round.
+        iteration: u32,
+        /// Whether tools are offered (not for the final request).
+        with_tools: bool,
+    },
+    /// Runs these calls of the last round.
+    Tools(&'a [ModelToolCall]),
+    /// Nothing: the run has ended.
+    End(&'a Ending),
+}
+
+/// What a model round produced, as the driver read it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reply {
+    /// An answer; `cut_short` when the model stopped at its token limit.
+    Answer {
+        /// The answer.
+        text: String,
+        /// Whether it was cut at the token limit.
+        cut_short: bool,
+    },
+    /// Tool calls, and the text written before them.
+    Tools {
+        /// The text.
+        content: String,
+        /// The calls.
+        calls: Vec<ModelToolCall>,
+    },
+    /// A text reply that neither acts nor answers.
+    Unreadable {
+        /// The text.
+        content: String,
+    },
+}
+
+/// Calls of a reply that will not run, and why; the driver gives each its events.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Refused {
+    /// The calls.
+    pub calls: Vec<ModelToolCall>,
+    /// Why, as their results say.
+    pub why: &'static str,
+}
+
+pub(crate) const REPEATED: &str = "not run: this exact call was already made twice with the same \
+    arguments and returned the results above; answer from them";
+pub(crate) const NO_MORE_CALLS: &str = "not run: no more tool calls are allowed in this run";
+
+impl RunState {
+    /// The state of a turn that asks `query`, with up to `max_iterations` tool rounds.
+    pub fn new(query: &str, max_iterations: u32, counter: &TokenCounter) -> Self {
+        let user = ChatMessage::User(query.to_owned());
+        let tokens = counter.message(&user);
+        Self {
+            messages: vec![(user, tokens)],
+            iteration: 0,
+            max_iterations,
+            phase: if max_iterations == 0 {
+                Phase::AskFinal
+            } else {
+                Phase::AskModel
+            },
+            previous_calls: None,
+            repeats: 0,
+        }
+    }
+
+    /// What the driver does next.
+    pub fn next(&self) -> Step<'_> {
+        match &self.phase {
+            Phase::AskModel => Step::Model {
+                iteration: self.iteration + 1,
+                with_tools: true,
+            },
+            Phase::AskFinal => Step::Model {
+                iteration: self.iteration + 1,
+                with_tools: false,
+            },
+            Phase::RunTools { calls, .. } => Step::Tools(calls),
+            Phase::Ended(ending) => Step::End(ending),
+        }
+    }
+
+    /// After a tool round or an unreadable reply: the next round, or the final request
+    /// when the rounds are used up.
+    fn after_round(&mut self) {
+        self.phase = if self.iteration >= self.max_iterations {
+            Phase::AskFinal
+        } else {
+            Phase::AskModel
+        };
+    }
+
+    /// The model's reply to the round [`RunState::next`] asked for; calls that will not
+    /// run come back for the driver to report.
+    pub(crate) fn model_replied(
+        &mut self,
+        iteration: u32,
+        reply: Reply,
+        strategy: &dyn Strategy,
+        counter: &TokenCounter,
+    ) -> Option<Refused> {
+        self.iteration = iteration;
+        let last = matches!(self.phase, Phase::AskFinal);
+        match (last, reply) {
+            (false, Reply::Answer { text, cut_short }) => {
+                self.end_answered(text, cut_short, StopReason::FinalAnswer);
+                None
+            }
+            (true, Reply::Answer { text, cut_short }) => {
+                self.end_answered(text, cut_short, StopReason::MaxIterations);
+                None
+            }
+            (false, Reply::Unreadable { content }) => {
+                strategy.record_unreadable(&mut self.messages, content, counter);
+                self.after_round();
+                None
+            }
+            (false, Reply::Tools { content, calls }) => {
+                // A model that asks for the same calls round after round is stuck: its
+                // calls do not run again, and it is asked for an answer.
+                let signature: Vec<(String, String)> = calls
+                    .iter()
+                    .map(|c| (c.name.clone(), c.arguments.clone()))
+                    .collect();
+                if self.previous_calls.as_ref() == Some(&signature) {
+                    self.repeats += 1;
+                } else {
+                    self.repeats = 0;
+                }
+                self.previous_calls = Some(signature);
+                if self.repeats >= 2 {
+                    self.phase = Phase::AskFinal;
+                    return Some(Refused {
+                        calls,
+                        why: REPEATED,
+                    });
+                }
+                self.phase = Phase::RunTools { content, calls };
+                None
+            }
+            (true, Reply::Tools { content, calls }) => {
+                // Offered no tools, it called some anyway: none runs. Text it wrote beside
+                // them still answers, when the strategy streams it as an answer.
+                match strategy.answer_beside_calls(content) {
+                    Some(answer) => self.end_answered(answer, false, StopReason::MaxIterations),
+                    None => self.end_without_answer(),
+                }
+                Some(Refused {
+                    calls,
+                    why: NO_MORE_CALLS,
+                })
+            }
+            (true, Reply::Unreadable { .. }) => {
+                self.end_without_answer();
+                None
+            }
+        }
+    }
+
+    /// The results of the calls of [`Phase::RunTools`], in call order.
+    pub(crate) fn tools_ran(
+        &mut self,
+        results: Vec<ToolResult>,
+        strategy: &dyn Strategy,
+        counter: &TokenCounter,
+    ) {
+        let Phase::RunTools { content, calls } =
+            std::mem::replace(&mut self.phase, Phase::AskModel)
+        else {
+            return;
+        };
+        strategy.record_tools(&mut self.messages, content, &calls, results, counter);
+        self.after_round();
+    }
+
+    /// Ends the run with a failure that is not the model's reply (a model error, a
+    /// timeout): the step machine has nothing more to do.
+    pub fn fail(&mut self, reason: StopReason, error: RunError) {
+        self.phase = Phase::Ended(Ending::Failed { reason, error });
+    }
+
+    fn end_answered(&mut self, answer: String, cut_short: bool, reason: StopReason) {
+        self.phase = Phase::Ended(Ending::Answered {
+            answer,
+            reason: if cut_short {
+                StopReason::MaxTokens
+            } else {
+                reason
+            },
+        });
+    }
+
+    fn end_without_answer(&mut self) {
+        self.fail(
+            StopReason::ModelError,
+            RunError {
+                code: "MODEL_NO_ANSWER".into(),
+                message: "asked for a final answer without tools, the model wrote none".into(),
+                category: "model",
+                retryable: true,
+            },
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::strategy;
+
+    fn call(id: &str, arguments: &str) -> ModelToolCall {
+        ModelToolCall {
+            id: id.into(),
+            name: "calc".into(),
+            arguments: arguments.into(),
+        }
+    }
+
+    fn result(output: &str) -> ToolResult {
+        ToolResult {
+            output: output.into(),
+            ..ToolResult::default()
+        }
+    }
+
+    #[test]
+    fn a_tool_round_then_an_answer_and_the_state_survives_a_round_trip() {
+        let counter = TokenCounter::shared();
+        let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let mut state = RunState::new("6*7?", 3, counter);
+        assert_eq!(
+            state.next(),
+            Step::Model {
+                iteration: 1,
+                with_tools: true
+            }
+        );
+        let refused = state.model_replied(
+            1,
+            Reply::Tools {
+                content: String::new(),
+                calls: vec![call("a", r#"{"x":1}"#)],
+            },
+            fc,
+            counter,
+        );
+        assert!(refused.is_none());
+        assert_eq!(state.next(), Step::Tools(&[call("a", r#"{"x":1}"#)]));
+        // Stored between steps and taken up elsewhere.
+        let mut state: RunState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        state.tools_ran(vec![result("42")], fc, counter);
+        assert_eq!(
+            state.messages.len(),
+            3,
+            "user, assistant with the call, tool"
+        );
+        assert_eq!(
+            state.next(),
+            Step::Model {
+                iteration: 2,
+                with_tools: true
+            }
+        );
+        state.model_replied(
+            2,
+            Reply::Answer {
+                text: "42".into(),
+                cut_short: false,
+            },
+            fc,
+            counter,
+        );
+        assert_eq!(
+            state.next(),
+            Step::End(&Ending::Answered {
+                answer: "42".into(),
+                reason: StopReason::FinalAnswer
+            })
+        );
+    }
+
+    #[test]
+    fn repeated_calls_are_refused_and_the_last_round_has_no_tools() {
+        let counter = TokenCounter::shared();
+        let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let mut state = RunState::new("q", 10, counter);
+        for iteration in 1..=2 {
+            let refused = state.model_replied(
+                iteration,
+                Reply::Tools {
+                    content: String::new(),
+                    calls: vec![call("a", "{}")],
+                },
+                fc,
+                counter,
+            );
+            assert!(refused.is_none());
+            state.tools_ran(vec![result("same")], fc, counter);
+        }
+        let refused = state
+            .model_replied(
+                3,
+                Reply::Tools {
+                    content: String::new(),
+                    calls: vec![call("a", "{}")],
+                },
+                fc,
+                counter,
+            )
+            .expect("the third identical round is refused");
+        assert_eq!(refused.why, REPEATED);
+        assert_eq!(
+            state.next(),
+            Step::Model {
+                iteration: 4,
+                with_tools: false
+            }
+        );
+        state.model_replied(
+            4,
+            Reply::Answer {
+                text: "done".into(),
+                cut_short: false,
+            },
+            fc,
+            counter,
+        );
+        assert!(matches!(
+            state.next(),
+            Step::End(Ending::Answered {
+                reason: StopReason::MaxIterations,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn react_keeps_one_observation_and_a_final_reply_that_acts_has_no_answer() {
+        let counter = TokenCounter::shared();
+        let react = strategy::of(agentrt_core::Strategy::React);
+        let mut state = RunState::new("q", 1, counter);
+        state.model_replied(
+            1,
+            Reply::Tools {
+                content: "Thought: add\nAction: calc".into(),
+                calls: vec![call("react_1", "{}")],
+            },
+            react,
+            counter,
+        );
+        state.tools_ran(vec![result("2")], react, counter);
+        assert!(
+            matches!(&state.messages[2].0, ChatMessage::User(text) if text == "Observation: 2")
+        );
+        let refused = state.model_replied(
+            2,
+            Reply::Tools {
+                content: "Action: calc".into(),
+                calls: vec![call("react_2", "{}")],
+            },
+            react,
+            counter,
+        );
+        assert_eq!(refused.map(|r| r.why), Some(NO_MORE_CALLS));
+        assert!(matches!(
+            state.next(),
+            Step::End(Ending::Failed {
+                reason: StopReason::ModelError,
+                ..
+            })
+        ));
+    }
+}
