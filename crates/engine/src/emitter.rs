@@ -373,18 +373,25 @@ impl Emitter {
         self.pending.push(done);
         let started = tokio::time::Instant::now();
         let mut wait = Duration::from_millis(100);
+        let mut saved = false;
+        let mut events = std::mem::take(&mut self.pending);
         loop {
-            // The batch is sent again whole when it fails: a publisher writes all of a
-            // batch or none of it.
-            let saved = match self.store.save(&self.record, self.saved_steps).await {
-                Ok(()) => self
-                    .publisher
-                    .publish(self.pending.clone())
+            let attempt = async {
+                if !saved {
+                    self.store
+                        .save(&self.record, self.saved_steps)
+                        .await
+                        .map_err(|e| unwritable("record", &e))?;
+                    saved = true;
+                }
+                // A publisher keeps a batch it could not write and writes it with the
+                // next call: a retry publishes nothing new.
+                self.publisher
+                    .publish(std::mem::take(&mut events))
                     .await
-                    .map_err(|e| unwritable("events", &e)),
-                Err(error) => Err(unwritable("record", &error)),
+                    .map_err(|e| unwritable("events", &e))
             };
-            match saved {
+            match attempt.await {
                 Ok(()) => return,
                 Err(Outcome::Failed(_, error)) if started.elapsed() < FINISH_PATIENCE => {
                     warn!(run_id = %self.record.run_id, error = %error.message, "cannot end the run yet; trying again");

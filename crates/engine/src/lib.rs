@@ -673,7 +673,9 @@ impl Engine {
                 })
             })
             .collect();
-        em.flush().await?;
+        // The calls are announced and recorded before they run: GetRun shows them while
+        // they run, on any replica.
+        em.checkpoint().await?;
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
         let max_output = self.max_tool_output_bytes;

@@ -377,7 +377,10 @@ pub type EventStream = Pin<Box<dyn Stream<Item = Result<Arc<RunEvent>, BusError>
 pub trait RunPublisher: Send + Sync {
     /// Appends `events` in order, giving each the next sequence number. After an event
     /// with `done`, later events are dropped: a run ends exactly once. Once this returns,
-    /// every reader can read the events.
+    /// every reader can read the events, except that a shared bus may hold plain text
+    /// deltas for a few milliseconds to write them together (anything else, and the
+    /// deltas before it, is readable on return). On an error the events are kept, with
+    /// their numbers, and written by the next call (which may publish nothing new).
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError>;
 }
 

@@ -555,14 +555,7 @@ impl EventBus for RedisBus {
         if exists {
             return Err(BusError::DuplicateRun(run_id.to_owned()));
         }
-        Ok(Box::new(RedisPublisher {
-            shared: self.0.clone(),
-            key,
-            state: Mutex::new(PublisherState {
-                next: 1,
-                done: false,
-            }),
-        }))
+        Ok(Box::new(RedisPublisher::new(self.0.clone(), key)))
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
@@ -596,127 +589,214 @@ impl EventBus for RedisBus {
     }
 }
 
+/// How long text deltas may wait to be written together: a model streams a token at a
+/// time, and one write per token would cost Redis a command per token.
+const DELTA_LINGER: Duration = Duration::from_millis(10);
+/// Deltas buffered at most before they are written at once.
+const DELTA_BUFFER: usize = 128;
+
 struct PublisherState {
+    /// The sequence the next event gets.
     next: u64,
+    /// Whether the `done` event was accepted.
     done: bool,
+    /// Events numbered but not yet written, as JSON.
+    buffer: Vec<(u64, bool, Vec<u8>)>,
+    /// Whether the log's time to live was set.
+    expiring: bool,
+    /// Why a background write failed; the next publish reports it.
+    failed: Option<BusError>,
 }
 
-struct RedisPublisher {
+/// What the publisher and its background writer share.
+struct PublisherCore {
     shared: Arc<Shared>,
     key: String,
     state: Mutex<PublisherState>,
+    /// Serializes writes, so that they reach Redis in sequence order.
+    writer: tokio::sync::Mutex<()>,
+}
+
+impl PublisherCore {
+    fn state(&self) -> MutexGuard<'_, PublisherState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Numbers `events` and buffers them; true when they may wait for the background
+    /// writer (text deltas only, and not too many).
+    fn buffer(&self, events: Vec<RunEvent>) -> Result<bool, BusError> {
+        let deltas_only = events.iter().all(|e| e.data.is_none() && !e.done);
+        let mut state = self.state();
+        // After a failed write its events are still buffered: they go first, now.
+        let retry = state.failed.take().is_some();
+        for event in &events {
+            if state.done {
+                break;
+            }
+            let json = serde_json::to_vec(event)
+                .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
+            let sequence = state.next;
+            state.next += 1;
+            state.done = event.done;
+            state.buffer.push((sequence, event.done, json));
+        }
+        // The first batch is written at once: it makes the log exist for readers.
+        Ok(!retry
+            && state.expiring
+            && deltas_only
+            && !state.done
+            && state.buffer.len() < DELTA_BUFFER)
+    }
+
+    /// Writes what is buffered, in one transaction.
+    async fn write(&self) -> Result<(), BusError> {
+        let _writing = self.writer.lock().await;
+        let (batch, set_ttl) = {
+            let mut state = self.state();
+            let batch = std::mem::take(&mut state.buffer);
+            let ended = batch.last().is_some_and(|(_, done, _)| *done);
+            let set_ttl = !state.expiring || ended;
+            state.expiring = true;
+            (batch, set_ttl.then_some(ended))
+        };
+        let Some((last, _, _)) = batch.last() else {
+            return Ok(());
+        };
+        let last = *last;
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for (sequence, _, json) in &batch {
+            pipe.cmd("XADD")
+                .arg(&self.key)
+                .arg("MAXLEN")
+                .arg("=")
+                .arg(self.shared.limits.events_per_run.max(1))
+                .arg(format!("{sequence}-1"))
+                .arg("e")
+                .arg(json)
+                .ignore();
+        }
+        if let Some(ended) = set_ttl {
+            let ttl = if ended {
+                self.shared.limits.run_retention
+            } else {
+                RUNNING_TTL + self.shared.limits.run_retention
+            };
+            pipe.pexpire(&self.key, i64::try_from(millis(ttl)).unwrap_or(i64::MAX))
+                .ignore();
+        }
+        pipe.publish(&self.key, last).ignore();
+        let written: Result<(), _> = pipe.query_async(&mut self.shared.connection()).await;
+        written.map_err(|e| {
+            let error = bus_error(&self.shared, &e);
+            // Kept, with its numbers, for the next publish to write again: a batch is
+            // written whole or not at all, so nothing is lost or numbered twice.
+            let mut state = self.state();
+            state.buffer.splice(0..0, batch);
+            state.failed = Some(error.clone());
+            error
+        })
+    }
+}
+
+struct RedisPublisher {
+    core: Arc<PublisherCore>,
+    /// Wakes the background writer.
+    flush_soon: Arc<tokio::sync::Notify>,
 }
 
 impl RedisPublisher {
-    fn state(&self) -> MutexGuard<'_, PublisherState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    fn new(shared: Arc<Shared>, key: String) -> Self {
+        let core = Arc::new(PublisherCore {
+            shared,
+            key,
+            state: Mutex::new(PublisherState {
+                next: 1,
+                done: false,
+                buffer: Vec::new(),
+                expiring: false,
+                failed: None,
+            }),
+            writer: tokio::sync::Mutex::new(()),
+        });
+        let flush_soon = Arc::new(tokio::sync::Notify::new());
+        // The background writer of text deltas; it ends with the publisher.
+        let weak = Arc::downgrade(&core);
+        let wake = flush_soon.clone();
+        tokio::spawn(async move {
+            loop {
+                wake.notified().await;
+                tokio::time::sleep(DELTA_LINGER).await;
+                let Some(core) = weak.upgrade() else { return };
+                let _ = core.write().await;
+                if core.state().done {
+                    return;
+                }
+            }
+        });
+        Self { core, flush_soon }
     }
 }
 
 #[async_trait]
 impl RunPublisher for RedisPublisher {
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
-        let (first, mut pipe, last, done) = {
-            let state = self.state();
-            if state.done {
-                return Ok(());
-            }
-            let mut pipe = redis::pipe();
-            pipe.atomic();
-            let mut sequence = state.next;
-            let mut done = false;
-            for event in &events {
-                let json = serde_json::to_vec(event)
-                    .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
-                pipe.cmd("XADD")
-                    .arg(&self.key)
-                    .arg("MAXLEN")
-                    .arg("=")
-                    .arg(self.shared.limits.events_per_run.max(1))
-                    .arg(format!("{sequence}-1"))
-                    .arg("e")
-                    .arg(json)
-                    .ignore();
-                sequence += 1;
-                if event.done {
-                    done = true;
-                    break;
-                }
-            }
-            (state.next, pipe, sequence - 1, done)
-        };
-        if last < first {
+        if self.core.buffer(events)? {
+            self.flush_soon.notify_one();
             return Ok(());
         }
-        let ttl = if done {
-            self.shared.limits.run_retention
-        } else {
-            RUNNING_TTL + self.shared.limits.run_retention
-        };
-        if first == 1 || done {
-            pipe.pexpire(&self.key, i64::try_from(millis(ttl)).unwrap_or(i64::MAX))
-                .ignore();
-        }
-        pipe.publish(&self.key, last).ignore();
-        let _: () = pipe
-            .query_async(&mut self.shared.connection())
-            .await
-            .map_err(|e| bus_error(&self.shared, &e))?;
-        let mut state = self.state();
-        state.next = last + 1;
-        state.done |= done;
-        Ok(())
+        self.core.write().await
     }
 }
 
 impl Drop for RedisPublisher {
     /// A run whose publisher goes away without a `done` event (a bug, or a panic in the
-    /// run) still ends, so that no reader waits forever: the end is written in the
-    /// background.
+    /// run) still ends, so that no reader waits forever: what is buffered and the end are
+    /// written in the background.
     fn drop(&mut self) {
-        let state = self.state();
-        if state.done {
+        self.flush_soon.notify_one();
+        let ended = {
+            let state = self.core.state();
+            state.done && state.buffer.is_empty()
+        };
+        if ended {
             return;
         }
-        let next = state.next;
-        drop(state);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let publisher = RedisPublisher {
-            shared: self.shared.clone(),
-            key: self.key.clone(),
-            state: Mutex::new(PublisherState { next, done: false }),
-        };
+        let core = self.core.clone();
         runtime.spawn(async move {
-            let message = "the run ended without a final event";
-            let data = agentrt_events::EventData::End(agentrt_events::RunSummary {
-                stop_reason: "internal_error",
-                prompt_tokens: 0,
-                completion_tokens: 0,
-                usage_estimated: false,
-                iterations: 0,
-                note: None,
-                error: Some(agentrt_events::RunFailure {
-                    code: "INTERNAL".into(),
-                    message: message.into(),
-                    category: "internal",
-                    retryable: true,
-                }),
-            });
-            let event = RunEvent {
-                done: true,
-                ..RunEvent::new(
-                    agentrt_events::EventKind::Error,
-                    0,
-                    message.into(),
-                    Some(data),
-                )
-            };
-            if let Err(error) = publisher.publish(vec![event]).await {
+            if !core.state().done {
+                let message = "the run ended without a final event";
+                let data = agentrt_events::EventData::End(agentrt_events::RunSummary {
+                    stop_reason: "internal_error",
+                    prompt_tokens: 0,
+                    completion_tokens: 0,
+                    usage_estimated: false,
+                    iterations: 0,
+                    note: None,
+                    error: Some(agentrt_events::RunFailure {
+                        code: "INTERNAL".into(),
+                        message: message.into(),
+                        category: "internal",
+                        retryable: true,
+                    }),
+                });
+                let event = RunEvent {
+                    done: true,
+                    ..RunEvent::new(
+                        agentrt_events::EventKind::Error,
+                        0,
+                        message.into(),
+                        Some(data),
+                    )
+                };
+                let _ = core.buffer(vec![event]);
+            }
+            if let Err(error) = core.write().await {
                 warn!(%error, "cannot end a run whose publisher went away");
             }
-            // Ended now: its own drop has nothing to do.
         });
     }
 }
