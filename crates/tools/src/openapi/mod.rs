@@ -14,6 +14,7 @@ mod document;
 mod plain;
 
 use std::{
+    borrow::Cow,
     collections::BTreeMap,
     path::{Path, PathBuf},
     time::Duration,
@@ -23,7 +24,7 @@ use agentrt_core::{Secret, ToolSource, ToolSpec};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
-use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_encode_byte, utf8_percent_encode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tracing::{info, warn};
@@ -32,7 +33,7 @@ use crate::{
     CallError, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset, check_source_name,
     offered_name, secret::SecretRef, truncate_text,
 };
-use document::{Location, Operation};
+use document::{Location, Operation, Parameter};
 
 /// What stays unescaped in a path segment: RFC 3986's unreserved characters.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
@@ -117,19 +118,97 @@ impl OpenApiConfig {
 pub struct OpenApiToolset {
     name: String,
     base: reqwest::Url,
-    operations: BTreeMap<String, Operation>,
+    /// The base URL's query, which the call's own parameters follow.
+    base_query: Option<String>,
+    routes: BTreeMap<String, Route>,
     headers: Vec<(reqwest::header::HeaderName, reqwest::header::HeaderValue)>,
-    query: Vec<(String, Secret)>,
+    /// The source's query parameters, form-encoded once (`name=value&...`); empty when
+    /// there are none.
+    query: Secret,
     timeout: Duration,
     max_response_bytes: usize,
     transport: Transport,
 }
 
+/// An operation, with what its calls need worked out once when the document is loaded.
+struct Route {
+    op: Operation,
+    /// The request path (the base URL's path, then the operation's) cut at the
+    /// placeholders of its path parameters, so that a call only joins pieces.
+    path: Vec<Piece>,
+    /// Per parameter, in `op.parameters`' order: a header parameter's name as a header,
+    /// or `None` when it is not a valid one (an error when a call gives it).
+    header_names: Vec<Option<reqwest::header::HeaderName>>,
+    /// `GET /pets/{petId}`: how messages name the operation.
+    what: String,
+}
+
+/// A piece of a request path.
+enum Piece {
+    Text(String),
+    /// The value of `op.parameters[i]`, escaped.
+    Param(usize),
+}
+
+impl Route {
+    /// `base_path` is the base URL's path without its trailing `/`.
+    fn new(op: Operation, base_path: &str) -> Self {
+        // One parameter after the other, as `str::replace` on the whole template would,
+        // looking at template text only: an escaped value holds no braces.
+        let mut path = vec![Piece::Text(op.path.clone())];
+        for (index, param) in op.parameters.iter().enumerate() {
+            if param.location != Location::Path {
+                continue;
+            }
+            let placeholder = format!("{{{}}}", param.name);
+            path = path
+                .into_iter()
+                .flat_map(|piece| match piece {
+                    Piece::Text(text) if text.contains(&placeholder) => {
+                        let mut pieces = Vec::new();
+                        for (i, part) in text.split(&placeholder).enumerate() {
+                            if i > 0 {
+                                pieces.push(Piece::Param(index));
+                            }
+                            if !part.is_empty() {
+                                pieces.push(Piece::Text(part.to_owned()));
+                            }
+                        }
+                        pieces
+                    }
+                    piece => vec![piece],
+                })
+                .collect();
+        }
+        if !base_path.is_empty() {
+            match path.first_mut() {
+                Some(Piece::Text(text)) => text.insert_str(0, base_path),
+                _ => path.insert(0, Piece::Text(base_path.to_owned())),
+            }
+        }
+        let header_names = op
+            .parameters
+            .iter()
+            .map(|param| match param.location {
+                Location::Header => {
+                    reqwest::header::HeaderName::from_bytes(param.name.as_bytes()).ok()
+                }
+                Location::Path | Location::Query => None,
+            })
+            .collect();
+        Self {
+            path,
+            header_names,
+            what: format!("{} {}", op.method, op.path),
+            op,
+        }
+    }
+}
+
 /// How requests reach the base URL.
 enum Transport {
-    /// `http://`: pooled HTTP/1.1 connections driven by the calls themselves, with the
-    /// `Host` header they send.
-    Plain(plain::Pool, reqwest::header::HeaderValue),
+    /// `http://`: pooled HTTP/1.1 connections driven by the calls themselves.
+    Plain(plain::Pool),
     /// `https://`: the shared client (rustls).
     Shared(reqwest::Client),
 }
@@ -138,7 +217,10 @@ enum Transport {
 #[derive(Debug)]
 struct Outgoing {
     method: reqwest::Method,
-    url: reqwest::Url,
+    /// The request target in origin form: path and query, escaped.
+    target: String,
+    /// The call's header parameters, the source's headers and the body's type; the
+    /// transport adds `Host`, `Accept` when not given, and the body's `Content-Length`.
     headers: reqwest::header::HeaderMap,
     body: Option<Bytes>,
 }
@@ -146,7 +228,8 @@ struct Outgoing {
 /// An answer, its body read up to the source's bound.
 struct Reply {
     status: reqwest::StatusCode,
-    headers: reqwest::header::HeaderMap,
+    /// Where a redirect points (the first `Location`, when it is text).
+    location: Option<String>,
     body: Vec<u8>,
     /// The body is larger than the bound (and was not read).
     too_large: bool,
@@ -190,19 +273,23 @@ impl OpenApiToolset {
             value.set_sensitive(true);
             headers.push((name, value));
         }
-        let mut query = Vec::new();
+        let mut query = String::new();
         for (name, secret) in &config.query {
-            query.push((
-                name.clone(),
-                secret
-                    .read()
-                    .map_err(|e| fail(format!("query {name}: {e}")))?,
-            ));
+            let value = secret
+                .read()
+                .map_err(|e| fail(format!("query {name}: {e}")))?;
+            if !query.is_empty() {
+                query.push('&');
+            }
+            form_encode(&mut query, name);
+            query.push('=');
+            form_encode(&mut query, value.expose());
         }
-        let operations = doc
+        let base_path = base.path().trim_end_matches('/');
+        let routes = doc
             .operations
             .into_iter()
-            .map(|op| (op.id.clone(), op))
+            .map(|op| (op.id.clone(), Route::new(op, base_path)))
             .collect::<BTreeMap<_, _>>();
         let transport = match (base.scheme(), base.host_str()) {
             ("http", Some(host)) => {
@@ -210,33 +297,35 @@ impl OpenApiToolset {
                     Some(port) => format!("{host}:{port}"),
                     None => host.to_owned(),
                 };
-                let host_header = reqwest::header::HeaderValue::from_str(&authority)
+                reqwest::header::HeaderValue::from_str(&authority)
                     .map_err(|_| fail(format!("base URL {base}: not a valid host")))?;
                 let port = base.port_or_known_default().unwrap_or(80);
-                Transport::Plain(plain::Pool::new(host, port), host_header)
+                Transport::Plain(plain::Pool::new(host, port, &authority))
             }
             _ => Transport::Shared(crate::http::client().map_err(fail)?),
         };
-        info!(source = %config.name, operations = operations.len(), %base, "OpenAPI document loaded");
+        info!(source = %config.name, operations = routes.len(), %base, "OpenAPI document loaded");
         Ok(Self {
             name: config.name.clone(),
+            base_query: base.query().map(str::to_owned),
             base,
-            operations,
+            routes,
             headers,
-            query,
+            query: Secret::new(query),
             timeout: config.timeout,
             max_response_bytes: config.max_response_bytes,
             transport,
         })
     }
 
-    /// The request `op` makes with `arguments`.
-    fn request(&self, op: &Operation, arguments: &Value) -> std::result::Result<Outgoing, String> {
-        let mut path = op.path.clone();
-        let mut query: Vec<(String, String)> = Vec::new();
+    /// The request `route` makes with `arguments`.
+    fn request(&self, route: &Route, arguments: &Value) -> std::result::Result<Outgoing, String> {
+        let op = &route.op;
+        // The checks, in the parameters' order, and the header parameters; the path and
+        // the query are written below, once nothing can fail.
         let mut headers = reqwest::header::HeaderMap::new();
-        for param in &op.parameters {
-            let Some(value) = arguments.get(&param.key).filter(|v| !v.is_null()) else {
+        for (param, header_name) in op.parameters.iter().zip(&route.header_names) {
+            let Some(value) = given(arguments, param) else {
                 continue;
             };
             match param.location {
@@ -248,42 +337,21 @@ impl OpenApiToolset {
                             param.name
                         ));
                     }
-                    let escaped = utf8_percent_encode(&text, SEGMENT).to_string();
-                    path = path.replace(&format!("{{{}}}", param.name), &escaped);
                 }
-                Location::Query => match value {
-                    Value::Array(items) if param.explode => {
-                        for item in items {
-                            query.push((param.name.clone(), scalar_text(item)));
-                        }
-                    }
-                    _ => query.push((param.name.clone(), scalar_text(value))),
-                },
+                Location::Query => {}
                 Location::Header => {
-                    let name = reqwest::header::HeaderName::from_bytes(param.name.as_bytes())
-                        .map_err(|_| format!("{:?} is not a valid header name", param.name))?;
-                    let value = reqwest::header::HeaderValue::from_str(&scalar_text(value))
-                        .map_err(|_| format!("header {:?}: not a valid value", param.name))?;
+                    let name = header_name
+                        .clone()
+                        .ok_or_else(|| format!("{:?} is not a valid header name", param.name))?;
+                    let value =
+                        reqwest::header::HeaderValue::try_from(scalar_text(value).into_owned())
+                            .map_err(|_| format!("header {:?}: not a valid value", param.name))?;
                     headers.insert(name, value);
                 }
             }
         }
-        let mut url = self.base.clone();
-        let joined = format!("{}{path}", self.base.path().trim_end_matches('/'));
-        url.set_path(&joined);
-        if url.host() != self.base.host()
-            || url.port_or_known_default() != self.base.port_or_known_default()
-        {
-            return Err("the request would leave the base URL's host".into());
-        }
         for (name, value) in &self.headers {
             headers.insert(name.clone(), value.clone());
-        }
-        for (name, value) in &self.query {
-            query.push((name.clone(), value.expose().to_owned()));
-        }
-        if !query.is_empty() {
-            url.query_pairs_mut().extend_pairs(&query);
         }
         let body = if op.has_body
             && let Some(body) = arguments.get("body")
@@ -292,65 +360,134 @@ impl OpenApiToolset {
                 reqwest::header::CONTENT_TYPE,
                 reqwest::header::HeaderValue::from_static("application/json"),
             );
-            Some(Bytes::from(body.to_string()))
+            let bytes = serde_json::to_vec(body).map_err(|e| format!("the body: {e}"))?;
+            Some(Bytes::from(bytes))
         } else {
             None
         };
         Ok(Outgoing {
             method: op.method.clone(),
-            url,
+            target: self.target(route, arguments)?,
             headers,
             body,
         })
     }
 
+    /// The request target: the path with the call's path parameters, then the base URL's
+    /// query, the call's query parameters and the source's, as the `url` crate would
+    /// write them.
+    fn target(&self, route: &Route, arguments: &Value) -> std::result::Result<String, String> {
+        let mut target = String::with_capacity(128);
+        for piece in &route.path {
+            match piece {
+                Piece::Text(text) => target.push_str(text),
+                Piece::Param(index) => {
+                    let param = &route.op.parameters[*index];
+                    match given(arguments, param) {
+                        Some(value) => {
+                            target.extend(utf8_percent_encode(&scalar_text(value), SEGMENT));
+                        }
+                        // Left as the template has it.
+                        None => {
+                            target.push('{');
+                            target.push_str(&param.name);
+                            target.push('}');
+                        }
+                    }
+                }
+            }
+        }
+        if !is_normalized_path(&target) {
+            target = self.normalize_path(&target)?;
+        }
+        let query_start = target.len();
+        if let Some(query) = &self.base_query {
+            target.push('?');
+            target.push_str(query);
+        }
+        for param in &route.op.parameters {
+            if param.location != Location::Query {
+                continue;
+            }
+            match given(arguments, param) {
+                Some(Value::Array(items)) if param.explode => {
+                    for item in items {
+                        push_query_pair(&mut target, query_start, &param.name, &scalar_text(item));
+                    }
+                }
+                Some(value) => {
+                    push_query_pair(&mut target, query_start, &param.name, &scalar_text(value));
+                }
+                None => {}
+            }
+        }
+        let fixed = self.query.expose();
+        if !fixed.is_empty() {
+            push_query_separator(&mut target, query_start);
+            target.push_str(fixed);
+        }
+        Ok(target)
+    }
+
+    /// `path` as the `url` crate writes it under the base URL (escaping what must be,
+    /// resolving `.` and `..` segments): the slow way, for the paths
+    /// [`is_normalized_path`] cannot vouch for.
+    fn normalize_path(&self, path: &str) -> std::result::Result<String, String> {
+        let mut url = self.base.clone();
+        url.set_path(path);
+        if url.host() != self.base.host()
+            || url.port_or_known_default() != self.base.port_or_known_default()
+        {
+            return Err("the request would leave the base URL's host".into());
+        }
+        Ok(url.path().to_owned())
+    }
+
+    /// The full URL of a request target, for the shared client.
+    fn url(&self, target: &str) -> reqwest::Url {
+        let (path, query) = match target.split_once('?') {
+            Some((path, query)) => (path, Some(query)),
+            None => (target, None),
+        };
+        let mut url = self.base.clone();
+        url.set_path(path);
+        url.set_query(query);
+        url
+    }
+
     /// Sends the request and reads at most `max_response_bytes` of the answer, all within
     /// the source's timeout.
-    async fn send(&self, op: &Operation, request: Outgoing) -> ToolOutput {
-        let what = format!("{} {}", op.method, op.path);
+    async fn send(&self, route: &Route, request: Outgoing) -> ToolOutput {
+        let what = &route.what;
         match tokio::time::timeout(self.timeout, self.exchange(request)).await {
-            Ok(Ok(reply)) => self.output(&what, reply),
+            Ok(Ok(reply)) => self.output(what, reply),
             Ok(Err(e)) => ToolOutput::error(format!("{what} failed: {e}")),
             Err(_) => ToolOutput::error(format!("{what} did not answer within {:?}", self.timeout)),
         }
     }
 
     async fn exchange(&self, request: Outgoing) -> std::result::Result<Reply, String> {
-        let Outgoing {
-            method,
-            url,
-            mut headers,
-            body,
-        } = request;
         match &self.transport {
-            Transport::Plain(pool, host) => {
-                let mut target = url.path().to_owned();
-                if let Some(query) = url.query() {
-                    target.push('?');
-                    target.push_str(query);
-                }
-                headers.insert(reqwest::header::HOST, host.clone());
-                headers
-                    .entry(reqwest::header::ACCEPT)
-                    .or_insert_with(|| reqwest::header::HeaderValue::from_static("*/*"));
-                let mut request =
-                    hyper::Request::new(http_body_util::Full::new(body.unwrap_or_default()));
-                *request.method_mut() = method;
-                *request.uri_mut() = target
-                    .parse()
-                    .map_err(|e| format!("the request's path {target:?}: {e}"))?;
-                *request.headers_mut() = headers;
-                pool.send(request, self.max_response_bytes).await
-            }
+            Transport::Plain(pool) => pool.send(&request, self.max_response_bytes).await,
             Transport::Shared(client) => {
-                let mut request = client.request(method, url).headers(headers);
+                let Outgoing {
+                    method,
+                    target,
+                    headers,
+                    body,
+                } = request;
+                let mut request = client.request(method, self.url(&target)).headers(headers);
                 if let Some(body) = body {
                     request = request.body(body);
                 }
                 let response = request.send().await.map_err(|e| e.to_string())?;
                 let mut reply = Reply {
                     status: response.status(),
-                    headers: response.headers().clone(),
+                    location: response
+                        .headers()
+                        .get(reqwest::header::LOCATION)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned),
                     body: Vec::new(),
                     too_large: false,
                 };
@@ -385,22 +522,19 @@ impl OpenApiToolset {
         }
         let Reply {
             status,
-            headers,
+            location,
             body,
             ..
         } = reply;
-        let structured = serde_json::from_slice::<Value>(&body).ok();
         if status.is_redirection() {
-            let location = headers
-                .get(reqwest::header::LOCATION)
-                .and_then(|v| v.to_str().ok());
             return ToolOutput::error(format!(
                 "{what} answered {status} with a redirect to {}, which is not followed: this \
                  source only calls {}",
-                location.unwrap_or("nowhere"),
+                location.as_deref().unwrap_or("nowhere"),
                 self.base.origin().ascii_serialization()
             ));
         }
+        let structured = serde_json::from_slice::<Value>(&body).ok();
         let mut text = String::from_utf8(body)
             .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
         if status.is_client_error() || status.is_server_error() {
@@ -421,13 +555,77 @@ impl OpenApiToolset {
     }
 }
 
+/// The argument given for `param`, unless it is missing or null.
+fn given<'a>(arguments: &'a Value, param: &Parameter) -> Option<&'a Value> {
+    arguments.get(&param.key).filter(|v| !v.is_null())
+}
+
 /// A parameter value as request text: strings as they are, arrays comma-separated, other
 /// values as JSON.
-fn scalar_text(value: &Value) -> String {
+fn scalar_text(value: &Value) -> Cow<'_, str> {
     match value {
-        Value::String(s) => s.clone(),
-        Value::Array(items) => items.iter().map(scalar_text).collect::<Vec<_>>().join(","),
-        other => other.to_string(),
+        Value::String(s) => Cow::Borrowed(s),
+        Value::Array(items) => {
+            Cow::Owned(items.iter().map(scalar_text).collect::<Vec<_>>().join(","))
+        }
+        other => Cow::Owned(other.to_string()),
+    }
+}
+
+/// Whether the `url` crate would keep `path` as it is, so that it need not be asked: it
+/// starts with `/`, holds only characters a path keeps unescaped (no `\`, which `url`
+/// reads as `/`), and no `.` or `..` segment (`%2e` counts as a dot), which `url`
+/// resolves. Escaped values pass; a template with unusual characters goes the slow way.
+fn is_normalized_path(path: &str) -> bool {
+    path.starts_with('/')
+        && path
+            .bytes()
+            .all(|b| (b'!'..=b'~').contains(&b) && !b"\"#<>?`{}\\".contains(&b))
+        && !path.split('/').any(is_dot_segment)
+}
+
+/// `.`, `..`, or either with dots written `%2e` or `%2E`.
+fn is_dot_segment(segment: &str) -> bool {
+    let mut rest = segment.as_bytes();
+    let mut dots = 0;
+    while !rest.is_empty() {
+        rest = match rest {
+            [b'.', tail @ ..] => tail,
+            [b'%', b'2', b'e' | b'E', tail @ ..] => tail,
+            _ => return false,
+        };
+        dots += 1;
+    }
+    dots == 1 || dots == 2
+}
+
+/// Appends `name=value` to the query that starts at `query_start` in `target`,
+/// `application/x-www-form-urlencoded` as the `url` crate's `query_pairs_mut` writes it.
+fn push_query_pair(target: &mut String, query_start: usize, name: &str, value: &str) {
+    push_query_separator(target, query_start);
+    form_encode(target, name);
+    target.push('=');
+    form_encode(target, value);
+}
+
+/// `?` before the first pair, `&` between pairs.
+fn push_query_separator(target: &mut String, query_start: usize) {
+    if target.len() == query_start {
+        target.push('?');
+    } else if target.len() > query_start + 1 {
+        target.push('&');
+    }
+}
+
+fn form_encode(out: &mut String, text: &str) {
+    for &b in text.as_bytes() {
+        match b {
+            b'*' | b'-' | b'.' | b'0'..=b'9' | b'A'..=b'Z' | b'_' | b'a'..=b'z' => {
+                out.push(char::from(b));
+            }
+            b' ' => out.push('+'),
+            _ => out.push_str(percent_encode_byte(b)),
+        }
     }
 }
 
@@ -439,9 +637,9 @@ impl Toolset for OpenApiToolset {
 
     async fn list(&self) -> Result<Vec<ListedTool>> {
         Ok(self
-            .operations
+            .routes
             .values()
-            .map(|op| ListedTool {
+            .map(|Route { op, .. }| ListedTool {
                 spec: ToolSpec {
                     name: offered_name(&self.name, &op.id),
                     description: op.description.clone(),
@@ -460,16 +658,16 @@ impl Toolset for OpenApiToolset {
         arguments: Value,
         ctx: &ToolContext,
     ) -> Result<ToolOutput, CallError> {
-        let op = self
-            .operations
+        let route = self
+            .routes
             .get(tool)
             .ok_or_else(|| CallError::Gone(tool.to_owned()))?;
-        let request = match self.request(op, &arguments) {
+        let request = match self.request(route, &arguments) {
             Ok(request) => request,
             Err(message) => return Ok(ToolOutput::error(message)),
         };
         tokio::select! {
-            out = self.send(op, request) => Ok(out),
+            out = self.send(route, request) => Ok(out),
             () = ctx.cancel.cancelled() => Ok(ToolOutput::error("cancelled")),
         }
     }

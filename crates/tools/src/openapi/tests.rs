@@ -44,7 +44,7 @@ async fn arguments_fill_path_query_headers_and_body() {
     assert!(schema["properties"]["query_body"].is_object(), "{schema}");
     assert!(schema["properties"]["body"].is_object(), "{schema}");
 
-    let op = &toolset.operations["put.item"];
+    let op = &toolset.routes["put.item"];
     let request = toolset
         .request(
             op,
@@ -53,7 +53,7 @@ async fn arguments_fill_path_query_headers_and_body() {
         )
         .unwrap();
     assert_eq!(
-        request.url.as_str(),
+        toolset.url(&request.target).as_str(),
         "http://api.example.test/v1/items/a%2Fb%20c%3F?tag=x&tag=y+z&body=3&api_key=k3y"
     );
     assert_eq!(request.method, reqwest::Method::POST);
@@ -62,6 +62,21 @@ async fn arguments_fill_path_query_headers_and_body() {
     assert!(request.headers["authorization"].is_sensitive());
     assert_eq!(request.headers["content-type"], "application/json");
     assert_eq!(request.body.as_deref().unwrap(), br#"{"n":1}"#);
+    let Transport::Plain(pool) = &toolset.transport else {
+        panic!("an http:// base URL is served by the plain pool");
+    };
+    assert_eq!(
+        String::from_utf8(pool.encode(&request)).unwrap(),
+        "POST /v1/items/a%2Fb%20c%3F?tag=x&tag=y+z&body=3&api_key=k3y HTTP/1.1\r\n\
+         host: api.example.test\r\n\
+         x-mode: fast\r\n\
+         authorization: Bearer k3y\r\n\
+         content-type: application/json\r\n\
+         accept: */*\r\n\
+         content-length: 7\r\n\
+         \r\n\
+         {\"n\":1}"
+    );
 
     for dots in ["..", "."] {
         let err = toolset.request(op, &json!({"id": dots})).unwrap_err();
@@ -96,4 +111,207 @@ fn a_missing_secret_or_server_is_a_start_up_error() {
         "{err}"
     );
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The request target and URL as the `url` crate made them before paths were
+/// precomputed (`Url::set_path` on the filled template, `query_pairs_mut`): what
+/// [`OpenApiToolset::target`] must still give.
+fn reference(
+    base: &reqwest::Url,
+    op: &Operation,
+    arguments: &Value,
+    fixed: &[(&str, &str)],
+) -> std::result::Result<(String, String), String> {
+    let mut path = op.path.clone();
+    let mut query: Vec<(String, String)> = Vec::new();
+    for param in &op.parameters {
+        let Some(value) = arguments.get(&param.key).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        match param.location {
+            Location::Path => {
+                let text = scalar_text(value);
+                if text.is_empty() || text == "." || text == ".." {
+                    return Err(format!(
+                        "path parameter {:?} cannot be {text:?}",
+                        param.name
+                    ));
+                }
+                let escaped = utf8_percent_encode(&text, SEGMENT).to_string();
+                path = path.replace(&format!("{{{}}}", param.name), &escaped);
+            }
+            Location::Query => match value {
+                Value::Array(items) if param.explode => {
+                    for item in items {
+                        query.push((param.name.clone(), scalar_text(item).into_owned()));
+                    }
+                }
+                _ => query.push((param.name.clone(), scalar_text(value).into_owned())),
+            },
+            Location::Header => {}
+        }
+    }
+    let mut url = base.clone();
+    url.set_path(&format!("{}{path}", base.path().trim_end_matches('/')));
+    for (name, value) in fixed {
+        query.push(((*name).to_owned(), (*value).to_owned()));
+    }
+    if !query.is_empty() {
+        url.query_pairs_mut().extend_pairs(&query);
+    }
+    let mut target = url.path().to_owned();
+    if let Some(query) = url.query() {
+        target.push('?');
+        target.push_str(query);
+    }
+    Ok((target, url.to_string()))
+}
+
+#[test]
+fn precomputed_paths_and_queries_match_the_url_crate() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-paths-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("key"), "k 3&y=ü\n").unwrap();
+    let templates = [
+        "/items/{id}",
+        "/a/{id}/b/{id}",
+        "/files/{id}.json",
+        "/{id}/",
+        "/{id}{other}",
+        "/sp ace/{id}",
+        "/a/./b/../{id}",
+        "/a/{id}/..",
+        "/back\\slash/{id}",
+        "/%2e%2E/{id}/%2E",
+        "/q?x#y/{id}",
+        "no-slash/{id}",
+        "/ü/{id}",
+        "/a//b/{id}/{missing}",
+        "/{id}/{other}/{idx}",
+    ];
+    let mut paths = serde_json::Map::new();
+    for (i, template) in templates.iter().enumerate() {
+        let mut parameters = vec![
+            json!({"name": "q", "in": "query", "schema": {}}),
+            json!({"name": "list", "in": "query", "explode": false, "schema": {}}),
+        ];
+        for name in ["id", "other", "missing", "idx"] {
+            if template.contains(&format!("{{{name}}}")) {
+                parameters
+                    .push(json!({"name": name, "in": "path", "required": true, "schema": {}}));
+            }
+        }
+        paths.insert(
+            (*template).to_owned(),
+            json!({"get": {"operationId": format!("op{i}"), "parameters": parameters}}),
+        );
+    }
+    let doc = json!({"openapi": "3.1.0", "paths": paths});
+    std::fs::write(dir.join("api.json"), doc.to_string()).unwrap();
+    let values = [
+        json!("a/b c?"),
+        json!("ü"),
+        json!("..."),
+        json!("%2e"),
+        json!("2e"),
+        json!("x#y{id}"),
+        json!("a\\b"),
+        json!(3),
+        json!(true),
+        json!(["a b", "c"]),
+        json!("."),
+        Value::Null,
+    ];
+    let queries = [
+        json!({}),
+        json!({"q": "a b&c=d+ü"}),
+        json!({"q": ["x", "y z"], "list": ["1", "2"]}),
+        json!({"q": 1.5, "list": "a,b"}),
+    ];
+    let bases = [
+        "http://h.test/v1/",
+        "http://h.test/v1",
+        "http://h.test",
+        "http://h.test/v1?k=1",
+        "http://h.test/v1/?",
+        "http://h.test:8080/base%20x/#frag",
+        "https://h.test/api/",
+    ];
+    for base in bases {
+        for with_key in [false, true] {
+            let mut config = json!({"name": "api", "spec": dir.join("api.json"), "base_url": base});
+            if with_key {
+                config["query"] = json!({"api key": {"file": dir.join("key")}});
+            }
+            let toolset =
+                OpenApiToolset::load(&serde_json::from_value::<OpenApiConfig>(config).unwrap())
+                    .unwrap();
+            let fixed: &[(&str, &str)] = if with_key {
+                &[("api key", "k 3&y=ü")]
+            } else {
+                &[]
+            };
+            for route in toolset.routes.values() {
+                for value in &values {
+                    for query in &queries {
+                        let mut arguments = query.clone();
+                        arguments["id"] = value.clone();
+                        arguments["other"] = json!("o");
+                        arguments["idx"] = json!(".");
+                        let expected = reference(&toolset.base, &route.op, &arguments, fixed);
+                        let got = toolset.request(route, &arguments).map(|request| {
+                            let url = toolset.url(&request.target).to_string();
+                            (request.target, url)
+                        });
+                        assert_eq!(
+                            got, expected,
+                            "base {base}, path {}, arguments {arguments}",
+                            route.op.path
+                        );
+                    }
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn the_fast_path_check_only_passes_what_url_keeps() {
+    let base = reqwest::Url::parse("http://h.test/").unwrap();
+    let samples = [
+        "/",
+        "/a",
+        "/a/b/",
+        "//a",
+        "/a%2Fb",
+        "/a%zz",
+        "/%2e",
+        "/%2E%2e/x",
+        "/.a",
+        "/a..",
+        "/a/.",
+        "/a/..",
+        "/a/.%2e",
+        "/a/...",
+        "/a b",
+        "/a\\b",
+        "/a?b",
+        "/a#b",
+        "/a{b}",
+        "/ü",
+        "/a\tb",
+        "a",
+        "",
+        "/!$&'()*+,;=:@[]^|~-_",
+    ];
+    for path in samples {
+        let mut url = base.clone();
+        url.set_path(path);
+        if is_normalized_path(path) {
+            assert_eq!(url.path(), path, "{path:?} was taken as already normalized");
+        }
+    }
+    assert!(is_normalized_path("/items/a%2Fb%20c%3F"));
+    assert!(!is_normalized_path("/a/%2e%2E"));
 }
