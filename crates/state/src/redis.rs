@@ -880,47 +880,51 @@ struct RedisReader {
 
 impl RedisReader {
     async fn read(&mut self) -> Result<bool, BusError> {
-        let wanted = self.cursor.saturating_add(1);
-        let entries: Entries = redis::cmd("XRANGE")
-            .arg(&self.key)
-            .arg(format!("{wanted}-0"))
-            .arg("+")
-            .arg("COUNT")
-            .arg(READ_BATCH)
-            .query_async(&mut self.shared.connection())
-            .await
-            .map_err(|e| bus_error(&self.shared, &e))?;
-        let mut events = decode(entries)?;
-        if let Some(first) = events.first()
-            && first.sequence > wanted
-        {
-            return Err(BusError::Lagged {
-                from: wanted,
-                to: first.sequence - 1,
-            });
-        }
-        if events.is_empty() && self.owes_done {
-            // Attached beyond the end: the `done` event still closes the stream once the
-            // run has ended.
-            let last: Entries = redis::cmd("XREVRANGE")
+        loop {
+            let wanted = self.cursor.saturating_add(1);
+            let entries: Entries = redis::cmd("XRANGE")
                 .arg(&self.key)
+                .arg(format!("{wanted}-0"))
                 .arg("+")
-                .arg("-")
                 .arg("COUNT")
-                .arg(1)
+                .arg(READ_BATCH)
                 .query_async(&mut self.shared.connection())
                 .await
                 .map_err(|e| bus_error(&self.shared, &e))?;
-            match decode(last)?.pop() {
-                Some(last) if last.done => events.push(last),
-                Some(_) => {}
-                None => return Err(BusError::UnknownRun(self.key.clone())),
+            let mut events = decode(entries)?;
+            if let Some(first) = events.first()
+                && first.sequence > wanted
+            {
+                return Err(BusError::Lagged {
+                    from: wanted,
+                    to: first.sequence - 1,
+                });
             }
+            if events.is_empty() && self.owes_done {
+                // Nothing after the cursor. A reader attached beyond the end of a running
+                // run still gets its `done` event once the run has ended.
+                let last: Entries = redis::cmd("XREVRANGE")
+                    .arg(&self.key)
+                    .arg("+")
+                    .arg("-")
+                    .arg("COUNT")
+                    .arg(1)
+                    .query_async(&mut self.shared.connection())
+                    .await
+                    .map_err(|e| bus_error(&self.shared, &e))?;
+                match decode(last)?.pop() {
+                    // Written between the two reads: read them in order.
+                    Some(last) if last.sequence > self.cursor => continue,
+                    Some(last) if last.done => events.push(last),
+                    Some(_) => {}
+                    None => return Err(BusError::UnknownRun(self.key.clone())),
+                }
+            }
+            events.reverse();
+            let found = !events.is_empty();
+            self.batch = events;
+            return Ok(found);
         }
-        events.reverse();
-        let found = !events.is_empty();
-        self.batch = events;
-        Ok(found)
     }
 
     async fn next(mut self) -> Option<(Result<Arc<RunEvent>, BusError>, Self)> {

@@ -99,6 +99,37 @@ where
         "a running run owes its done"
     );
 
+    // Readers that follow a run from its start get every event, in order, however the
+    // writes fall between their reads.
+    for round in 0..100u64 {
+        let run_id = format!("many-{round}");
+        let publisher = bus.open(&run_id).await.unwrap();
+        let started = RunEvent::new(
+            EventKind::RunStarted,
+            1,
+            String::new(),
+            Some(agentrt_events::EventData::RunStarted {
+                engine_id: "e".into(),
+                agent: "a".into(),
+            }),
+        );
+        publisher.publish(vec![started]).await.unwrap();
+        let reader = {
+            let other = other.clone();
+            let run_id = run_id.clone();
+            tokio::spawn(async move { sequences(&*other, &run_id, 0).await })
+        };
+        if round % 2 == 1 {
+            tokio::time::sleep(Duration::from_millis(round % 7)).await;
+        }
+        publisher.publish(vec![delta("a")]).await.unwrap();
+        if round % 4 == 1 {
+            tokio::time::sleep(Duration::from_millis(round % 3)).await;
+        }
+        publisher.publish(vec![done()]).await.unwrap();
+        assert_eq!(reader.await.unwrap(), [Ok(1), Ok(2), Ok(3)], "round {round}");
+    }
+
     // Ids are unique; unknown runs are reported.
     assert_eq!(
         bus.open("r2").await.err(),

@@ -590,12 +590,12 @@ async fn main() -> anyhow::Result<()> {
     let mut outputs = Vec::with_capacity(engines.len());
     for (i, id) in engines.into_iter().enumerate() {
         let outcome = stack.run(i, id).await?;
-        match (outcome.first_event, outcome.first_output, outcome.failure) {
+        match (outcome.first_event, outcome.first_output, &outcome.failure) {
             (Some(event), Some(output), None) => {
                 firsts.push(event);
                 outputs.push(output);
             }
-            (_, _, failure) => bail!("first event: a run did not answer: {failure:?}"),
+            _ => bail!("first event: a run did not answer with text: {outcome:?}"),
         }
     }
     firsts.sort();
