@@ -374,35 +374,39 @@ impl Emitter {
         let started = tokio::time::Instant::now();
         let mut wait = Duration::from_millis(100);
         let mut saved = false;
+        let mut published = false;
         let mut events = std::mem::take(&mut self.pending);
         loop {
-            let attempt = async {
-                if !saved {
-                    self.store
-                        .save(&self.record, self.saved_steps)
-                        .await
-                        .map_err(|e| unwritable("record", &e))?;
-                    saved = true;
+            let mut failure = None;
+            if !saved {
+                match self.store.save(&self.record, self.saved_steps).await {
+                    Ok(()) => saved = true,
+                    Err(error) => failure = Some(unwritable("record", &error)),
                 }
-                // A publisher keeps a batch it could not write and writes it with the
-                // next call: a retry publishes nothing new.
-                self.publisher
-                    .publish(std::mem::take(&mut events))
-                    .await
-                    .map_err(|e| unwritable("events", &e))
-            };
-            match attempt.await {
-                Ok(()) => return,
-                Err(Outcome::Failed(_, error)) if started.elapsed() < FINISH_PATIENCE => {
+            }
+            // Published even when the record could not be saved: a store that is down
+            // answers no GetRun either, and the run's readers learn how it ended at once.
+            // A publisher keeps a batch it could not write and writes it with the next
+            // call: a retry publishes nothing new.
+            if !published || failure.is_none() {
+                match self.publisher.publish(std::mem::take(&mut events)).await {
+                    Ok(()) => published = true,
+                    Err(error) => failure = Some(unwritable("events", &error)),
+                }
+            }
+            match failure {
+                None if saved && published => return,
+                None => {}
+                Some(Outcome::Failed(_, error)) if started.elapsed() < FINISH_PATIENCE => {
                     warn!(run_id = %self.record.run_id, error = %error.message, "cannot end the run yet; trying again");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(5));
                 }
-                Err(_) => {
+                Some(_) => {
                     warn!(run_id = %self.record.run_id, "gave up writing the end of the run");
                     return;
                 }
             }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(Duration::from_secs(5));
         }
     }
 

@@ -62,6 +62,9 @@ pub struct RedisLimits {
     pub run_retention: Duration,
     /// Events kept per run.
     pub events_per_run: usize,
+    /// Events kept, all runs together, in this replica's copies of the logs of the runs
+    /// it executed (see [`Redis::bus`]).
+    pub retained_events: usize,
 }
 
 /// A connection to the Redis every replica shares.
@@ -78,6 +81,8 @@ struct Shared {
     target: String,
     limits: RedisLimits,
     listeners: Arc<Mutex<Listeners>>,
+    /// This replica's copies of the logs of the runs it executes.
+    local: agentrt_events::InMemoryBus,
 }
 
 #[derive(Default)]
@@ -143,6 +148,11 @@ impl Redis {
                 target,
                 limits,
                 listeners,
+                local: agentrt_events::InMemoryBus::new(agentrt_events::BusLimits {
+                    events_per_run: limits.events_per_run,
+                    retention: limits.run_retention,
+                    retained_events: limits.retained_events,
+                }),
             }),
         })
     }
@@ -177,7 +187,9 @@ impl Redis {
         Arc::new(RedisRuns(self.shared.clone()))
     }
 
-    /// The event bus.
+    /// The event bus. The replica executing a run also keeps its log in memory, as the
+    /// in-memory bus does, and its own readers read that copy: only readers on other
+    /// replicas read Redis.
     pub fn bus(&self) -> Arc<dyn EventBus> {
         Arc::new(RedisBus(self.shared.clone()))
     }
@@ -555,10 +567,14 @@ impl EventBus for RedisBus {
         if exists {
             return Err(BusError::DuplicateRun(run_id.to_owned()));
         }
-        Ok(Box::new(RedisPublisher::new(self.0.clone(), key)))
+        let local = self.0.local.open(run_id).await?;
+        Ok(Box::new(RedisPublisher::new(self.0.clone(), key, local)))
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
+        if let Ok(local) = self.0.local.subscribe(run_id, after_sequence).await {
+            return Ok(local);
+        }
         let key = self.0.key("events", run_id);
         let last: Entries = redis::cmd("XREVRANGE")
             .arg(&key)
@@ -624,12 +640,12 @@ impl PublisherCore {
 
     /// Numbers `events` and buffers them; true when they may wait for the background
     /// writer (text deltas only, and not too many).
-    fn buffer(&self, events: Vec<RunEvent>) -> Result<bool, BusError> {
+    fn buffer(&self, events: &[RunEvent]) -> Result<bool, BusError> {
         let deltas_only = events.iter().all(|e| e.data.is_none() && !e.done);
         let mut state = self.state();
         // After a failed write its events are still buffered: they go first, now.
         let retry = state.failed.take().is_some();
-        for event in &events {
+        for event in events {
             if state.done {
                 break;
             }
@@ -703,10 +719,12 @@ struct RedisPublisher {
     core: Arc<PublisherCore>,
     /// Wakes the background writer.
     flush_soon: Arc<tokio::sync::Notify>,
+    /// This replica's copy of the log.
+    local: Box<dyn RunPublisher>,
 }
 
 impl RedisPublisher {
-    fn new(shared: Arc<Shared>, key: String) -> Self {
+    fn new(shared: Arc<Shared>, key: String, local: Box<dyn RunPublisher>) -> Self {
         let core = Arc::new(PublisherCore {
             shared,
             key,
@@ -734,14 +752,22 @@ impl RedisPublisher {
                 }
             }
         });
-        Self { core, flush_soon }
+        Self {
+            core,
+            flush_soon,
+            local,
+        }
     }
 }
 
 #[async_trait]
 impl RunPublisher for RedisPublisher {
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
-        if self.core.buffer(events)? {
+        let deferred = self.core.buffer(&events)?;
+        // The copy here numbers the same events the same way: both drop what follows
+        // `done`. It is written first, so that readers here see no later than before.
+        self.local.publish(events).await?;
+        if deferred {
             self.flush_soon.notify_one();
             return Ok(());
         }
@@ -792,7 +818,7 @@ impl Drop for RedisPublisher {
                         Some(data),
                     )
                 };
-                let _ = core.buffer(vec![event]);
+                let _ = core.buffer(&[event]);
             }
             if let Err(error) = core.write().await {
                 warn!(%error, "cannot end a run whose publisher went away");

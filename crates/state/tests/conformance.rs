@@ -22,6 +22,7 @@ fn limits(events_per_run: usize) -> RedisLimits {
         max_exchanges: 3,
         run_retention: Duration::from_secs(600),
         events_per_run,
+        retained_events: 1_000_000,
     }
 }
 

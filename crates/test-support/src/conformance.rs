@@ -127,7 +127,11 @@ where
             tokio::time::sleep(Duration::from_millis(round % 3)).await;
         }
         publisher.publish(vec![done()]).await.unwrap();
-        assert_eq!(reader.await.unwrap(), [Ok(1), Ok(2), Ok(3)], "round {round}");
+        assert_eq!(
+            reader.await.unwrap(),
+            [Ok(1), Ok(2), Ok(3)],
+            "round {round}"
+        );
     }
 
     // Ids are unique; unknown runs are reported.

@@ -106,6 +106,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     max_exchanges: settings.sessions.max_turns,
                     run_retention: settings.runs.retention,
                     events_per_run: settings.runs.events_per_run,
+                    retained_events: settings.runs.retained_events,
                 },
             )
             .map_err(|e| StartError::State(e.to_string()))?;
