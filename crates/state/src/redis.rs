@@ -44,8 +44,9 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a reader waits for a notice before it looks for new events anyway (a notice
 /// may be lost while the subscription connection reconnects).
 const READ_POLL: Duration = Duration::from_secs(2);
-/// How long a running run's keys live without being written; every round renews them.
-const RUNNING_TTL: Duration = Duration::from_secs(3600);
+/// How long a running run's keys live (then the retention follows): no run outlasts its
+/// timeout, and no timeout is longer.
+const RUNNING_TTL: Duration = agentrt_core::limits::MAX_RUN_TIMEOUT;
 /// Events a reader takes from the log at once.
 const READ_BATCH: usize = 256;
 
@@ -424,18 +425,21 @@ impl RunStore for RedisRuns {
         }
         let ttl = i64::try_from(millis(self.ttl(record))).unwrap_or(i64::MAX);
         let mut pipe = redis::pipe();
-        pipe.atomic()
-            .hset_multiple(&key, &fields)
-            .ignore()
-            .pexpire(&key, ttl)
-            .ignore()
-            .pexpire(self.0.key("events", &record.run_id), ttl)
-            .ignore()
-            .pexpire(
-                self.message_key(&record.session_id, &record.message_id),
-                ttl,
-            )
-            .ignore();
+        pipe.atomic().hset_multiple(&key, &fields).ignore();
+        // Times to live: set when the record is made (the run's other keys have theirs
+        // already) and when it ends; a run cannot outlive the first.
+        if record.ended() || record.steps.is_empty() {
+            pipe.pexpire(&key, ttl).ignore();
+        }
+        if record.ended() {
+            pipe.pexpire(self.0.key("events", &record.run_id), ttl)
+                .ignore()
+                .pexpire(
+                    self.message_key(&record.session_id, &record.message_id),
+                    ttl,
+                )
+                .ignore();
+        }
         let _: () = pipe
             .query_async(&mut self.0.connection())
             .await
