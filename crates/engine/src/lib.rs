@@ -405,9 +405,10 @@ impl Engine {
                 }
                 Step::Tools(calls) => {
                     let calls = calls.to_vec();
+                    // The results are published as they come; the record is saved with
+                    // them at the next checkpoint (the next round's calls, or the end).
                     let results = self.run_tools(spec, &calls, em, cancel).await?;
                     state.tools_ran(results, strategy, counter);
-                    em.checkpoint().await?;
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
                     let reason = *reason;
