@@ -61,6 +61,30 @@ pub struct RunEvent {
 }
 
 impl RunEvent {
+    /// The `done` event a bus publishes for a run whose publisher went away without one
+    /// (a bug, or a panic in the run), so that no reader waits forever.
+    pub fn ended_without_end() -> Self {
+        let message = "the run ended without a final event";
+        let data = EventData::End(RunSummary {
+            stop_reason: "internal_error",
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            usage_estimated: false,
+            iterations: 0,
+            note: None,
+            error: Some(RunFailure {
+                code: "INTERNAL".into(),
+                message: message.into(),
+                category: "internal",
+                retryable: true,
+            }),
+        });
+        Self {
+            done: true,
+            ..Self::new(EventKind::Error, 0, message.into(), Some(data))
+        }
+    }
+
     /// A new event; its sequence is assigned when it is published.
     pub fn new(kind: EventKind, iteration: u32, content: String, data: Option<EventData>) -> Self {
         Self {
@@ -620,25 +644,7 @@ impl Drop for Publisher {
     /// run) still ends exactly once, so that no reader waits forever.
     fn drop(&mut self) {
         if !lock(&self.log.state).done {
-            let message = "the run ended without a final event";
-            let data = EventData::End(RunSummary {
-                stop_reason: "internal_error",
-                prompt_tokens: 0,
-                completion_tokens: 0,
-                usage_estimated: false,
-                iterations: 0,
-                note: None,
-                error: Some(RunFailure {
-                    code: "INTERNAL".into(),
-                    message: message.into(),
-                    category: "internal",
-                    retryable: true,
-                }),
-            });
-            self.append(RunEvent {
-                done: true,
-                ..RunEvent::new(EventKind::Error, 0, message.into(), Some(data))
-            });
+            self.append(RunEvent::ended_without_end());
             self.wake();
         }
     }

@@ -512,18 +512,7 @@ impl RunStore for RedisRuns {
                 }
             });
         }
-        Ok(Box::pin(futures_util::stream::unfold(
-            receiver,
-            |mut receiver| async move {
-                loop {
-                    match receiver.recv().await {
-                        Ok(request) => return Some((request, receiver)),
-                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                        Err(broadcast::error::RecvError::Closed) => return None,
-                    }
-                }
-            },
-        )))
+        Ok(crate::runs::stop_stream(receiver))
     }
 }
 
@@ -798,31 +787,7 @@ impl Drop for RedisPublisher {
         let core = self.core.clone();
         runtime.spawn(async move {
             if !core.state().done {
-                let message = "the run ended without a final event";
-                let data = agentrt_events::EventData::End(agentrt_events::RunSummary {
-                    stop_reason: "internal_error",
-                    prompt_tokens: 0,
-                    completion_tokens: 0,
-                    usage_estimated: false,
-                    iterations: 0,
-                    note: None,
-                    error: Some(agentrt_events::RunFailure {
-                        code: "INTERNAL".into(),
-                        message: message.into(),
-                        category: "internal",
-                        retryable: true,
-                    }),
-                });
-                let event = RunEvent {
-                    done: true,
-                    ..RunEvent::new(
-                        agentrt_events::EventKind::Error,
-                        0,
-                        message.into(),
-                        Some(data),
-                    )
-                };
-                let _ = core.buffer(&[event]);
+                let _ = core.buffer(&[RunEvent::ended_without_end()]);
             }
             if let Err(error) = core.write().await {
                 warn!(%error, "cannot end a run whose publisher went away");

@@ -65,6 +65,23 @@ pub trait RunStore: Send + Sync {
     async fn stop_requests(&self) -> StateResult<StopRequests>;
 }
 
+/// The stop requests a broadcast receiver gets, as a stream; requests a slow receiver
+/// missed are skipped (the run they name is stopped through its own replica's receiver).
+pub(crate) fn stop_stream(receiver: broadcast::Receiver<StopRequest>) -> StopRequests {
+    Box::pin(futures_util::stream::unfold(
+        receiver,
+        |mut receiver| async move {
+            loop {
+                match receiver.recv().await {
+                    Ok(request) => return Some((request, receiver)),
+                    Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        },
+    ))
+}
+
 /// How long records are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunRetention {
@@ -188,18 +205,6 @@ impl RunStore for MemoryRunStore {
     }
 
     async fn stop_requests(&self) -> StateResult<StopRequests> {
-        let receiver = self.stops.subscribe();
-        Ok(Box::pin(futures_util::stream::unfold(
-            receiver,
-            |mut receiver| async move {
-                loop {
-                    match receiver.recv().await {
-                        Ok(request) => return Some((request, receiver)),
-                        Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                        Err(broadcast::error::RecvError::Closed) => return None,
-                    }
-                }
-            },
-        )))
+        Ok(stop_stream(self.stops.subscribe()))
     }
 }
