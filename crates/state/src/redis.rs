@@ -374,6 +374,12 @@ end
 return holder
 ";
 
+/// The claim script, hashed once: Redis runs it by its hash after the first call.
+fn claim_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(CLAIM))
+}
+
 impl RedisRuns {
     fn message_key(&self, session_id: &str, message_id: &str) -> String {
         self.0.key(
@@ -400,7 +406,7 @@ impl RunStore for RedisRuns {
         run_id: &str,
         replacing: Option<&str>,
     ) -> StateResult<Claim> {
-        let holder: String = redis::Script::new(CLAIM)
+        let holder: String = claim_script()
             .key(self.message_key(session_id, message_id))
             .arg(run_id)
             .arg(replacing.unwrap_or(""))
