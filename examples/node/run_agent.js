@@ -2,7 +2,9 @@
 // Runs a tool-using agent turn on agent-server from Node.js, over plain gRPC.
 //
 // Loads the repository's proto/ at run time (@grpc/proto-loader), creates an engine,
-// streams one Execute and prints what happens as it happens.
+// streams one Execute and prints what happens as it happens. When the stream ends with
+// UNAVAILABLE (the replica serving it shut down and handed the run over, or the connection
+// broke), it resumes by itself with Subscribe(run_id, after_sequence).
 //
 //     npm install --prefix examples/node
 //     node examples/node/run_agent.js --target localhost:50051 --query "What is 6 * 7?"
@@ -10,7 +12,9 @@
 // Exits 0 when the run ends with a final answer, 1 otherwise.
 'use strict';
 
+const { randomUUID } = require('node:crypto');
 const path = require('node:path');
+const { setTimeout: sleep } = require('node:timers/promises');
 const { parseArgs } = require('node:util');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
@@ -51,7 +55,8 @@ function loadPackage(protoDir) {
   const definition = protoLoader.loadSync(files, {
     includeDirs: [protoDir],
     keepCase: true, // field names as the .proto writes them
-    enums: String,
+    enums: String, // a type newer than these protos arrives as its number
+    longs: Number, // `sequence` as a number
     defaults: true,
     oneofs: true,
   });
@@ -63,6 +68,49 @@ function unary(client, method, request) {
   return new Promise((resolve, reject) => {
     client[method](request, { deadline }, (error, response) => (error ? reject(error) : resolve(response)));
   });
+}
+
+const RESUME_FIRST_WAIT_MS = 200; // before the first retry; doubles up to RESUME_MAX_WAIT_MS
+const RESUME_MAX_WAIT_MS = 2_000;
+const RESUME_BUDGET_MS = 30_000; // give up after this long without a new event
+
+// Yields the events of the run `request` starts, each once, in order, up to `done`.
+// On UNAVAILABLE it resumes with Subscribe(run_id, after_sequence) on the same target,
+// or, before the first event, repeats the Execute: its message_id makes it the same run.
+async function* streamRun(engine, request, timeoutMs = 60_000) {
+  let runId = null;
+  let last = 0;
+  let wait = RESUME_FIRST_WAIT_MS;
+  let giveUpAt = null;
+  for (;;) {
+    const options = { deadline: new Date(Date.now() + timeoutMs) };
+    const call = runId === null
+      ? engine.Execute(request, options)
+      : engine.Subscribe({ run_id: runId, after_sequence: last }, options);
+    try {
+      for await (const event of call) {
+        if (event.sequence <= last) continue; // seen before the stream was lost
+        runId = event.run_id;
+        last = event.sequence;
+        wait = RESUME_FIRST_WAIT_MS;
+        giveUpAt = null;
+        yield event;
+        if (event.done) return;
+      }
+      return; // ended without a `done` event; the caller tells
+    } catch (error) {
+      if (error.code !== grpc.status.UNAVAILABLE) throw error;
+      giveUpAt ??= Date.now() + RESUME_BUDGET_MS;
+      if (Date.now() + wait > giveUpAt) {
+        throw new Error(`run ${runId ?? '(not started)'}: still UNAVAILABLE after `
+          + `${RESUME_BUDGET_MS / 1000}s of retries: ${error.details}`);
+      }
+      const where = runId ? `run ${runId} after event ${last}` : 'the Execute';
+      console.log(`[stream lost: ${error.details}; resuming ${where} in ${(wait / 1000).toFixed(1)}s]`);
+      await sleep(wait);
+      wait = Math.min(wait * 2, RESUME_MAX_WAIT_MS);
+    }
+  }
 }
 
 async function main() {
@@ -81,13 +129,12 @@ async function main() {
   });
   console.log(`engine ${created.engine_id} in session ${created.session_id}`);
 
-  const answer = [];
+  // The message id is the turn's idempotency key: an Execute repeated with it (after
+  // UNAVAILABLE before the first event) re-attaches to the same run.
+  const request = { engine_id: created.engine_id, query: args.query, message_id: randomUUID() };
+  let answer = []; // { iteration, text }
   let last = null;
-  const call = engine.Execute(
-    { engine_id: created.engine_id, query: args.query },
-    { deadline: new Date(Date.now() + 60_000) },
-  );
-  for await (const event of call) {
+  for await (const event of streamRun(engine, request)) {
     const data = event.data ? fromStruct(event.data) : {};
     if (event.done) {
       last = { type: event.type, data };
@@ -97,13 +144,18 @@ async function main() {
       console.log(`[tool call] ${data.name}(${JSON.stringify(data.arguments)})`);
     } else if (event.type === 'EVENT_TYPE_TOOL_RESULT') {
       console.log(`[tool result] ${data.name} -> ${data.output}`);
+    } else if (event.type === 'EVENT_TYPE_ROUND_RESTARTED') {
+      // The round's deltas so far are void: the model round runs again.
+      const round = data.iteration ?? event.iteration;
+      console.log(`[round ${round} restarted on another replica (${data.reason})]`);
+      answer = answer.filter((delta) => delta.iteration !== round);
     } else if (event.type === 'EVENT_TYPE_FINAL_ANSWER') {
-      answer.push(event.content);
+      answer.push({ iteration: event.iteration, text: event.content });
     }
   }
   service.close();
   engine.close();
-  console.log(`answer: ${answer.join('')}`);
+  console.log(`answer: ${answer.map((delta) => delta.text).join('')}`);
   if (!last) {
     console.log('the stream ended without a done event');
     return 1;
