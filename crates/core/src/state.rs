@@ -15,6 +15,10 @@ pub enum StateError {
         /// Why it could not be.
         detail: String,
     },
+    /// The run is no longer this owner's: its lease lapsed and another replica took it
+    /// over. The writer stops its copy of the run.
+    #[error("run {0:?} is now executed by another replica")]
+    Fenced(String),
 }
 
 /// A store's result.

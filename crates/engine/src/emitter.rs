@@ -8,12 +8,14 @@
 use std::{sync::Arc, time::Duration};
 
 use agentrt_core::ToolResult;
+use agentrt_events::BusError;
 use agentrt_events::{
     EventData, EventKind, JsonText, RerankOutcome, RunEvent, RunFailure, RunPublisher, RunSummary,
 };
 use agentrt_models::Usage;
 use agentrt_state::{
-    RunError, RunRecord, RunStatus, RunStore, StepRecord, StopReason, ToolCallRecord,
+    Progress, RunError, RunRecord, RunStatus, RunStore, StateError, StepRecord, StopReason,
+    ToolCallRecord,
 };
 use serde_json::{Value, json};
 use tracing::warn;
@@ -39,6 +41,23 @@ pub(crate) struct Emitter {
 
 /// How long the end of a run keeps trying to reach the store when it cannot.
 const FINISH_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The failure of a run whose record cannot be written; a run another replica took over
+/// is no longer this one's to end.
+fn unsaved(error: &StateError) -> Outcome {
+    match error {
+        StateError::Fenced(_) => Outcome::Moved,
+        error => unwritable("record", error),
+    }
+}
+
+/// The failure of a run whose events cannot be written (see [`unsaved`]).
+fn unpublished(error: &BusError) -> Outcome {
+    match error {
+        BusError::Fenced(_) => Outcome::Moved,
+        error => unwritable("events", error),
+    }
+}
 
 /// The failure of a run whose events or record cannot be written.
 fn unwritable(what: &str, error: &dyn std::fmt::Display) -> Outcome {
@@ -86,6 +105,31 @@ impl Emitter {
         }
     }
 
+    /// The emitter of a run taken over: its record as last saved, its log's last
+    /// sequence, the round it was in.
+    pub(crate) fn resumed(
+        publisher: Box<dyn RunPublisher>,
+        store: Arc<dyn RunStore>,
+        record: RunRecord,
+        published: u64,
+        iteration: u32,
+    ) -> Self {
+        Self {
+            publisher,
+            store,
+            saved_steps: record.steps.len().saturating_sub(1),
+            record,
+            pending: Vec::new(),
+            published,
+            iteration,
+        }
+    }
+
+    /// When the run started.
+    pub(crate) fn started(&self) -> std::time::SystemTime {
+        self.record.create_time
+    }
+
     /// Publishes the events made so far; called before the run waits for anything.
     pub(crate) async fn flush(&mut self) -> Result<(), Outcome> {
         if self.pending.is_empty() {
@@ -96,19 +140,33 @@ impl Emitter {
         self.publisher
             .publish(batch)
             .await
-            .map_err(|e| unwritable("events", &e))?;
+            .map_err(|e| unpublished(&e))?;
         self.published += count;
         self.record.last_sequence = self.published;
         Ok(())
     }
 
-    /// Publishes what is pending and saves the record.
-    pub(crate) async fn checkpoint(&mut self) -> Result<(), Outcome> {
-        self.flush().await?;
-        self.store
-            .save(&self.record, self.saved_steps)
-            .await
-            .map_err(|e| unwritable("record", &e))?;
+    /// Publishes what is pending and saves the record, with `progress` (what another
+    /// replica needs to continue the run from here) when given.
+    pub(crate) async fn checkpoint(&mut self, progress: Option<Progress>) -> Result<(), Outcome> {
+        // Both writes are sent at once: with a remote store they share the wait.
+        let batch = std::mem::take(&mut self.pending);
+        let count = batch.len() as u64;
+        self.record.last_sequence = self.published + count;
+        let publish = async {
+            if batch.is_empty() {
+                return Ok(());
+            }
+            self.publisher.publish(batch).await
+        };
+        let (published, saved) = tokio::join!(
+            publish,
+            self.store
+                .save(&self.record, self.saved_steps, progress.as_ref())
+        );
+        published.map_err(|e| unpublished(&e))?;
+        self.published += count;
+        saved.map_err(|e| unsaved(&e))?;
         // The current round may still change; the ones before it no longer do.
         self.saved_steps = self.record.steps.len().saturating_sub(1);
         Ok(())
@@ -144,6 +202,7 @@ impl Emitter {
         &mut self,
         engine_id: &str,
         agent: &str,
+        progress: Progress,
     ) -> Result<(), Outcome> {
         let data = EventData::RunStarted {
             engine_id: engine_id.to_owned(),
@@ -155,7 +214,54 @@ impl Emitter {
             String::new(),
             Some(data),
         ));
-        self.checkpoint().await
+        self.checkpoint(Some(progress)).await
+    }
+
+    /// Says that round `iteration` runs again here (its text so far is void), for
+    /// `reason`: `takeover` or `handover`.
+    pub(crate) fn round_restarted(&mut self, iteration: u32, reason: &str) {
+        self.iteration = iteration;
+        let step = self.step();
+        step.thought.clear();
+        step.answer.clear();
+        step.tool_calls.clear();
+        let data = EventData::RoundRestarted {
+            iteration,
+            reason: reason.to_owned(),
+        };
+        self.publish(RunEvent::new(
+            EventKind::RoundRestarted,
+            iteration,
+            String::new(),
+            Some(data),
+        ));
+    }
+
+    /// Records the result of a call that the previous owner of the run published.
+    pub(crate) fn recovered_result(&mut self, id: &str, result: &ToolResult, duration: Duration) {
+        if let Some(call) = self.step().tool_calls.iter_mut().find(|c| c.id == id) {
+            call.output.clone_from(&result.output);
+            call.is_error = result.is_error;
+            call.duration = duration;
+            call.references.clone_from(&result.references);
+        }
+    }
+
+    /// Lets the run go to another replica: publishes what is pending (unless the run is
+    /// another's already) and stops, without ending it.
+    pub(crate) async fn release(mut self) {
+        let pending = std::mem::take(&mut self.pending);
+        if !pending.is_empty()
+            && let Err(error) = self.publisher.publish(pending).await
+            && !matches!(error, BusError::Fenced(_))
+        {
+            warn!(run_id = %self.record.run_id, %error, "cannot publish the last events before letting the run go");
+        }
+        if let Err(error) = self.publisher.release().await
+            && !matches!(error, BusError::Fenced(_))
+        {
+            warn!(run_id = %self.record.run_id, %error, "cannot let the run go cleanly");
+        }
     }
 
     /// A reasoning delta: a plain event, no structured payload, one lock.
@@ -379,9 +485,9 @@ impl Emitter {
         loop {
             let mut failure = None;
             if !saved {
-                match self.store.save(&self.record, self.saved_steps).await {
+                match self.store.save(&self.record, self.saved_steps, None).await {
                     Ok(()) => saved = true,
-                    Err(error) => failure = Some(unwritable("record", &error)),
+                    Err(error) => failure = Some(unsaved(&error)),
                 }
             }
             // Published even when the record could not be saved: a store that is down
@@ -391,12 +497,17 @@ impl Emitter {
             if !published || failure.is_none() {
                 match self.publisher.publish(std::mem::take(&mut events)).await {
                     Ok(()) => published = true,
-                    Err(error) => failure = Some(unwritable("events", &error)),
+                    Err(error) => failure = Some(unpublished(&error)),
                 }
             }
             match failure {
                 None if saved && published => return,
                 None => {}
+                Some(Outcome::Moved) => {
+                    warn!(run_id = %self.record.run_id, "the run was taken over by another replica before it ended here");
+                    let _ = self.publisher.release().await;
+                    return;
+                }
                 Some(Outcome::Failed(_, error)) if started.elapsed() < FINISH_PATIENCE => {
                     warn!(run_id = %self.record.run_id, error = %error.message, "cannot end the run yet; trying again");
                 }

@@ -16,6 +16,7 @@ pub mod react;
 mod strategy;
 
 use std::{
+    collections::HashMap,
     sync::{
         Arc, OnceLock,
         atomic::{AtomicBool, Ordering},
@@ -26,13 +27,13 @@ use std::{
 
 use agentrt_context::{Exchange, SessionStore, TokenCounter, fit};
 use agentrt_core::{AgentConfig, Reference, ToolInvocation, ToolResult, ToolRunner, ToolSpec};
-use agentrt_events::{RerankOutcome, RunPublisher};
+use agentrt_events::{EventBus, EventData, EventKind, RerankOutcome, RunPublisher};
 use agentrt_metrics::Metrics;
 use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, RerankRequest, ToolDefinition, Usage,
 };
-use agentrt_state::RunStore;
+use agentrt_state::{Progress, Resumable, RunStore};
 use futures_util::{FutureExt, StreamExt, task::AtomicWaker};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -58,7 +59,7 @@ pub struct Engine {
 pub const DEFAULT_MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
 
 /// One run to make.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct RunSpec {
     /// The run's id.
     pub run_id: String,
@@ -91,6 +92,8 @@ pub struct RunControl {
     waiter: AtomicWaker,
     /// Set when the client of the run's `Execute` went away.
     abandoned: AtomicBool,
+    /// Set when the run goes on on another replica: it stops here without ending.
+    let_go: AtomicBool,
 }
 
 impl RunControl {
@@ -107,6 +110,18 @@ impl RunControl {
     pub fn abandon(&self) {
         self.abandoned.store(true, Ordering::Release);
         self.stop(StopReason::Cancelled);
+    }
+
+    /// Stops the run here without ending it: another replica continues it (this one
+    /// hands it over as it shuts down, or lost its lease).
+    pub fn let_go(&self) {
+        self.let_go.store(true, Ordering::Release);
+        self.stop(StopReason::Shutdown);
+    }
+
+    /// Whether the run was let go to another replica.
+    pub fn is_let_go(&self) -> bool {
+        self.let_go.load(Ordering::Acquire)
     }
 
     /// Whether the client of the run's `Execute` went away.
@@ -141,6 +156,61 @@ impl RunControl {
 pub(crate) enum Outcome {
     Answered(StopReason),
     Failed(StopReason, RunError),
+    /// The run is another replica's now: it stops here without ending.
+    Moved,
+}
+
+/// Where a run taken over from another replica goes on from.
+struct Resume {
+    /// Its state at its last checkpoint.
+    state: RunState,
+    /// The turn's messages saved so far.
+    saved_messages: usize,
+    /// Results of the pending calls that the previous owner published, by call id.
+    results: HashMap<String, (ToolResult, Duration)>,
+    /// Model rounds the previous owner had begun to publish: they run again.
+    interrupted: Vec<u32>,
+    /// `takeover` or `handover`.
+    reason: &'static str,
+}
+
+/// What another replica needs to continue the run from `state`: the state without its
+/// messages, and the messages not saved yet (from `*saved` on).
+fn progress(
+    state: &mut RunState,
+    saved: &mut usize,
+    spec: Option<&RunSpec>,
+) -> Result<Progress, Outcome> {
+    let encode_failed = |e: serde_json::Error| {
+        Outcome::Failed(
+            StopReason::InternalError,
+            RunError {
+                code: "INTERNAL".into(),
+                message: format!("cannot encode the run's progress: {e}"),
+                category: "internal",
+                retryable: false,
+            },
+        )
+    };
+    let messages = std::mem::take(&mut state.messages);
+    let encoded = serde_json::to_string(&*state);
+    state.messages = messages;
+    let first = (*saved).min(state.messages.len());
+    let new = state.messages[first..]
+        .iter()
+        .map(serde_json::to_string)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(encode_failed)?;
+    *saved = state.messages.len();
+    Ok(Progress {
+        spec: spec
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(encode_failed)?,
+        state: encoded.map_err(encode_failed)?,
+        messages: new,
+        first_message: first,
+    })
 }
 
 /// What every model round of a run shares.
@@ -186,28 +256,41 @@ impl Engine {
     /// the run can be found, followed and cancelled from any replica before the model is
     /// called; [`StartedRun::run`] makes the rest of it. Fails when the store cannot be
     /// written.
+    /// `owner` is the lease token the run is written with (see `RunStore::save`).
     pub async fn start(
         &self,
         spec: RunSpec,
+        owner: &str,
         publisher: Box<dyn RunPublisher>,
         store: Arc<dyn RunStore>,
         control: Arc<RunControl>,
     ) -> Result<StartedRun, RunError> {
-        let record = RunRecord::new(
+        let mut record = RunRecord::new(
             &spec.run_id,
             &spec.engine_id,
             &spec.session_id,
             &spec.message_id,
             &spec.query,
         );
+        owner.clone_into(&mut record.owner);
         let mut emitter = Emitter::new(publisher, store, record);
-        if let Err(outcome) = emitter
-            .run_started(&spec.engine_id, &spec.config.name)
-            .await
-        {
+        let mut state = RunState::new(
+            &spec.query,
+            spec.config.max_iterations,
+            TokenCounter::shared(),
+        );
+        let started = match progress(&mut state, &mut 0, Some(&spec)) {
+            Ok(progress) => {
+                emitter
+                    .run_started(&spec.engine_id, &spec.config.name, progress)
+                    .await
+            }
+            Err(failed) => Err(failed),
+        };
+        if let Err(outcome) = started {
             return Err(match outcome {
                 Outcome::Failed(_, error) => error,
-                Outcome::Answered(_) => stopped_error(StopReason::InternalError),
+                Outcome::Answered(_) | Outcome::Moved => stopped_error(StopReason::InternalError),
             });
         }
         Ok(StartedRun {
@@ -215,6 +298,110 @@ impl Engine {
             spec,
             emitter,
             control,
+            resume: None,
+        })
+    }
+
+    /// Continues a run taken over from another replica (see `RunStore::take_over`): reads
+    /// what its previous owner published after its last checkpoint from `bus`, and goes
+    /// on from there with `taken.record.owner` as the run's owner. `handover` when the
+    /// previous owner let it go rather than died.
+    pub async fn resume(
+        &self,
+        taken: Resumable,
+        handover: bool,
+        bus: &dyn EventBus,
+        store: Arc<dyn RunStore>,
+        control: Arc<RunControl>,
+    ) -> Result<StartedRun, RunError> {
+        let corrupt = |what: &str, e: &dyn std::fmt::Display| RunError {
+            code: "INTERNAL".into(),
+            message: format!("cannot read the {what} of the run taken over: {e}"),
+            category: "internal",
+            retryable: false,
+        };
+        let spec: RunSpec = serde_json::from_str(&taken.spec).map_err(|e| corrupt("spec", &e))?;
+        let mut state: RunState =
+            serde_json::from_str(&taken.state).map_err(|e| corrupt("state", &e))?;
+        state.messages = taken
+            .messages
+            .iter()
+            .map(|m| serde_json::from_str(m))
+            .collect::<Result<_, _>>()
+            .map_err(|e| corrupt("messages", &e))?;
+        let record = taken.record;
+        let resumed = bus
+            .resume(&record.run_id, &record.owner, record.last_sequence)
+            .await
+            .map_err(|e| corrupt("events", &e))?;
+        let mut results = HashMap::new();
+        let mut interrupted = Vec::new();
+        let pending: &[ModelToolCall] = match &state.phase {
+            machine::Phase::RunTools { calls, .. } => calls,
+            _ => &[],
+        };
+        let mut last = record.last_sequence;
+        for event in &resumed.tail {
+            last = last.max(event.sequence);
+            match (event.kind, event.data.as_deref()) {
+                (
+                    EventKind::ToolResult,
+                    Some(EventData::ToolResult {
+                        id,
+                        output,
+                        is_error,
+                        duration_ms,
+                        ..
+                    }),
+                ) if pending.iter().any(|c| c.id == *id) => {
+                    let result = ToolResult {
+                        output: output.clone(),
+                        is_error: *is_error,
+                        references: Vec::new(),
+                    };
+                    results.insert(id.clone(), (result, Duration::from_millis(*duration_ms)));
+                }
+                (
+                    EventKind::References,
+                    Some(EventData::References {
+                        tool_call_id,
+                        references,
+                        ..
+                    }),
+                ) => {
+                    if let Some((result, _)) = results.get_mut(tool_call_id) {
+                        result.references = references
+                            .iter()
+                            .filter_map(|r| serde_json::from_value(r.clone()).ok())
+                            .collect();
+                    }
+                }
+                (EventKind::ToolResult | EventKind::References | EventKind::RunStarted, _) => {}
+                // Anything else after the checkpoint belongs to a model round begun
+                // since: it runs again.
+                _ if event.iteration > state.iteration
+                    && !interrupted.contains(&event.iteration) =>
+                {
+                    interrupted.push(event.iteration);
+                }
+                _ => {}
+            }
+        }
+        let saved_messages = state.messages.len();
+        let iteration = state.iteration.max(1);
+        let emitter = Emitter::resumed(resumed.publisher, store, record, last, iteration);
+        Ok(StartedRun {
+            engine: self.clone(),
+            spec,
+            emitter,
+            control,
+            resume: Some(Resume {
+                state,
+                saved_messages,
+                results,
+                interrupted,
+                reason: if handover { "handover" } else { "takeover" },
+            }),
         })
     }
 }
@@ -225,6 +412,8 @@ pub struct StartedRun {
     spec: RunSpec,
     emitter: Emitter,
     control: Arc<RunControl>,
+    /// Where a run taken over goes on from.
+    resume: Option<Resume>,
 }
 
 impl StartedRun {
@@ -236,6 +425,7 @@ impl StartedRun {
             spec,
             mut emitter,
             control,
+            resume,
         } = self;
         let span = info_span!(
             "invoke_agent",
@@ -252,9 +442,15 @@ impl StartedRun {
         let metrics = Metrics::global();
         let _active = metrics.run_started();
         let run_timeout = spec.config.timeouts.run;
+        // A run taken over has used part of its time already.
+        let left = run_timeout.saturating_sub(
+            std::time::SystemTime::now()
+                .duration_since(emitter.started())
+                .unwrap_or_default(),
+        );
         let outcome = {
             let drive = engine
-                .drive(&spec, &mut emitter, &control.cancel)
+                .drive(&spec, &mut emitter, &control.cancel, resume)
                 .instrument(span.clone());
             tokio::select! {
                 biased;
@@ -262,13 +458,14 @@ impl StartedRun {
                     let reason = control.reason.get().copied().unwrap_or(StopReason::Cancelled);
                     Outcome::Failed(reason, stopped_error(reason))
                 }
-                () = tokio::time::sleep(run_timeout) => Outcome::Failed(StopReason::Timeout, RunError {
+                () = tokio::time::sleep(left) => Outcome::Failed(StopReason::Timeout, RunError {
                     code: "RUN_TIMEOUT".into(),
                     message: format!("the run did not finish within its timeout of {run_timeout:?}"),
                     category: "timeout",
                     retryable: true,
                 }),
                 outcome = drive => match outcome.unwrap_or_else(|failed| failed) {
+                    Outcome::Moved => Outcome::Moved,
                     // A stop that lands while the run is being polled cancels the calls in
                     // flight before the stop branch above sees it: the failure it caused
                     // is the stop's.
@@ -280,6 +477,11 @@ impl StartedRun {
                 },
             }
         };
+        if control.is_let_go() {
+            debug!(parent: &span, "run let go to another replica");
+            emitter.release().await;
+            return;
+        }
         if control.abandoned.load(Ordering::Acquire) {
             emitter.abandoned();
         }
@@ -293,6 +495,10 @@ impl StartedRun {
                 metrics.run_finished(reason.as_str());
                 emitter.finish_failed(reason, error).instrument(span).await;
             }
+            Outcome::Moved => {
+                debug!(parent: &span, "run taken over by another replica");
+                emitter.release().await;
+            }
         }
     }
 }
@@ -305,6 +511,7 @@ impl Engine {
         spec: &RunSpec,
         em: &mut Emitter,
         cancel: &CancellationToken,
+        resume: Option<Resume>,
     ) -> Result<Outcome, Outcome> {
         let config = &spec.config;
         let Some(model) = self.models.get(&config.model.provider) else {
@@ -351,13 +558,31 @@ impl Engine {
                     + counter.text(&d.parameters.text())
             })
             .sum();
-        let mut state = RunState::new(&spec.query, config.max_iterations, counter);
+        let (mut state, mut saved_messages, mut recovered, mut interrupted, reason) = match resume {
+            Some(resume) => (
+                resume.state,
+                resume.saved_messages,
+                Some(resume.results),
+                resume.interrupted,
+                resume.reason,
+            ),
+            None => {
+                // Saved as it is when the run started.
+                let state = RunState::new(&spec.query, config.max_iterations, counter);
+                let saved = state.messages.len();
+                (state, saved, None, Vec::new(), "")
+            }
+        };
         loop {
             match state.next() {
                 Step::Model {
                     iteration,
                     with_tools,
                 } => {
+                    if let Some(at) = interrupted.iter().position(|i| *i == iteration) {
+                        interrupted.swap_remove(at);
+                        em.round_restarted(iteration, reason);
+                    }
                     em.begin_round(iteration);
                     // The final request is asked once and not kept in the turn.
                     let asked = !with_tools;
@@ -405,13 +630,24 @@ impl Engine {
                 }
                 Step::Tools(calls) => {
                     let calls = calls.to_vec();
-                    // The results are published as they come; the record is saved with
-                    // them at the next checkpoint (the next round's calls, or the end).
-                    let results = self.run_tools(spec, &calls, em, cancel).await?;
+                    // The calls and what continuing from here needs are saved before
+                    // they run; the results are published as they come (a replica that
+                    // takes the run over reads them from the log). A run taken over in
+                    // this step has saved that already, and some results are known.
+                    let known = recovered.take();
+                    let checkpoint = match known {
+                        Some(_) => None,
+                        None => Some(progress(&mut state, &mut saved_messages, None)?),
+                    };
+                    let results = self
+                        .run_tools(spec, &calls, em, cancel, checkpoint, known)
+                        .await?;
                     state.tools_ran(results, strategy, counter);
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
                     let reason = *reason;
+                    // Readers see the answer before the session is written.
+                    em.flush().await?;
                     self.remember(spec, &state.messages, answer, counter)
                         .await?;
                     return Ok(Outcome::Answered(reason));
@@ -561,8 +797,9 @@ impl Engine {
             tracing::Span::current().record("gen_ai.usage.input_tokens", usage.prompt_tokens);
             tracing::Span::current().record("gen_ai.usage.output_tokens", usage.completion_tokens);
             Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
+            // What follows is published at the next wait: the tools' checkpoint, the next
+            // round or the end.
             em.usage(usage, estimated);
-            em.flush().await?;
             debug!(
                 ?finish,
                 calls = calls.len(),
@@ -581,7 +818,6 @@ impl Engine {
             parser.push(&held, &mut pieces);
             parser.finish(&mut pieces);
             em.pieces(pieces.drain(..));
-            em.flush().await?;
             if parser.answered() {
                 return answer_or_error(parser.answer().to_owned(), cut_short);
             }
@@ -600,7 +836,6 @@ impl Engine {
                 // No protocol at all: the reply is the answer, streamed once, as such.
                 let text = text.to_owned();
                 em.answer(text.clone());
-                em.flush().await?;
                 return answer_or_error(text, cut_short);
             }
             if cut_short {
@@ -638,45 +873,32 @@ impl Engine {
         calls: &[ModelToolCall],
         em: &mut Emitter,
         cancel: &CancellationToken,
+        checkpoint: Option<Progress>,
+        known: Option<HashMap<String, (ToolResult, Duration)>>,
     ) -> Result<Vec<ToolResult>, Outcome> {
         let config = &spec.config;
-        em.expect_tool_calls(calls.len());
-        let prepared: Vec<Result<ToolInvocation, ToolResult>> = calls
-            .iter()
-            .map(|call| {
-                let arguments = parse_arguments(&call.arguments);
-                match &arguments {
-                    Ok(parsed) => em.tool_call(&call.id, &call.name, parsed),
-                    Err(_) => em.tool_call(
-                        &call.id,
-                        &call.name,
-                        &serde_json::Value::String(call.arguments.clone()),
-                    ),
-                }
-                let arguments = arguments.map_err(ToolResult::error)?;
-                if !config.tools.iter().any(|t| t == &call.name) {
-                    return Err(ToolResult::error(format!(
-                        "tool {:?} is not available to this agent; available tools: {}",
-                        call.name,
-                        if config.tools.is_empty() {
-                            "none".to_owned()
-                        } else {
-                            config.tools.join(", ")
-                        }
-                    )));
-                }
-                Ok(ToolInvocation {
-                    call_id: call.id.clone(),
-                    name: call.name.clone(),
-                    arguments,
-                    run_id: spec.run_id.clone(),
-                    session_id: spec.session_id.clone(),
-                })
-            })
-            .collect();
+        // A run taken over announced its calls already.
+        let resumed = known.is_some();
+        let mut known = known.unwrap_or_default();
+        if !resumed {
+            em.expect_tool_calls(calls.len());
+        }
+        let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
+        let mut prepared: Vec<(usize, Result<ToolInvocation, ToolResult>)> =
+            Vec::with_capacity(calls.len());
+        for (index, call) in calls.iter().enumerate() {
+            if let Some((result, duration)) = known.remove(&call.id) {
+                em.recovered_result(&call.id, &result, duration);
+                results[index] = Some(result);
+            } else {
+                prepared.push((index, self.prepare(spec, call, em, resumed)));
+            }
+        }
         // The calls are announced and recorded before they run: GetRun shows them while
         // they run, on any replica.
-        em.checkpoint().await?;
+        if !resumed {
+            em.checkpoint(checkpoint).await?;
+        }
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
         let max_output = self.max_tool_output_bytes;
@@ -710,7 +932,6 @@ impl Engine {
                 .await;
             (index, result, elapsed, rerank)
         };
-        let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
         let concurrency = if config.parallel_tool_calls {
             config.max_parallel_tool_calls.max(1) as usize
         } else {
@@ -730,22 +951,72 @@ impl Engine {
         };
         if concurrency == 1 || prepared.len() == 1 {
             // One at a time: awaited in place, without a task set to allocate.
-            for (index, prepared) in prepared.into_iter().enumerate() {
+            let mut left = prepared.len();
+            for (index, prepared) in prepared {
                 let done = execute(index, prepared).await;
                 finished(em, &mut results, done);
-                em.flush().await?;
+                // The last result goes out with the next round's start.
+                left -= 1;
+                if left > 0 {
+                    em.flush().await?;
+                }
             }
         } else {
-            let mut running = futures_util::stream::iter(
-                prepared.into_iter().enumerate().map(|(i, p)| execute(i, p)),
-            )
-            .buffer_unordered(concurrency);
+            let mut left = prepared.len();
+            let mut running =
+                futures_util::stream::iter(prepared.into_iter().map(|(i, p)| execute(i, p)))
+                    .buffer_unordered(concurrency);
             while let Some(done) = running.next().await {
                 finished(em, &mut results, done);
-                em.flush().await?;
+                left -= 1;
+                if left > 0 {
+                    em.flush().await?;
+                }
             }
         }
         Ok(results.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Announces a call (unless a previous owner of the run did) and makes its
+    /// invocation, or the result of a call that cannot run.
+    fn prepare(
+        &self,
+        spec: &RunSpec,
+        call: &ModelToolCall,
+        em: &mut Emitter,
+        announced: bool,
+    ) -> Result<ToolInvocation, ToolResult> {
+        let config = &spec.config;
+        let arguments = parse_arguments(&call.arguments);
+        if !announced {
+            match &arguments {
+                Ok(parsed) => em.tool_call(&call.id, &call.name, parsed),
+                Err(_) => em.tool_call(
+                    &call.id,
+                    &call.name,
+                    &serde_json::Value::String(call.arguments.clone()),
+                ),
+            }
+        }
+        let arguments = arguments.map_err(ToolResult::error)?;
+        if !config.tools.iter().any(|t| t == &call.name) {
+            return Err(ToolResult::error(format!(
+                "tool {:?} is not available to this agent; available tools: {}",
+                call.name,
+                if config.tools.is_empty() {
+                    "none".to_owned()
+                } else {
+                    config.tools.join(", ")
+                }
+            )));
+        }
+        Ok(ToolInvocation {
+            call_id: call.id.clone(),
+            name: call.name.clone(),
+            arguments,
+            run_id: spec.run_id.clone(),
+            session_id: spec.session_id.clone(),
+        })
     }
 }
 

@@ -216,6 +216,7 @@ fn harness(model: Scripted) -> Harness {
         bus: InMemoryBus::new(BusLimits::default()),
         store: Arc::new(MemoryRunStore::new(RunRetention {
             ended: Duration::from_secs(600),
+            lease: Duration::from_secs(10),
         })),
     }
 }
@@ -228,10 +229,10 @@ impl Harness {
         control: Arc<RunControl>,
     ) -> (Vec<Arc<RunEvent>>, agentrt_engine::RunRecord) {
         let spec = spec(run_id, config);
-        let publisher = self.bus.open(run_id).await.unwrap();
+        let publisher = self.bus.open(run_id, "").await.unwrap();
         let reader = self.bus.subscribe(run_id, 0).await.unwrap();
         self.engine
-            .start(spec, publisher, self.store.clone(), control)
+            .start(spec, "", publisher, self.store.clone(), control)
             .await
             .unwrap()
             .run()
@@ -679,13 +680,13 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
         ])),
         ..Default::default()
     });
-    let publisher = h.bus.open("r").await.unwrap();
+    let publisher = h.bus.open("r", "").await.unwrap();
     let mut reader = h.bus.subscribe("r", 0).await.unwrap();
     let config = config(Strategy::FunctionCall, &["calc"]);
     let spec = spec("r", config);
     let started = h
         .engine
-        .start(spec, publisher, h.store.clone(), Arc::default())
+        .start(spec, "", publisher, h.store.clone(), Arc::default())
         .await
         .unwrap();
     let run = tokio::spawn(started.run());
@@ -778,12 +779,12 @@ async fn the_first_event_says_the_run_started_before_the_model_answers() {
         hang: true,
         ..Default::default()
     });
-    let publisher = h.bus.open("r").await.unwrap();
+    let publisher = h.bus.open("r", "").await.unwrap();
     let mut reader = h.bus.subscribe("r", 0).await.unwrap();
     let spec = spec("r", config(Strategy::FunctionCall, &[]));
     let started = h
         .engine
-        .start(spec, publisher, h.store.clone(), Arc::default())
+        .start(spec, "", publisher, h.store.clone(), Arc::default())
         .await
         .unwrap();
     let run = tokio::spawn(started.run());
@@ -1158,6 +1159,7 @@ async fn run_with_reranker(
         bus: InMemoryBus::new(BusLimits::default()),
         store: Arc::new(MemoryRunStore::new(RunRetention {
             ended: Duration::from_secs(600),
+            lease: Duration::from_secs(10),
         })),
     };
     let mut cfg = config(Strategy::FunctionCall, &["search"]);

@@ -38,6 +38,9 @@ pub enum EventKind {
     Error,
     /// The first event of every run, published before the model is called.
     RunStarted,
+    /// A model round runs again on another replica: the text deltas of its iteration
+    /// published before are void.
+    RoundRestarted,
 }
 
 /// One event of a run.
@@ -141,6 +144,14 @@ pub enum EventData {
         engine_id: String,
         /// The agent's name.
         agent: String,
+    },
+    /// A model round that runs again on a new owner.
+    RoundRestarted {
+        /// The round.
+        iteration: u32,
+        /// `takeover` (the previous owner's lease lapsed) or `handover` (it let the run
+        /// go as it shut down).
+        reason: String,
     },
     /// The end of a run.
     End(RunSummary),
@@ -334,6 +345,9 @@ impl EventData {
             Self::RunStarted { engine_id, agent } => {
                 json!({"engine_id": engine_id, "agent": agent})
             }
+            Self::RoundRestarted { iteration, reason } => {
+                json!({"iteration": iteration, "reason": reason})
+            }
             Self::End(summary) => {
                 let mut data = json!({
                     "stop_reason": summary.stop_reason,
@@ -372,6 +386,16 @@ pub enum BusError {
     /// The bus's store cannot be reached; the message names it.
     #[error("{0}")]
     Unavailable(String),
+    /// The run is no longer this publisher's: another replica took it over.
+    #[error("run {0:?} is now executed by another replica")]
+    Fenced(String),
+    /// The run moved to another replica while this one served the stream: the reader
+    /// resumes, on any replica, after `after`.
+    #[error("the run moved to another replica; resume with Subscribe after sequence {after}")]
+    Moved {
+        /// The last event the reader was given.
+        after: u64,
+    },
     /// The reader asked for, or fell behind to, events the log no longer keeps.
     #[error("events {from}..={to} of this run are no longer retained; resume after {to}")]
     Lagged {
@@ -384,7 +408,10 @@ pub enum BusError {
 
 impl From<StateError> for BusError {
     fn from(error: StateError) -> Self {
-        Self::Unavailable(error.to_string())
+        match error {
+            StateError::Fenced(run_id) => Self::Fenced(run_id),
+            error => Self::Unavailable(error.to_string()),
+        }
     }
 }
 
@@ -406,14 +433,33 @@ pub trait RunPublisher: Send + Sync {
     /// deltas before it, is readable on return). On an error the events are kept, with
     /// their numbers, and written by the next call (which may publish nothing new).
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError>;
+
+    /// Writes what is buffered and lets the run go without ending it: another replica
+    /// continues it. Readers following the run through this publisher's copy get
+    /// [`BusError::Moved`] after its last event; nothing more is published here.
+    async fn release(&self) -> Result<(), BusError>;
+}
+
+/// A log continued by a new owner: what was published after the point it resumes from,
+/// and the publisher that goes on from the log's end.
+pub struct Resumed {
+    /// The events after the sequence asked for, in order.
+    pub tail: Vec<Arc<RunEvent>>,
+    /// Publishes from the log's last sequence on.
+    pub publisher: Box<dyn RunPublisher>,
 }
 
 /// Where runs publish their events and readers follow them, from any replica when the
 /// bus is shared.
 #[async_trait::async_trait]
 pub trait EventBus: Send + Sync {
-    /// Opens the log of a new run.
-    async fn open(&self, run_id: &str) -> Result<Box<dyn RunPublisher>, BusError>;
+    /// Opens the log of a new run, executed by `owner` (its lease token; see
+    /// `RunStore`): on a shared bus, a publisher whose owner lost the run to another
+    /// replica fails with [`BusError::Fenced`], writing nothing.
+    async fn open(&self, run_id: &str, owner: &str) -> Result<Box<dyn RunPublisher>, BusError>;
+    /// Continues the log of a run that `owner` took over: the events after `after`, and
+    /// a publisher numbering on from the log's last event.
+    async fn resume(&self, run_id: &str, owner: &str, after: u64) -> Result<Resumed, BusError>;
     /// Follows a run from `after_sequence` (0 for the start), replaying what the log
     /// keeps, until its `done` event.
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError>;
@@ -487,6 +533,8 @@ struct LogState {
     /// Sequence the next event gets.
     next: u64,
     done: bool,
+    /// Whether its publisher let the run go to another replica.
+    moved: bool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -523,7 +571,8 @@ fn expire(state: &mut BusState, retention: Duration) {
 
 #[async_trait::async_trait]
 impl EventBus for InMemoryBus {
-    async fn open(&self, run_id: &str) -> Result<Box<dyn RunPublisher>, BusError> {
+    async fn open(&self, run_id: &str, _owner: &str) -> Result<Box<dyn RunPublisher>, BusError> {
+        // One process: no other owner can take the run.
         let mut state = lock(&self.inner);
         expire(&mut state, self.limits.retention);
         if state.runs.contains_key(run_id) {
@@ -535,6 +584,7 @@ impl EventBus for InMemoryBus {
                 first: 1,
                 next: 1,
                 done: false,
+                moved: false,
             }),
             published: watch::Sender::new(0),
             capacity: self.limits.events_per_run.max(1),
@@ -546,6 +596,34 @@ impl EventBus for InMemoryBus {
             bus: self.inner.clone(),
             retained_events: self.limits.retained_events,
         }))
+    }
+
+    async fn resume(&self, run_id: &str, _owner: &str, after: u64) -> Result<Resumed, BusError> {
+        let log = {
+            let mut state = lock(&self.inner);
+            expire(&mut state, self.limits.retention);
+            state
+                .runs
+                .get(run_id)
+                .cloned()
+                .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?
+        };
+        let tail = {
+            let mut state = lock(&log.state);
+            state.moved = false;
+            let start = usize::try_from(after.saturating_add(1).saturating_sub(state.first))
+                .unwrap_or(usize::MAX);
+            state.events.iter().skip(start).cloned().collect()
+        };
+        Ok(Resumed {
+            tail,
+            publisher: Box::new(Publisher {
+                run_id: run_id.to_owned(),
+                log,
+                bus: self.inner.clone(),
+                retained_events: self.limits.retained_events,
+            }),
+        })
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
@@ -637,13 +715,38 @@ impl RunPublisher for Publisher {
         self.wake();
         Ok(())
     }
+
+    async fn release(&self) -> Result<(), BusError> {
+        {
+            let mut state = lock(&self.log.state);
+            if state.done {
+                return Ok(());
+            }
+            state.moved = true;
+        }
+        // New readers here find the run elsewhere.
+        let mut bus = lock(&self.bus);
+        if bus
+            .runs
+            .get(&self.run_id)
+            .is_some_and(|log| Arc::ptr_eq(log, &self.log))
+        {
+            bus.runs.remove(&self.run_id);
+        }
+        drop(bus);
+        // Readers waiting for more learn that it comes from elsewhere.
+        self.log.published.send_modify(|_| {});
+        Ok(())
+    }
 }
 
 impl Drop for Publisher {
     /// A run whose publisher goes away without a `done` event (a bug, or a panic in the
     /// run) still ends exactly once, so that no reader waits forever.
     fn drop(&mut self) {
-        if !lock(&self.log.state).done {
+        let state = lock(&self.log.state);
+        if !state.done && !state.moved {
+            drop(state);
             self.append(RunEvent::ended_without_end());
             self.wake();
         }
@@ -679,6 +782,7 @@ impl Reader {
             }
             let (lost, ended) = {
                 let state = lock(&self.log.state);
+                let moved = state.moved && !state.done;
                 // `cursor` comes from a client: no arithmetic on it may overflow.
                 let wanted = self.cursor.saturating_add(1);
                 if wanted < state.first {
@@ -703,11 +807,17 @@ impl Reader {
                         self.owes_done = false;
                         self.batch.extend(state.events.back().cloned());
                     }
-                    (None, self.batch.is_empty() && state.done)
+                    if self.batch.is_empty() && moved {
+                        (Some(BusError::Moved { after: self.cursor }), false)
+                    } else {
+                        (None, self.batch.is_empty() && state.done)
+                    }
                 }
             };
             if let Some(lost) = lost {
-                agentrt_metrics::Metrics::global().bus_lagged();
+                if matches!(lost, BusError::Lagged { .. }) {
+                    agentrt_metrics::Metrics::global().bus_lagged();
+                }
                 self.finished = true;
                 return Some((Err(lost), self));
             }
@@ -753,9 +863,9 @@ mod tests {
             retention: Duration::from_secs(60),
             ..BusLimits::default()
         });
-        let publisher = bus.open("r").await.unwrap();
+        let publisher = bus.open("r", "").await.unwrap();
         publisher.publish(vec![done()]).await.unwrap();
-        let running = bus.open("still-running").await.unwrap();
+        let running = bus.open("still-running", "").await.unwrap();
         running.publish(vec![delta("x")]).await.unwrap();
         tokio::time::advance(Duration::from_secs(59)).await;
         assert!(bus.subscribe("r", 0).await.is_ok());
@@ -777,22 +887,22 @@ mod tests {
             retained_events: 5,
             ..BusLimits::default()
         });
-        let first = bus.open("first").await.unwrap();
+        let first = bus.open("first", "").await.unwrap();
         first.publish(vec![delta("a")]).await.unwrap();
         first.publish(vec![done()]).await.unwrap();
         let following = bus.subscribe("first", 0).await.unwrap();
-        let running = bus.open("running").await.unwrap();
+        let running = bus.open("running", "").await.unwrap();
         for text in ["c", "d", "e", "f"] {
             running.publish(vec![delta(text)]).await.unwrap();
         }
-        let second = bus.open("second").await.unwrap();
+        let second = bus.open("second", "").await.unwrap();
         second.publish(vec![delta("b")]).await.unwrap();
         second.publish(vec![done()]).await.unwrap();
         assert!(
             bus.subscribe("first", 0).await.is_ok(),
             "running logs do not count"
         );
-        let third = bus.open("third").await.unwrap();
+        let third = bus.open("third", "").await.unwrap();
         third.publish(vec![delta("g")]).await.unwrap();
         third.publish(vec![done()]).await.unwrap();
         // 2 + 2 + 2 events ended: the oldest log goes, and no more.
@@ -820,7 +930,7 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_publisher_still_ends_the_run_once() {
         let bus = InMemoryBus::new(BusLimits::default());
-        let publisher = bus.open("r").await.unwrap();
+        let publisher = bus.open("r", "").await.unwrap();
         publisher.publish(vec![delta("a")]).await.unwrap();
         let reader = bus.subscribe("r", 0).await.unwrap();
         drop(publisher);

@@ -67,6 +67,10 @@ pub struct Metrics {
     tool_seconds: Family<Labels<1>, Histogram>,
     bus_lagged: Counter,
     bus_reader_lag: Histogram,
+    runs_taken_over: Family<Labels<1>, Counter>,
+    runs_handed_over: Counter,
+    leases_lost: Counter,
+    lease_renewals_failed: Counter,
 }
 
 fn seconds() -> Histogram {
@@ -91,6 +95,10 @@ impl Metrics {
             tool_seconds: Family::new_with_constructor(seconds),
             bus_lagged: Counter::default(),
             bus_reader_lag: Histogram::new(exponential_buckets(1.0, 4.0, 10)),
+            runs_taken_over: Family::default(),
+            runs_handed_over: Counter::default(),
+            leases_lost: Counter::default(),
+            lease_renewals_failed: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -147,6 +155,26 @@ impl Metrics {
             "event_bus_reader_lag_events",
             "Events a subscriber was behind the run's latest event when it read",
             metrics.bus_reader_lag.clone(),
+        );
+        registry.register(
+            "runs_taken_over",
+            "Runs this replica took over from another, by how (takeover: the owner's lease lapsed; handover: the owner let it go as it shut down)",
+            metrics.runs_taken_over.clone(),
+        );
+        registry.register(
+            "runs_handed_over",
+            "Runs this replica let go to the others as it shut down",
+            metrics.runs_handed_over.clone(),
+        );
+        registry.register(
+            "run_leases_lost",
+            "Runs this replica stopped because another replica took them over (it was paused or cut off past the lease)",
+            metrics.leases_lost.clone(),
+        );
+        registry.register(
+            "run_lease_renewals_failed",
+            "Lease renewals (of all the runs of this replica at once) that failed",
+            metrics.lease_renewals_failed.clone(),
         );
         Self {
             registry,
@@ -243,6 +271,29 @@ impl Metrics {
     /// A subscriber fell behind the replay log.
     pub fn bus_lagged(&self) {
         self.bus_lagged.inc();
+    }
+
+    /// Counts a run taken over from another replica.
+    pub fn run_taken_over(&self, handover: bool) {
+        let how = if handover { "handover" } else { "takeover" };
+        self.runs_taken_over
+            .get_or_create(&[("how", how.to_owned())])
+            .inc();
+    }
+
+    /// Counts runs let go to the other replicas.
+    pub fn runs_handed_over(&self, runs: usize) {
+        self.runs_handed_over.inc_by(runs as u64);
+    }
+
+    /// Counts a run stopped here because another replica took it over.
+    pub fn lease_lost(&self) {
+        self.leases_lost.inc();
+    }
+
+    /// Counts a failed renewal of this replica's leases.
+    pub fn lease_renewal_failed(&self) {
+        self.lease_renewals_failed.inc();
     }
 }
 

@@ -19,4 +19,7 @@ pub use engines::{EngineStore, MemoryEngineStore, StoredEngine};
 pub use record::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
-pub use runs::{Claim, MemoryRunStore, RunRetention, RunStore, StopRequest, StopRequests};
+pub use runs::{
+    Claim, Lease, MemoryRunStore, Progress, Resumable, RunRetention, RunStore, StopRequest,
+    StopRequests,
+};

@@ -177,6 +177,10 @@ pub struct RunRecord {
     /// same message id then starts a new run instead of getting this one back.
     #[serde(default)]
     pub abandoned: bool,
+    /// Who executes it: the lease token of the replica that owns it (empty for a run that
+    /// no other replica may take over). Stores refuse a write from an owner that lost it.
+    #[serde(default)]
+    pub owner: String,
 }
 
 impl<'de> Deserialize<'de> for RunError {
@@ -225,6 +229,7 @@ impl RunRecord {
             create_time: now,
             update_time: now,
             abandoned: false,
+            owner: String::new(),
         }
     }
 
@@ -246,6 +251,7 @@ impl RunRecord {
             create_time: self.create_time,
             update_time: self.update_time,
             abandoned: self.abandoned,
+            owner: self.owner.clone(),
         }
     }
 

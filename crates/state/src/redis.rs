@@ -15,7 +15,16 @@
 //!   `P:msg:LEN:SESSION:MESSAGE` the run a message id names; while the run runs and for the
 //!   retention after;
 //! - `P:events:ID`: the run's event log (a stream whose entry ids are the sequence
-//!   numbers), at most `events_per_run` entries, kept as long as the record.
+//!   numbers), at most `events_per_run` entries, kept as long as the record;
+//! - `P:owner:ID`: the lease token of the replica executing the run (kept as long as the
+//!   record, so that a replica that lost the run cannot write it, even after it ended);
+//!   `P:leases:all`: the running runs, scored by when their lease lapses (0: let go);
+//!   `P:resume:ID`: what another replica needs to continue the run (its spec, its step
+//!   machine's state, the turn's messages), dropped when it ends.
+//!
+//! Every write of a run's events and record is a script that first checks the writer's
+//! token against the run's owner (a fence): a replica paused past its lease writes
+//! nothing once another took the run over.
 
 use std::{
     collections::HashMap,
@@ -25,7 +34,7 @@ use std::{
 
 use agentrt_context::{Exchange, SessionStore};
 use agentrt_core::{StateError, StateResult};
-use agentrt_events::{BusError, EventBus, EventStream, RunEvent, RunPublisher};
+use agentrt_events::{BusError, EventBus, EventStream, Resumed, RunEvent, RunPublisher};
 use async_trait::async_trait;
 use redis::{
     AsyncCommands, Client, ProtocolVersion, PushInfo, PushKind, Value,
@@ -36,7 +45,7 @@ use tracing::{debug, info, warn};
 
 use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
-    runs::{Claim, RunStore, StopRequest, StopRequests},
+    runs::{Claim, Lease, Progress, Resumable, RunStore, StopRequest, StopRequests},
 };
 
 /// How long one command may take before it fails, and one connection attempt.
@@ -66,6 +75,9 @@ pub struct RedisLimits {
     /// Events kept, all runs together, in this replica's copies of the logs of the runs
     /// it executed (see [`Redis::bus`]).
     pub retained_events: usize,
+    /// How long a run's lease lasts without being renewed: after it, another replica
+    /// takes the run over.
+    pub lease: Duration,
 }
 
 /// A connection to the Redis every replica shares.
@@ -380,6 +392,129 @@ fn claim_script() -> &'static redis::Script {
     SCRIPT.get_or_init(|| redis::Script::new(CLAIM))
 }
 
+/// Whether the owner `ARGV[2]` may write run `ARGV[1]`: it holds the lease (`KEYS[2]`), or
+/// nobody does and the record (`KEYS[1]`) is not written yet (a new run). Then the save:
+/// record fields, progress fields (`KEYS[6]`), times to live, and the lease taken with
+/// the first record (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped
+/// with the last.
+const FENCE: &str = r"
+local function may_write(record, owner_key, owner)
+  if owner == '' then return true end
+  local holder = redis.call('GET', owner_key)
+  if holder then return holder == owner end
+  return redis.call('EXISTS', record) == 0
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+";
+
+const SAVE: &str = r"
+if not may_write(KEYS[1], KEYS[2], ARGV[2]) then return 0 end
+local fields = tonumber(ARGV[6])
+local first = string.find(ARGV[5], 'f', 1, true)
+local ended = string.find(ARGV[5], 'e', 1, true)
+local record = {}
+for i = 7, 6 + 2 * fields do record[#record + 1] = ARGV[i] end
+redis.call('HSET', KEYS[1], unpack(record))
+if not ended and #ARGV > 6 + 2 * fields then
+  local progress = {}
+  for i = 7 + 2 * fields, #ARGV do progress[#progress + 1] = ARGV[i] end
+  redis.call('HSET', KEYS[6], unpack(progress))
+end
+if first then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('PEXPIRE', KEYS[6], ARGV[3])
+  if ARGV[2] ~= '' then
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+    redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[4]), ARGV[1])
+  end
+end
+if ended then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+  redis.call('PEXPIRE', KEYS[5], ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('DEL', KEYS[6])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+end
+return 1
+";
+
+/// Renews the leases `ARGV[3..]` (run, token pairs) held under prefix `ARGV[1]` for
+/// `ARGV[2]` ms; answers the runs whose lease is lost.
+const RENEW: &str = r"
+local lapses = now_ms() + tonumber(ARGV[2])
+local lost = {}
+for i = 3, #ARGV, 2 do
+  local run, token = ARGV[i], ARGV[i + 1]
+  if redis.call('GET', ARGV[1] .. ':owner:' .. run) == token
+      and redis.call('ZSCORE', KEYS[1], run) then
+    redis.call('ZADD', KEYS[1], 'XX', lapses, run)
+  else
+    lost[#lost + 1] = run
+  end
+end
+return lost
+";
+
+/// Lets the leases `ARGV[2..]` (run, token pairs) go: they lapse now (scored 0, which
+/// says that they were let go).
+const RELEASE: &str = r"
+for i = 2, #ARGV, 2 do
+  local run, token = ARGV[i], ARGV[i + 1]
+  if redis.call('GET', ARGV[1] .. ':owner:' .. run) == token then
+    redis.call('ZADD', KEYS[1], 'XX', 0, run)
+  end
+end
+return 0
+";
+
+/// Runs whose lease lapsed, at most `ARGV[1]`.
+const LAPSED: &str = r"
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms(), 'LIMIT', 0, tonumber(ARGV[1]))
+";
+
+/// Takes run `ARGV[1]` over for token `ARGV[2]` (lease of `ARGV[3]` ms) when its lease
+/// lapsed and its progress is kept; answers the previous owner and whether it let the
+/// run go, or nothing.
+const TAKE_OVER: &str = r"
+local lapses = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not lapses then return {} end
+local now = now_ms()
+if tonumber(lapses) > now then return {} end
+if redis.call('EXISTS', KEYS[3]) == 0 then return {} end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+local previous = redis.call('GET', KEYS[2]) or ''
+redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
+if tonumber(lapses) == 0 then return {previous, '1'} end
+return {previous, '0'}
+";
+
+/// A script made of the fence's functions and `body`, hashed once.
+fn fenced_script(
+    cell: &'static std::sync::OnceLock<redis::Script>,
+    body: &str,
+) -> &'static redis::Script {
+    cell.get_or_init(|| redis::Script::new(&format!("{FENCE}{body}")))
+}
+
+macro_rules! script {
+    ($name:ident, $body:expr) => {
+        fn $name() -> &'static redis::Script {
+            static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+            fenced_script(&SCRIPT, $body)
+        }
+    };
+}
+
+script!(save_script, SAVE);
+script!(renew_script, RENEW);
+script!(release_script, RELEASE);
+script!(lapsed_script, LAPSED);
+script!(take_over_script, TAKE_OVER);
+
 impl RedisRuns {
     fn message_key(&self, session_id: &str, message_id: &str) -> String {
         self.0.key(
@@ -421,35 +556,59 @@ impl RunStore for RedisRuns {
         })
     }
 
-    async fn save(&self, record: &RunRecord, from_step: usize) -> StateResult<()> {
-        let key = self.0.key("run", &record.run_id);
+    async fn save(
+        &self,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> StateResult<()> {
         let header = serde_json::to_string(record).map_err(|e| corrupt("run record", &e))?;
-        let mut fields = vec![("h".to_owned(), header)];
+        let mut fields = vec!["h".to_owned(), header];
         for (index, step) in record.steps.iter().enumerate().skip(from_step) {
             let json = serde_json::to_string(step).map_err(|e| corrupt("run step", &e))?;
-            fields.push((format!("s:{index}"), json));
+            fields.push(format!("s:{index}"));
+            fields.push(json);
         }
-        let ttl = i64::try_from(millis(self.ttl(record))).unwrap_or(i64::MAX);
-        let mut pipe = redis::pipe();
-        pipe.atomic().hset_multiple(&key, &fields).ignore();
+        let count = fields.len() / 2;
+        if let Some(progress) = progress.filter(|_| !record.ended()) {
+            if let Some(spec) = &progress.spec {
+                fields.push("spec".to_owned());
+                fields.push(spec.clone());
+            }
+            fields.push("st".to_owned());
+            fields.push(progress.state.clone());
+            for (offset, message) in progress.messages.iter().enumerate() {
+                fields.push(format!("m:{}", progress.first_message + offset));
+                fields.push(message.clone());
+            }
+        }
         // Times to live: set when the record is made (the run's other keys have theirs
         // already) and when it ends; a run cannot outlive the first.
-        if record.ended() || record.steps.is_empty() {
-            pipe.pexpire(&key, ttl).ignore();
-        }
-        if record.ended() {
-            pipe.pexpire(self.0.key("events", &record.run_id), ttl)
-                .ignore()
-                .pexpire(
-                    self.message_key(&record.session_id, &record.message_id),
-                    ttl,
-                )
-                .ignore();
-        }
-        let _: () = pipe
-            .query_async(&mut self.0.connection())
+        let flags = match (record.steps.is_empty(), record.ended()) {
+            (_, true) => "e",
+            (true, false) => "f",
+            (false, false) => "",
+        };
+        let written: u8 = save_script()
+            .key(self.0.key("run", &record.run_id))
+            .key(self.0.key("owner", &record.run_id))
+            .key(self.0.key("leases", "all"))
+            .key(self.0.key("events", &record.run_id))
+            .key(self.message_key(&record.session_id, &record.message_id))
+            .key(self.0.key("resume", &record.run_id))
+            .arg(&record.run_id)
+            .arg(&record.owner)
+            .arg(millis(self.ttl(record)))
+            .arg(millis(self.0.limits.lease))
+            .arg(flags)
+            .arg(count)
+            .arg(fields)
+            .invoke_async(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
+        if written == 0 {
+            return Err(StateError::Fenced(record.run_id.clone()));
+        }
         Ok(())
     }
 
@@ -475,6 +634,91 @@ impl RunStore for RedisRuns {
         steps.sort_by_key(|(index, _)| *index);
         record.steps = steps.into_iter().map(|(_, step)| step).collect();
         Ok(Some(record))
+    }
+
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut script = renew_script().key(self.0.key("leases", "all"));
+        script.arg(&self.0.prefix).arg(millis(self.0.limits.lease));
+        for lease in leases {
+            script.arg(&lease.run_id).arg(&lease.token);
+        }
+        script
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))
+    }
+
+    async fn release(&self, leases: &[Lease]) -> StateResult<()> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let mut script = release_script().key(self.0.key("leases", "all"));
+        script.arg(&self.0.prefix);
+        for lease in leases {
+            script.arg(&lease.run_id).arg(&lease.token);
+        }
+        let _: i64 = script
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+
+    async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>> {
+        lapsed_script()
+            .key(self.0.key("leases", "all"))
+            .arg(limit)
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))
+    }
+
+    async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {
+        let taken: Vec<String> = take_over_script()
+            .key(self.0.key("leases", "all"))
+            .key(self.0.key("owner", run_id))
+            .key(self.0.key("resume", run_id))
+            .arg(run_id)
+            .arg(token)
+            .arg(millis(self.0.limits.lease))
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        let [previous_owner, handed_over] = taken.as_slice() else {
+            return Ok(None);
+        };
+        let fields: HashMap<String, String> = self
+            .0
+            .connection()
+            .hgetall(self.0.key("resume", run_id))
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        let Some(mut record) = self.load(run_id).await? else {
+            return Ok(None);
+        };
+        token.clone_into(&mut record.owner);
+        let (Some(spec), Some(state)) = (fields.get("spec"), fields.get("st")) else {
+            return Err(corrupt("run progress", &"the spec or the state is missing"));
+        };
+        let mut messages: Vec<(usize, &String)> = fields
+            .iter()
+            .filter_map(|(name, json)| {
+                let index = name.strip_prefix("m:")?.parse().ok()?;
+                Some((index, json))
+            })
+            .collect();
+        messages.sort_by_key(|(index, _)| *index);
+        Ok(Some(Resumable {
+            record,
+            spec: spec.clone(),
+            state: state.clone(),
+            messages: messages.into_iter().map(|(_, m)| m.clone()).collect(),
+            previous_owner: previous_owner.clone(),
+            handed_over: handed_over == "1",
+        }))
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {
@@ -555,7 +799,7 @@ fn decode(entries: Entries) -> Result<Vec<Arc<RunEvent>>, BusError> {
 
 #[async_trait]
 impl EventBus for RedisBus {
-    async fn open(&self, run_id: &str) -> Result<Box<dyn RunPublisher>, BusError> {
+    async fn open(&self, run_id: &str, owner: &str) -> Result<Box<dyn RunPublisher>, BusError> {
         let key = self.0.key("events", run_id);
         let exists: bool = self
             .0
@@ -566,8 +810,58 @@ impl EventBus for RedisBus {
         if exists {
             return Err(BusError::DuplicateRun(run_id.to_owned()));
         }
-        let local = self.0.local.open(run_id).await?;
-        Ok(Box::new(RedisPublisher::new(self.0.clone(), key, local)))
+        let local = self.0.local.open(run_id, owner).await?;
+        Ok(Box::new(RedisPublisher::new(
+            self.0.clone(),
+            run_id,
+            owner,
+            1,
+            Some(local),
+        )))
+    }
+
+    async fn resume(&self, run_id: &str, owner: &str, after: u64) -> Result<Resumed, BusError> {
+        let key = self.0.key("events", run_id);
+        let mut tail = Vec::new();
+        let mut cursor = after;
+        loop {
+            let entries: Entries = redis::cmd("XRANGE")
+                .arg(&key)
+                .arg(format!("{}-0", cursor.saturating_add(1)))
+                .arg("+")
+                .arg("COUNT")
+                .arg(READ_BATCH)
+                .query_async(&mut self.0.connection())
+                .await
+                .map_err(|e| bus_error(&self.0, &e))?;
+            let events = decode(entries)?;
+            let Some(last) = events.last() else { break };
+            cursor = last.sequence;
+            tail.extend(events);
+        }
+        if tail.is_empty() {
+            // Nothing after `after`: the log must still hold it.
+            let last: Entries = redis::cmd("XREVRANGE")
+                .arg(&key)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(&mut self.0.connection())
+                .await
+                .map_err(|e| bus_error(&self.0, &e))?;
+            match decode(last)?.pop() {
+                Some(last) => cursor = cursor.max(last.sequence),
+                None => return Err(BusError::UnknownRun(run_id.to_owned())),
+            }
+        }
+        // Readers here read Redis: this replica's copy would miss the log's beginning.
+        let publisher = RedisPublisher::new(self.0.clone(), run_id, owner, cursor + 1, None);
+        publisher.core.state().expiring = true;
+        Ok(Resumed {
+            tail,
+            publisher: Box::new(publisher),
+        })
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
@@ -610,23 +904,49 @@ const DELTA_LINGER: Duration = Duration::from_millis(10);
 /// Deltas buffered at most before they are written at once.
 const DELTA_BUFFER: usize = 128;
 
+/// Writes events when the writer may (see [`FENCE`]): `KEYS[1]` the log, `KEYS[2]` the
+/// run's owner, `KEYS[3]` its record; `ARGV`: run, owner, bound of the log, time to live
+/// (0: unchanged), last sequence, then id and event of each entry.
+const PUBLISH: &str = r"
+if not may_write(KEYS[3], KEYS[2], ARGV[2]) then return 0 end
+for i = 6, #ARGV, 2 do
+  redis.call('XADD', KEYS[1], 'MAXLEN', '=', ARGV[3], ARGV[i], 'e', ARGV[i + 1])
+end
+if ARGV[4] ~= '0' then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
+redis.call('PUBLISH', KEYS[1], ARGV[5])
+return 1
+";
+
+script!(publish_script, PUBLISH);
+
 struct PublisherState {
     /// The sequence the next event gets.
     next: u64,
     /// Whether the `done` event was accepted.
     done: bool,
     /// Events numbered but not yet written, as JSON.
-    buffer: Vec<(u64, bool, Vec<u8>)>,
+    buffer: Vec<(u64, RunEvent)>,
     /// Whether the log's time to live was set.
     expiring: bool,
     /// Why a background write failed; the next publish reports it.
     failed: Option<BusError>,
+    /// Whether the run is another replica's now, or was let go to one: nothing more is
+    /// written, and nothing ends the run here.
+    fenced: bool,
+    /// The last sequence given to this replica's copy of the log.
+    local_seen: u64,
 }
 
 /// What the publisher and its background writer share.
 struct PublisherCore {
     shared: Arc<Shared>,
     key: String,
+    run_id: String,
+    /// The lease token the run is written with.
+    owner: String,
+    /// This replica's copy of the log (not kept for a run taken over: it would lack the
+    /// log's beginning).
+    local: Option<Box<dyn RunPublisher>>,
     state: Mutex<PublisherState>,
     /// Serializes writes, so that they reach Redis in sequence order.
     writer: tokio::sync::Mutex<()>,
@@ -639,7 +959,7 @@ impl PublisherCore {
 
     /// Numbers `events` and buffers them; true when they may wait for the background
     /// writer (text deltas only, and not too many).
-    fn buffer(&self, events: &[RunEvent]) -> Result<bool, BusError> {
+    fn buffer(&self, events: Vec<RunEvent>) -> bool {
         let deltas_only = events.iter().all(|e| e.data.is_none() && !e.done);
         let mut state = self.state();
         // After a failed write its events are still buffered: they go first, now.
@@ -648,69 +968,106 @@ impl PublisherCore {
             if state.done {
                 break;
             }
-            let json = serde_json::to_vec(event)
-                .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
             let sequence = state.next;
             state.next += 1;
             state.done = event.done;
-            state.buffer.push((sequence, event.done, json));
+            state.buffer.push((sequence, event));
         }
         // The first batch is written at once: it makes the log exist for readers.
-        Ok(!retry
-            && state.expiring
-            && deltas_only
-            && !state.done
-            && state.buffer.len() < DELTA_BUFFER)
+        !retry && state.expiring && deltas_only && !state.done && state.buffer.len() < DELTA_BUFFER
     }
 
-    /// Writes what is buffered, in one transaction.
+    /// Writes what is buffered, in one script (whole or not at all), then gives it to
+    /// this replica's copy of the log: readers here see only what Redis holds, so a
+    /// replica that lost the run never shows them events its new owner does not have.
     async fn write(&self) -> Result<(), BusError> {
         let _writing = self.writer.lock().await;
         let (batch, set_ttl) = {
             let mut state = self.state();
             let batch = std::mem::take(&mut state.buffer);
-            let ended = batch.last().is_some_and(|(_, done, _)| *done);
+            let ended = batch.last().is_some_and(|(_, event)| event.done);
             let set_ttl = !state.expiring || ended;
             state.expiring = true;
             (batch, set_ttl.then_some(ended))
         };
-        let Some((last, _, _)) = batch.last() else {
+        let Some((last, _)) = batch.last() else {
             return Ok(());
         };
         let last = *last;
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        for (sequence, _, json) in &batch {
-            pipe.cmd("XADD")
-                .arg(&self.key)
-                .arg("MAXLEN")
-                .arg("=")
-                .arg(self.shared.limits.events_per_run.max(1))
-                .arg(format!("{sequence}-1"))
-                .arg("e")
-                .arg(json)
-                .ignore();
-        }
-        if let Some(ended) = set_ttl {
-            let ttl = if ended {
+        let ttl = set_ttl.map_or(0, |ended| {
+            millis(if ended {
                 self.shared.limits.run_retention
             } else {
                 RUNNING_TTL + self.shared.limits.run_retention
-            };
-            pipe.pexpire(&self.key, i64::try_from(millis(ttl)).unwrap_or(i64::MAX))
-                .ignore();
+            })
+        });
+        let mut script = publish_script().key(&self.key);
+        script
+            .key(self.shared.key("owner", &self.run_id))
+            .key(self.shared.key("run", &self.run_id))
+            .arg(&self.run_id)
+            .arg(&self.owner)
+            .arg(self.shared.limits.events_per_run.max(1))
+            .arg(ttl)
+            .arg(last);
+        for (sequence, event) in &batch {
+            let json = serde_json::to_vec(event)
+                .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
+            script.arg(format!("{sequence}-1")).arg(json);
         }
-        pipe.publish(&self.key, last).ignore();
-        let written: Result<(), _> = pipe.query_async(&mut self.shared.connection()).await;
-        written.map_err(|e| {
+        let written: Result<u8, _> = script.invoke_async(&mut self.shared.connection()).await;
+        if written == Ok(0) {
+            // Another replica has the run: these events are not its to write.
+            self.state().fenced = true;
+            return Err(BusError::Fenced(self.run_id.clone()));
+        }
+        if let Err(e) = written {
             let error = bus_error(&self.shared, &e);
+            // While Redis cannot be reached, readers here still see the run (and its end,
+            // which says why); the batch is written to Redis, with the same numbers, by
+            // a later call. (Should another replica take the run over meanwhile, its
+            // readers here are told that it moved.)
+            let unseen: Vec<RunEvent> = {
+                let mut state = self.state();
+                let seen = state.local_seen;
+                state.local_seen = last.max(seen);
+                batch
+                    .iter()
+                    .filter(|(sequence, _)| *sequence > seen)
+                    .map(|(_, event)| event.clone())
+                    .collect()
+            };
+            if let Some(local) = &self.local
+                && !unseen.is_empty()
+            {
+                let _ = local.publish(unseen).await;
+            }
             // Kept, with its numbers, for the next publish to write again: a batch is
             // written whole or not at all, so nothing is lost or numbered twice.
             let mut state = self.state();
             state.buffer.splice(0..0, batch);
             state.failed = Some(error.clone());
-            error
-        })
+            return Err(error);
+        }
+        let seen = {
+            let mut state = self.state();
+            let seen = state.local_seen;
+            state.local_seen = last.max(seen);
+            seen
+        };
+        if let Some(local) = &self.local {
+            // The copy numbers the same events the same way: it gets all of them, in order.
+            local
+                .publish(
+                    batch
+                        .into_iter()
+                        .filter(|(sequence, _)| *sequence > seen)
+                        .map(|(_, event)| event)
+                        .collect(),
+                )
+                .await?;
+        }
+        Ok(())
     }
 }
 
@@ -718,21 +1075,32 @@ struct RedisPublisher {
     core: Arc<PublisherCore>,
     /// Wakes the background writer.
     flush_soon: Arc<tokio::sync::Notify>,
-    /// This replica's copy of the log.
-    local: Box<dyn RunPublisher>,
 }
 
 impl RedisPublisher {
-    fn new(shared: Arc<Shared>, key: String, local: Box<dyn RunPublisher>) -> Self {
+    /// A publisher of `run_id` for `owner`, numbering from `next`, keeping a copy of the
+    /// log here when given one.
+    fn new(
+        shared: Arc<Shared>,
+        run_id: &str,
+        owner: &str,
+        next: u64,
+        local: Option<Box<dyn RunPublisher>>,
+    ) -> Self {
         let core = Arc::new(PublisherCore {
+            key: shared.key("events", run_id),
             shared,
-            key,
+            run_id: run_id.to_owned(),
+            owner: owner.to_owned(),
+            local,
             state: Mutex::new(PublisherState {
-                next: 1,
+                next,
                 done: false,
                 buffer: Vec::new(),
                 expiring: false,
                 failed: None,
+                fenced: false,
+                local_seen: next - 1,
             }),
             writer: tokio::sync::Mutex::new(()),
         });
@@ -746,15 +1114,20 @@ impl RedisPublisher {
                 tokio::time::sleep(DELTA_LINGER).await;
                 let Some(core) = weak.upgrade() else { return };
                 let _ = core.write().await;
-                if core.state().done {
+                let state = core.state();
+                if state.done || state.fenced {
                     return;
                 }
             }
         });
-        Self {
-            core,
-            flush_soon,
-            local,
+        Self { core, flush_soon }
+    }
+
+    /// Ends the readers of this replica's copy: the run goes on elsewhere.
+    async fn let_go(&self) {
+        self.core.state().fenced = true;
+        if let Some(local) = &self.core.local {
+            let _ = local.release().await;
         }
     }
 }
@@ -762,27 +1135,38 @@ impl RedisPublisher {
 #[async_trait]
 impl RunPublisher for RedisPublisher {
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
-        let deferred = self.core.buffer(&events)?;
-        // The copy here numbers the same events the same way: both drop what follows
-        // `done`. It is written first, so that readers here see no later than before.
-        self.local.publish(events).await?;
+        if self.core.state().fenced {
+            return Err(BusError::Fenced(self.core.run_id.clone()));
+        }
+        let deferred = self.core.buffer(events);
         if deferred {
             self.flush_soon.notify_one();
             return Ok(());
         }
-        self.core.write().await
+        let written = self.core.write().await;
+        if let Err(BusError::Fenced(_)) = &written {
+            self.let_go().await;
+        }
+        written
+    }
+
+    async fn release(&self) -> Result<(), BusError> {
+        let written = self.core.write().await;
+        self.let_go().await;
+        written
     }
 }
 
 impl Drop for RedisPublisher {
     /// A run whose publisher goes away without a `done` event (a bug, or a panic in the
     /// run) still ends, so that no reader waits forever: what is buffered and the end are
-    /// written in the background.
+    /// written in the background. A run let go, or taken by another replica, is left to
+    /// its new owner.
     fn drop(&mut self) {
         self.flush_soon.notify_one();
         let ended = {
             let state = self.core.state();
-            state.done && state.buffer.is_empty()
+            state.fenced || (state.done && state.buffer.is_empty())
         };
         if ended {
             return;
@@ -793,7 +1177,7 @@ impl Drop for RedisPublisher {
         let core = self.core.clone();
         runtime.spawn(async move {
             if !core.state().done {
-                let _ = core.buffer(&[RunEvent::ended_without_end()]);
+                core.buffer(vec![RunEvent::ended_without_end()]);
             }
             if let Err(error) = core.write().await {
                 warn!(%error, "cannot end a run whose publisher went away");

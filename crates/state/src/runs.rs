@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use agentrt_core::StateResult;
+use agentrt_core::{StateError, StateResult};
 use futures_util::Stream;
 use tokio::{sync::broadcast, time::Instant};
 
@@ -31,6 +31,49 @@ pub struct StopRequest {
     pub reason: StopReason,
 }
 
+/// The right to execute a run, held by one replica at a time: its owner writes the run's
+/// events and record with `token`, and renews it; when it lapses (the owner died) or is
+/// let go (the owner shuts down), another replica takes the run over with a token of its
+/// own, and writes with the old one are refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The run.
+    pub run_id: String,
+    /// Its owner's token.
+    pub token: String,
+}
+
+/// What a replica needs to continue a run another one executed: written by the engine
+/// at its checkpoints, opaque to the store (JSON the engine reads back).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// What the run is (its agent, tools and query); written with the first record.
+    pub spec: Option<String>,
+    /// The step machine's state, without the turn's messages.
+    pub state: String,
+    /// The turn's messages from `first_message` on (those before are as last saved).
+    pub messages: Vec<String>,
+    /// The index of `messages[0]` in the turn.
+    pub first_message: usize,
+}
+
+/// A run taken over: its record (with its steps) and what continuing it needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resumable {
+    /// The record as last saved; its `owner` is the new token.
+    pub record: RunRecord,
+    /// [`Progress::spec`].
+    pub spec: String,
+    /// [`Progress::state`] as last saved.
+    pub state: String,
+    /// Every message of the turn saved so far.
+    pub messages: Vec<String>,
+    /// The token of the owner it was taken from.
+    pub previous_owner: String,
+    /// Whether that owner let it go (it shut down) rather than let its lease lapse.
+    pub handed_over: bool,
+}
+
 /// Stop requests as they are made.
 pub type StopRequests = Pin<Box<dyn Stream<Item = StopRequest> + Send>>;
 
@@ -52,8 +95,32 @@ pub trait RunStore: Send + Sync {
     ) -> StateResult<Claim>;
 
     /// Writes `record`: the steps from `from_step` on, and the rest of the record (the
-    /// steps before are as last saved). A record that has ended is kept for the retention.
-    async fn save(&self, record: &RunRecord, from_step: usize) -> StateResult<()>;
+    /// steps before are as last saved), with `progress` when given. A record that has
+    /// ended is kept for the retention (its progress is dropped). With an `owner`, the
+    /// first save takes the run's lease for it, and a save from an owner that no longer
+    /// holds the lease (or of a run that ended meanwhile) fails with
+    /// [`StateError::Fenced`](agentrt_core::StateError::Fenced), writing nothing.
+    async fn save(
+        &self,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> StateResult<()>;
+
+    /// Renews `leases` (in one call, whatever their number); answers the runs among them
+    /// whose lease was lost: taken over by another replica, or ended.
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>>;
+
+    /// Lets `leases` go at once: other replicas may take the runs over now.
+    async fn release(&self, leases: &[Lease]) -> StateResult<()>;
+
+    /// Runs whose lease lapsed or was let go, at most `limit`, longest lapsed first.
+    async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>>;
+
+    /// Takes `run_id` over for `token` when its lease has lapsed or was let go: exactly one
+    /// of several replicas trying at once gets it. `None` when the run is not to be taken
+    /// (its lease holds, it ended, or another replica got it).
+    async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>>;
 
     /// The run's record, while it runs and for the retention after it ended.
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>>;
@@ -82,11 +149,13 @@ pub(crate) fn stop_stream(receiver: broadcast::Receiver<StopRequest>) -> StopReq
     ))
 }
 
-/// How long records are kept.
+/// How long records and leases are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RunRetention {
     /// How long an ended run stays readable.
     pub ended: Duration,
+    /// How long a lease lasts without being renewed.
+    pub lease: Duration,
 }
 
 /// Runs kept in this process.
@@ -102,6 +171,10 @@ struct Inner {
     keys: HashMap<(String, String), String>,
     /// Ended runs in the order they ended.
     ended: VecDeque<(Instant, String)>,
+    /// The leases of running runs: token, when it lapses, whether it was let go.
+    leases: HashMap<String, (String, Instant, bool)>,
+    /// What continuing each running run needs: spec, state, messages.
+    progress: HashMap<String, (String, String, Vec<String>)>,
 }
 
 impl Inner {
@@ -160,9 +233,43 @@ impl RunStore for MemoryRunStore {
         }
     }
 
-    async fn save(&self, record: &RunRecord, from_step: usize) -> StateResult<()> {
+    async fn save(
+        &self,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> StateResult<()> {
         let mut inner = self.lock();
         inner.expire(self.retention.ended);
+        if !record.owner.is_empty() {
+            match inner.leases.get(&record.run_id) {
+                Some((token, ..)) if *token != record.owner => {
+                    return Err(StateError::Fenced(record.run_id.clone()));
+                }
+                Some(_) => {}
+                None if inner.records.contains_key(&record.run_id) => {
+                    return Err(StateError::Fenced(record.run_id.clone()));
+                }
+                None => {
+                    let lapses = Instant::now() + self.retention.lease;
+                    inner
+                        .leases
+                        .insert(record.run_id.clone(), (record.owner.clone(), lapses, false));
+                }
+            }
+        }
+        if record.ended() {
+            inner.leases.remove(&record.run_id);
+            inner.progress.remove(&record.run_id);
+        } else if let Some(progress) = progress {
+            let entry = inner.progress.entry(record.run_id.clone()).or_default();
+            if let Some(spec) = &progress.spec {
+                entry.0.clone_from(spec);
+            }
+            entry.1.clone_from(&progress.state);
+            entry.2.truncate(progress.first_message);
+            entry.2.extend(progress.messages.iter().cloned());
+        }
         let newly_ended = record.ended()
             && inner
                 .records
@@ -193,6 +300,81 @@ impl RunStore for MemoryRunStore {
         let mut inner = self.lock();
         inner.expire(self.retention.ended);
         Ok(inner.records.get(run_id).cloned())
+    }
+
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
+        let mut inner = self.lock();
+        let lapses = Instant::now() + self.retention.lease;
+        let mut lost = Vec::new();
+        for lease in leases {
+            match inner.leases.get_mut(&lease.run_id) {
+                Some((token, at, _)) if *token == lease.token => *at = lapses,
+                _ => lost.push(lease.run_id.clone()),
+            }
+        }
+        Ok(lost)
+    }
+
+    async fn release(&self, leases: &[Lease]) -> StateResult<()> {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        for lease in leases {
+            if let Some((token, at, released)) = inner.leases.get_mut(&lease.run_id)
+                && *token == lease.token
+            {
+                *at = now;
+                *released = true;
+            }
+        }
+        Ok(())
+    }
+
+    async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>> {
+        let inner = self.lock();
+        let now = Instant::now();
+        let mut lapsed: Vec<(Instant, &String)> = inner
+            .leases
+            .iter()
+            .filter(|(_, (_, at, _))| *at <= now)
+            .map(|(run_id, (_, at, _))| (*at, run_id))
+            .collect();
+        lapsed.sort();
+        Ok(lapsed
+            .into_iter()
+            .take(limit)
+            .map(|(_, run_id)| run_id.clone())
+            .collect())
+    }
+
+    async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {
+        let mut inner = self.lock();
+        let now = Instant::now();
+        if !inner.progress.contains_key(run_id) || !inner.records.contains_key(run_id) {
+            return Ok(None);
+        }
+        let (previous_owner, handed_over) = match inner.leases.get_mut(run_id) {
+            Some((owner, at, released)) if *at <= now => {
+                let previous = std::mem::replace(owner, token.to_owned());
+                *at = now + self.retention.lease;
+                (previous, std::mem::take(released))
+            }
+            _ => return Ok(None),
+        };
+        let (Some(record), Some((spec, state, messages))) =
+            (inner.records.get(run_id), inner.progress.get(run_id))
+        else {
+            return Ok(None);
+        };
+        let mut record = record.clone();
+        token.clone_into(&mut record.owner);
+        Ok(Some(Resumable {
+            record,
+            spec: spec.clone(),
+            state: state.clone(),
+            messages: messages.clone(),
+            previous_owner,
+            handed_over,
+        }))
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {

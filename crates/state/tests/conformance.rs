@@ -6,12 +6,15 @@
 
 use std::{sync::Arc, time::Duration};
 
+use agentrt_events::{EventData, EventKind, RunEvent};
 use agentrt_state::{
-    BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore, MemoryEngineStore,
-    MemoryRunStore, RunRetention, RunStore, SessionLimits, SessionStore,
+    BusError, BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore,
+    MemoryEngineStore, MemoryRunStore, Progress, RunRecord, RunRetention, RunStore, SessionLimits,
+    SessionStore,
     redis::{Redis, RedisLimits},
 };
 use agentrt_test_support::conformance::{self, redis_prefix, redis_url};
+use futures_util::StreamExt;
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -23,6 +26,7 @@ fn limits(events_per_run: usize) -> RedisLimits {
         run_retention: Duration::from_secs(600),
         events_per_run,
         retained_events: 1_000_000,
+        lease: conformance::TEST_LEASE,
     }
 }
 
@@ -102,8 +106,30 @@ async fn memory_run_store() {
     conformance::run_store(|| async {
         let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
             ended: Duration::from_secs(600),
+            lease: conformance::TEST_LEASE,
         }));
         (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn memory_run_leases() {
+    conformance::run_leases(|| async {
+        let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+            lease: conformance::TEST_LEASE,
+        }));
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_run_leases() {
+    conformance::run_leases(|| async {
+        let (a, b) = redis_pair("leases", 100).await;
+        (a.runs(), b.runs())
     })
     .await;
 }
@@ -115,4 +141,73 @@ async fn redis_run_store() {
         (a.runs(), b.runs())
     })
     .await;
+}
+
+fn started() -> RunEvent {
+    RunEvent::new(
+        EventKind::RunStarted,
+        1,
+        String::new(),
+        Some(EventData::RunStarted {
+            engine_id: "e".into(),
+            agent: "a".into(),
+        }),
+    )
+}
+
+/// A replica that lost a run to another cannot publish to it any more, and its readers of
+/// the run are told that it moved; the new owner continues the log where it ended.
+#[tokio::test]
+async fn redis_bus_fences_a_replaced_owner_and_the_new_one_continues_the_log() {
+    let (a, b) = redis_pair("fence", 100).await;
+    let publisher = a.bus().open("fr", "a.1").await.unwrap();
+    let mut record = RunRecord::new("fr", "e", "s", "m", "q");
+    record.owner = "a.1".into();
+    let progress = Progress {
+        spec: Some("{}".into()),
+        state: "{}".into(),
+        ..Progress::default()
+    };
+    a.runs().save(&record, 0, Some(&progress)).await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    let reader = a.bus().subscribe("fr", 0).await.unwrap();
+
+    tokio::time::sleep(conformance::TEST_LEASE + Duration::from_millis(100)).await;
+    let taken = b.runs().take_over("fr", "b.1").await.unwrap().unwrap();
+    assert_eq!(taken.record.owner, "b.1");
+    assert_eq!(
+        publisher.publish(vec![started()]).await,
+        Err(BusError::Fenced("fr".into()))
+    );
+    let read: Vec<Result<u64, BusError>> =
+        tokio::time::timeout(Duration::from_secs(5), reader.collect::<Vec<_>>())
+            .await
+            .expect("the reader ends")
+            .into_iter()
+            .map(|e| e.map(|e| e.sequence))
+            .collect();
+    assert_eq!(read, [Ok(1), Ok(2), Err(BusError::Moved { after: 2 })]);
+
+    let resumed = b.bus().resume("fr", "b.1", 1).await.unwrap();
+    let tail: Vec<u64> = resumed.tail.iter().map(|e| e.sequence).collect();
+    assert_eq!(tail, [2]);
+    resumed
+        .publisher
+        .publish(vec![RunEvent {
+            done: true,
+            ..started()
+        }])
+        .await
+        .unwrap();
+    drop(publisher);
+    let all: Vec<u64> = b
+        .bus()
+        .subscribe("fr", 0)
+        .await
+        .unwrap()
+        .map(|e| e.unwrap().sequence)
+        .collect()
+        .await;
+    assert_eq!(all, [1, 2, 3], "no gap, no repeat, one end");
 }

@@ -9,8 +9,8 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use agentrt_state::{
-    BusError, BusLimits, Claim, EngineStore, EventBus, Exchange, RunRecord, RunStatus, RunStore,
-    SessionStore, StepRecord, StopReason, StoredEngine,
+    BusError, BusLimits, Claim, EngineStore, EventBus, Exchange, Lease, Progress, Resumable,
+    RunRecord, RunStatus, RunStore, SessionStore, StateError, StepRecord, StopReason, StoredEngine,
 };
 use futures_util::StreamExt;
 
@@ -47,7 +47,7 @@ where
     let (bus, other) = new(BusLimits::default()).await;
 
     // Replay from any offset, then live, on either replica; nothing after `done`.
-    let publisher = bus.open("r1").await.unwrap();
+    let publisher = bus.open("r1", "").await.unwrap();
     publisher
         .publish(vec![delta("a"), delta("b")])
         .await
@@ -77,7 +77,7 @@ where
     assert_eq!(sequences(&*other, "r1", u64::MAX).await, []);
 
     // A cursor at or beyond the end of a running run waits, then ends with `done`.
-    let publisher = bus.open("r2").await.unwrap();
+    let publisher = bus.open("r2", "").await.unwrap();
     publisher
         .publish(vec![delta("a"), delta("b")])
         .await
@@ -103,7 +103,7 @@ where
     // writes fall between their reads.
     for round in 0..100u64 {
         let run_id = format!("many-{round}");
-        let publisher = bus.open(&run_id).await.unwrap();
+        let publisher = bus.open(&run_id, "").await.unwrap();
         let started = RunEvent::new(
             EventKind::RunStarted,
             1,
@@ -136,7 +136,7 @@ where
 
     // Ids are unique; unknown runs are reported.
     assert_eq!(
-        bus.open("r2").await.err(),
+        bus.open("r2", "").await.err(),
         Some(BusError::DuplicateRun("r2".into()))
     );
     assert_eq!(
@@ -150,7 +150,7 @@ where
         ..BusLimits::default()
     })
     .await;
-    let publisher = bus.open("r3").await.unwrap();
+    let publisher = bus.open("r3", "").await.unwrap();
     for text in ["a", "b", "c", "d", "e"] {
         publisher.publish(vec![delta(text)]).await.unwrap();
     }
@@ -328,14 +328,14 @@ where
     // Records round-trip, saved round by round, read from any replica.
     assert!(other.load("r").await.unwrap().is_none());
     let mut record = RunRecord::new("r", "e", "s", "m", "what is 6*7?");
-    store.save(&record, 0).await.unwrap();
+    store.save(&record, 0, None).await.unwrap();
     assert_eq!(other.load("r").await.unwrap().unwrap(), record);
     record.steps.push(StepRecord {
         iteration: 1,
         thought: "let me think".into(),
         ..StepRecord::default()
     });
-    store.save(&record, 0).await.unwrap();
+    store.save(&record, 0, None).await.unwrap();
     record.steps[0].answer = "4".into();
     record.steps.push(StepRecord {
         iteration: 2,
@@ -346,13 +346,13 @@ where
     record.stop_reason = Some(StopReason::FinalAnswer);
     record.final_answer = "42".into();
     record.last_sequence = 9;
-    store.save(&record, 0).await.unwrap();
+    store.save(&record, 0, None).await.unwrap();
     assert_eq!(other.load("r").await.unwrap().unwrap(), record);
     // Rounds before `from_step` are as last saved.
     let mut changed = record.clone();
     changed.steps[0].answer = "not saved".into();
     changed.steps[1].answer = "42!".into();
-    store.save(&changed, 1).await.unwrap();
+    store.save(&changed, 1, None).await.unwrap();
     let read = other.load("r").await.unwrap().unwrap();
     assert_eq!(read.steps[0].answer, "4");
     assert_eq!(read.steps[1].answer, "42!");
@@ -372,6 +372,144 @@ where
         (request.run_id.as_str(), request.reason),
         ("r-stop", StopReason::Cancelled)
     );
+}
+
+/// How long the leases of the stores given to [`run_leases`] last.
+pub const TEST_LEASE: Duration = Duration::from_millis(300);
+
+/// The lease suite of run stores; `new` makes two handles on one store (two replicas)
+/// whose leases last [`TEST_LEASE`].
+pub async fn run_leases<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn RunStore>)>,
+{
+    let (store, other) = new().await;
+    let lease = |run: &str, token: &str| Lease {
+        run_id: run.into(),
+        token: token.into(),
+    };
+    let progress = |first: usize, messages: &[&str]| Progress {
+        spec: (first == 0).then(|| "{\"spec\":1}".to_owned()),
+        state: format!("state-{first}"),
+        messages: messages.iter().map(|m| (*m).to_owned()).collect(),
+        first_message: first,
+    };
+
+    // The first save of an owned run takes its lease; another owner cannot write it.
+    let mut record = RunRecord::new("lr", "e", "s", "m", "q");
+    record.owner = "a.1".into();
+    store
+        .save(&record, 0, Some(&progress(0, &["m0"])))
+        .await
+        .unwrap();
+    let mut intruder = record.clone();
+    intruder.owner = "b.1".into();
+    assert_eq!(
+        other.save(&intruder, 0, None).await,
+        Err(StateError::Fenced("lr".into()))
+    );
+    record.steps.push(StepRecord {
+        iteration: 1,
+        ..StepRecord::default()
+    });
+    store
+        .save(&record, 0, Some(&progress(1, &["m1", "m2"])))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.renew(&[lease("lr", "a.1")]).await.unwrap(),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        store
+            .renew(&[lease("lr", "b.1"), lease("unknown", "a.1")])
+            .await
+            .unwrap(),
+        vec!["lr".to_owned(), "unknown".to_owned()],
+        "a lease another holds, or none holds, is lost"
+    );
+    assert!(other.lapsed(10).await.unwrap().is_empty());
+    assert_eq!(
+        other.take_over("lr", "b.1").await.unwrap(),
+        None,
+        "the lease holds"
+    );
+
+    // Unrenewed, it lapses; exactly one of several replicas takes the run over.
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    assert_eq!(other.lapsed(10).await.unwrap(), vec!["lr".to_owned()]);
+    let tries = futures_util::future::join_all((0..6).map(|i| {
+        let store = if i % 2 == 0 { &store } else { &other };
+        async move { store.take_over("lr", &format!("t.{i}")).await.unwrap() }
+    }))
+    .await;
+    let taken: Vec<&Resumable> = tries.iter().flatten().collect();
+    assert_eq!(taken.len(), 1, "{tries:?}");
+    let taken = taken[0];
+    let winner = taken.record.owner.clone();
+    assert!(winner.starts_with("t."));
+    assert_eq!(taken.previous_owner, "a.1");
+    assert!(!taken.handed_over);
+    assert_eq!(taken.spec, "{\"spec\":1}");
+    assert_eq!(taken.state, "state-1");
+    assert_eq!(taken.messages, ["m0", "m1", "m2"]);
+    assert_eq!(taken.record.steps.len(), 1);
+    assert!(other.lapsed(10).await.unwrap().is_empty());
+
+    // The old owner is fenced off; the new one writes, renews, and can let the run go.
+    assert_eq!(
+        store.save(&record, 0, None).await,
+        Err(StateError::Fenced("lr".into()))
+    );
+    assert_eq!(
+        store.renew(&[lease("lr", "a.1")]).await.unwrap(),
+        vec!["lr".to_owned()]
+    );
+    let mut record = taken.record.clone();
+    other.save(&record, 0, None).await.unwrap();
+    assert!(
+        other
+            .renew(&[lease("lr", &winner)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    other.release(&[lease("lr", "a.1")]).await.unwrap();
+    assert!(
+        store.lapsed(10).await.unwrap().is_empty(),
+        "only the owner lets go"
+    );
+    other.release(&[lease("lr", &winner)]).await.unwrap();
+    assert_eq!(store.lapsed(10).await.unwrap(), vec!["lr".to_owned()]);
+    let handed = store.take_over("lr", "c.1").await.unwrap().unwrap();
+    assert!(handed.handed_over);
+    assert_eq!(handed.previous_owner, winner);
+
+    // An ended run has no lease: nobody takes it over, and nobody writes it again.
+    record.owner = "c.1".into();
+    record.status = RunStatus::Succeeded;
+    record.stop_reason = Some(StopReason::FinalAnswer);
+    store.save(&record, 0, None).await.unwrap();
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    assert!(other.lapsed(10).await.unwrap().is_empty());
+    assert_eq!(other.take_over("lr", "d.1").await.unwrap(), None);
+    assert_eq!(
+        other.renew(&[lease("lr", "c.1")]).await.unwrap(),
+        vec!["lr".to_owned()]
+    );
+    record.owner = winner;
+    assert_eq!(
+        other.save(&record, 0, None).await,
+        Err(StateError::Fenced("lr".into()))
+    );
+    assert_eq!(other.load("lr").await.unwrap().unwrap().owner, "c.1");
+
+    // A run without an owner has no lease (a store used by one process).
+    let free = RunRecord::new("free", "e", "s", "m2", "q");
+    store.save(&free, 0, None).await.unwrap();
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    assert!(other.lapsed(10).await.unwrap().is_empty());
 }
 
 /// The Redis the tests use: `AGENTRT_TEST_REDIS`, or the local default. `scripts/test`

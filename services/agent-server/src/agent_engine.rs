@@ -114,13 +114,14 @@ fn stream_events(
     events: EventStream,
     run: &RunRecord,
     mut guard: Option<CancelOnDisconnect>,
+    draining: Option<tokio_util::sync::CancellationToken>,
 ) -> EventResponseStream {
     let ids = Arc::new((
         run.run_id.clone(),
         run.session_id.clone(),
         run.message_id.clone(),
     ));
-    Box::pin(events.map(move |event| match event {
+    let events = events.map(move |event| match event {
         Ok(event) => {
             if event.done
                 && let Some(guard) = guard.as_mut()
@@ -135,7 +136,33 @@ fn stream_events(
             }
             Err(Error::Bus(error).into())
         }
-    }))
+    });
+    let Some(draining) = draining else {
+        return Box::pin(events);
+    };
+    // With shared state, a replica that shuts down ends its streams (its runs go on
+    // elsewhere): the client resumes with `Subscribe` on another replica.
+    let run_id = run.run_id.clone();
+    Box::pin(futures_util::stream::unfold(
+        (Box::pin(events), Some(draining), 0_u64, run_id),
+        |(mut events, draining, mut last, run_id)| async move {
+            let draining = draining?;
+            tokio::select! {
+                biased;
+                next = events.next() => {
+                    let next = next?;
+                    if let Ok(event) = &next {
+                        last = event.sequence;
+                    }
+                    Some((next, (events, Some(draining), last, run_id)))
+                }
+                () = draining.cancelled() => {
+                    let status = Error::ShuttingDown { run_id: run_id.clone(), after: last }.into();
+                    Some((Err(status), (events, None, last, run_id)))
+                }
+            }
+        },
+    ))
 }
 
 fn check_execute(
@@ -256,7 +283,12 @@ impl AgentEngine for AgentEngineImpl {
         });
         let record = self.run(&run_id).await?;
         let events = self.events(&record, 0).await?;
-        Ok(Response::new(stream_events(events, &record, guard)))
+        Ok(Response::new(stream_events(
+            events,
+            &record,
+            guard,
+            self.runs.draining(),
+        )))
     }
 
     async fn subscribe(
@@ -266,7 +298,12 @@ impl AgentEngine for AgentEngineImpl {
         let request = request.into_inner();
         let record = self.run(&request.run_id).await?;
         let events = self.events(&record, request.after_sequence).await?;
-        Ok(Response::new(stream_events(events, &record, None)))
+        Ok(Response::new(stream_events(
+            events,
+            &record,
+            None,
+            self.runs.draining(),
+        )))
     }
 
     async fn cancel(

@@ -124,6 +124,7 @@ pub fn event_to_wire(
             EventKind::References => v1::EventType::References,
             EventKind::Error => v1::EventType::Error,
             EventKind::RunStarted => v1::EventType::RunStarted,
+            EventKind::RoundRestarted => v1::EventType::RoundRestarted,
         } as i32,
         content: event.content.clone(),
         data: event.data.as_deref().map(event_data_to_wire),
@@ -187,7 +188,7 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
         EventData::RunStarted { engine_id, agent } => {
             fields([("engine_id", text(engine_id)), ("agent", text(agent))])
         }
-        EventData::References { .. } | EventData::End(_) => {
+        EventData::References { .. } | EventData::End(_) | EventData::RoundRestarted { .. } => {
             return agentrt::json::json_to_struct(&data.to_json()).unwrap_or_default();
         }
     };
@@ -473,6 +474,7 @@ mod tests {
             create_time: now,
             update_time: now,
             abandoned: false,
+            owner: String::new(),
         };
         let limit = 4 * 1024 * 1024;
         // 2 MiB answers, each held twice and a thought beside: 6 MiB whole.

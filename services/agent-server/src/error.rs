@@ -41,6 +41,17 @@ pub enum Error {
     /// A run could not start.
     #[error(transparent)]
     RunStart(#[from] crate::runs::RunStartError),
+    /// This replica shuts down and hands its runs over: a stream it served resumes on
+    /// another one.
+    #[error(
+        "this replica is shutting down; resume run {run_id:?} with Subscribe after sequence {after} on another replica"
+    )]
+    ShuttingDown {
+        /// The run streamed.
+        run_id: String,
+        /// The last event the client was sent.
+        after: u64,
+    },
 }
 
 /// A `Result` with this crate's [`Error`].
@@ -66,12 +77,24 @@ impl From<Error> for Status {
                 status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))
             }
             Error::State(error @ StateError::Corrupt { .. }) => Status::internal(error.to_string()),
+            // The run goes on on another replica: the client resumes there.
+            Error::State(error @ StateError::Fenced(_)) => {
+                status::unavailable("RUN_MOVED", error.to_string(), Duration::from_millis(100))
+            }
+            Error::Bus(error @ (BusError::Fenced(_) | BusError::Moved { .. })) => {
+                status::unavailable("RUN_MOVED", error.to_string(), Duration::from_millis(100))
+            }
             Error::RunNotFound(id) | Error::Bus(BusError::UnknownRun(id)) => {
                 status::not_found("RUN_NOT_FOUND", "run", &id)
             }
             Error::Bus(error @ BusError::Lagged { .. }) => Status::out_of_range(error.to_string()),
             Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
             Error::EventsExpired(_) => Status::out_of_range(error.to_string()),
+            error @ Error::ShuttingDown { .. } => status::unavailable(
+                "REPLICA_SHUTTING_DOWN",
+                error.to_string(),
+                Duration::from_millis(100),
+            ),
             Error::RunStart(error) => match error {
                 RunStartError::Busy(active) => status::resource_exhausted(
                     "TOO_MANY_RUNS",

@@ -87,6 +87,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                 })),
                 runs: Arc::new(MemoryRunStore::new(RunRetention {
                     ended: settings.runs.retention,
+                    lease: settings.runs.takeover_after,
                 })),
                 bus: Arc::new(InMemoryBus::new(BusLimits {
                     events_per_run: settings.runs.events_per_run,
@@ -107,6 +108,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     run_retention: settings.runs.retention,
                     events_per_run: settings.runs.events_per_run,
                     retained_events: settings.runs.retained_events,
+                    lease: settings.runs.takeover_after,
                 },
             )
             .map_err(|e| StartError::State(e.to_string()))?;
@@ -187,6 +189,9 @@ pub async fn serve(
         bus,
         redis,
     } = stores(&settings)?;
+    // With shared state, runs outlive this replica: they are leased, taken over when
+    // their replica dies, and handed over when it shuts down.
+    let shared = redis.is_some();
     let runs = runs::RunManager::new(
         agentrt_engine::Engine::new(models, tools, sessions)
             .with_max_tool_output_bytes(settings.runs.max_tool_output_bytes),
@@ -194,6 +199,7 @@ pub async fn serve(
         run_store,
         runs::RunLimits {
             max_active: settings.runs.max_active,
+            takeover_after: shared.then_some(settings.runs.takeover_after),
         },
     )
     .await
@@ -221,10 +227,24 @@ pub async fn serve(
     // grace for their streams to deliver it.
     let drain = CancellationToken::new();
     let grace = settings.server.drain_grace;
+    // With shared state the runs go on elsewhere: the replica hands them over at once
+    // (the streams it serves end, and their clients resume on another replica), and
+    // exits once they are handed over.
+    let handover = shared.then(|| {
+        let drain = drain.clone();
+        let runs = runs.clone();
+        tokio::spawn(async move {
+            drain.cancelled().await;
+            runs.hand_over_all().await;
+        })
+    });
     let stopper = {
         let drain = drain.clone();
         async move {
             drain.cancelled().await;
+            if shared {
+                std::future::pending::<()>().await;
+            }
             let finish_within = grace.saturating_sub((grace / 4).min(RUN_STOP_MARGIN));
             if tokio::time::timeout(finish_within, runs.all_ended())
                 .await
@@ -262,6 +282,11 @@ pub async fn serve(
     tokio::select! {
         result = server => result?,
         () = stopper => {}
+    }
+    if let Some(handover) = handover
+        && tokio::time::timeout(grace, handover).await.is_err()
+    {
+        tracing::warn!("drain: the runs were not all handed over within the grace period");
     }
     Ok(())
 }

@@ -12,12 +12,14 @@ use std::{
     time::Duration,
 };
 
-use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StopReason};
+use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StartedRun, StopReason};
 use agentrt_events::{BusError, EventBus, EventStream};
-use agentrt_state::{Claim, RunRecord, RunStatus, RunStore, StateError};
+use agentrt_metrics::Metrics;
+use agentrt_state::{Claim, Lease, RunRecord, RunStatus, RunStore, StateError};
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
-use tracing::{Instrument, error, info, warn};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, error, info, warn};
 
 /// Why a run could not start.
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +61,18 @@ pub enum Started {
 pub struct RunLimits {
     /// Runs in progress at once on this replica.
     pub max_active: usize,
+    /// With shared state: how long a run's lease lasts unrenewed, after which another
+    /// replica takes it over. `None` in memory: runs live and die with this process.
+    pub takeover_after: Option<Duration>,
 }
+
+/// How often, at most, a replica looks for runs to take over (less often with a longer
+/// lease: a quarter of it).
+const TAKEOVER_POLL: Duration = Duration::from_millis(250);
+/// Runs taken over at once, per look.
+const TAKEOVER_BATCH: usize = 64;
+/// How long a replica handing its runs over waits, at most, for one to stop.
+const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 
 /// How long a claimed message id may go without its run's record before another request
 /// takes it over (the replica that claimed it writes the record at once, unless it died).
@@ -69,6 +82,8 @@ const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
 struct LocalRun {
     control: Arc<RunControl>,
     ended: watch::Receiver<bool>,
+    /// Its lease token.
+    token: String,
 }
 
 /// Starts runs here and reaches runs anywhere.
@@ -81,6 +96,12 @@ pub struct RunManager {
     /// Woken when the last active run ends.
     idle: tokio::sync::Notify,
     local: Mutex<HashMap<String, LocalRun>>,
+    /// This process's part of the lease tokens.
+    replica: String,
+    /// Tokens made so far.
+    tokens: AtomicUsize,
+    /// Cancelled when the replica hands its runs over: the streams it serves end.
+    draining: CancellationToken,
 }
 
 /// A slot of `max_active`, given back when dropped.
@@ -109,6 +130,9 @@ impl RunManager {
             active: AtomicUsize::new(0),
             idle: tokio::sync::Notify::new(),
             local: Mutex::new(HashMap::new()),
+            replica: uuid::Uuid::new_v4().simple().to_string(),
+            tokens: AtomicUsize::new(0),
+            draining: CancellationToken::new(),
         });
         let mut requests = store.stop_requests().await?;
         let weak: Weak<Self> = Arc::downgrade(&manager);
@@ -123,7 +147,137 @@ impl RunManager {
                 }
             }
         });
+        if let Some(lease) = limits.takeover_after {
+            tokio::spawn(renew_leases(Arc::downgrade(&manager), lease));
+            tokio::spawn(take_over_runs(Arc::downgrade(&manager), lease));
+        }
         Ok(manager)
+    }
+
+    /// A lease token of its own for a run starting or taken over here.
+    fn new_token(&self) -> String {
+        let n = self.tokens.fetch_add(1, Ordering::Relaxed);
+        format!("{}.{n}", self.replica)
+    }
+
+    /// Cancelled when this replica hands its runs over and its streams end.
+    pub fn draining(&self) -> Option<CancellationToken> {
+        self.limits.takeover_after.map(|_| self.draining.clone())
+    }
+
+    /// The leases of the runs executing here.
+    fn leases(&self) -> Vec<Lease> {
+        self.lock()
+            .iter()
+            .map(|(run_id, run)| Lease {
+                run_id: run_id.clone(),
+                token: run.token.clone(),
+            })
+            .collect()
+    }
+
+    /// Takes over, and continues here, the runs whose lease lapsed, as many as there is
+    /// room for.
+    async fn take_over_lapsed(self: &Arc<Self>) -> Result<(), StateError> {
+        let room = self
+            .limits
+            .max_active
+            .saturating_sub(self.active.load(Ordering::Acquire))
+            .min(TAKEOVER_BATCH);
+        if room == 0 {
+            return Ok(());
+        }
+        for run_id in self.store.lapsed(room).await? {
+            if self.draining.is_cancelled() {
+                return Ok(());
+            }
+            let active = self.active.fetch_add(1, Ordering::AcqRel);
+            let slot = Slot(self);
+            if active >= self.limits.max_active {
+                return Ok(());
+            }
+            let token = self.new_token();
+            let Some(taken) = self.store.take_over(&run_id, &token).await? else {
+                continue;
+            };
+            let previous = taken.previous_owner.clone();
+            let handover = taken.handed_over;
+            let control = Arc::new(RunControl::default());
+            match self
+                .engine
+                .resume(
+                    taken,
+                    handover,
+                    self.bus.as_ref(),
+                    self.store.clone(),
+                    control.clone(),
+                )
+                .await
+            {
+                Ok(started) => {
+                    Metrics::global().run_taken_over(handover);
+                    info!(%run_id, previous_owner = %previous, handover, "run taken over");
+                    self.spawn(started, &run_id, control, token, slot);
+                }
+                Err(error) => {
+                    // Left to lapse again: another replica, or this one later, tries.
+                    warn!(%run_id, error = %error.message, "cannot continue a run taken over");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands every run executing here over to the other replicas, at once: each stops
+    /// here without ending (its last events written), then its lease is let go, and the
+    /// streams this replica serves end, so that their clients resume elsewhere.
+    pub async fn hand_over_all(&self) {
+        self.draining.cancel();
+        let runs: Vec<(Lease, Arc<RunControl>, watch::Receiver<bool>)> = self
+            .lock()
+            .iter()
+            .map(|(run_id, run)| {
+                (
+                    Lease {
+                        run_id: run_id.clone(),
+                        token: run.token.clone(),
+                    },
+                    run.control.clone(),
+                    run.ended.clone(),
+                )
+            })
+            .collect();
+        if runs.is_empty() {
+            return;
+        }
+        let started = tokio::time::Instant::now();
+        for (_, control, _) in &runs {
+            control.let_go();
+        }
+        // Each lease is let go as soon as its run has stopped here (its last events
+        // written), in batches of the runs stopped meanwhile; the leases of runs still
+        // stopping are renewed meanwhile.
+        let total = runs.len();
+        let mut stopping: futures_util::stream::FuturesUnordered<_> = runs
+            .into_iter()
+            .map(|(lease, _, mut ended)| async move {
+                let _ = tokio::time::timeout(HANDOVER_PATIENCE, ended.wait_for(|e| *e)).await;
+                lease
+            })
+            .collect();
+        while let Some(first) = stopping.next().await {
+            let mut leases = vec![first];
+            while let Some(Some(lease)) = stopping.next().now_or_never() {
+                leases.push(lease);
+            }
+            match self.store.release(&leases).await {
+                Ok(()) => Metrics::global().runs_handed_over(leases.len()),
+                Err(error) => {
+                    warn!(%error, runs = leases.len(), "cannot hand runs over: they are taken over when their leases lapse");
+                }
+            }
+        }
+        info!(runs = total, took = ?started.elapsed(), "runs handed over to the other replicas");
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
@@ -147,27 +301,51 @@ impl RunManager {
         if let Some(existing) = self.claim(&spec).await? {
             return Ok(Started::Existing(existing));
         }
-        let publisher = self.bus.open(&spec.run_id).await?;
+        let token = if self.limits.takeover_after.is_some() {
+            self.new_token()
+        } else {
+            String::new()
+        };
+        let publisher = self.bus.open(&spec.run_id, &token).await?;
         let control = Arc::new(RunControl::default());
         let run_id = spec.run_id.clone();
         let session_id = spec.session_id.clone();
         let started = self
             .engine
-            .start(spec, publisher, self.store.clone(), control.clone())
+            .start(spec, &token, publisher, self.store.clone(), control.clone())
             .await
             .map_err(RunStartError::Failed)?;
-        let (done, ended) = watch::channel(false);
-        self.lock()
-            .insert(run_id.clone(), LocalRun { control, ended });
-        std::mem::forget(slot); // given back by the run's task
         info!(%run_id, %session_id, "run started");
+        self.spawn(started, &run_id, control, token, slot);
+        Ok(Started::New(run_id))
+    }
+
+    /// Runs `started` in a task of its own, holding `slot`.
+    fn spawn(
+        self: &Arc<Self>,
+        started: StartedRun,
+        run_id: &str,
+        control: Arc<RunControl>,
+        token: String,
+        slot: Slot<'_>,
+    ) {
+        let (done, ended) = watch::channel(false);
+        self.lock().insert(
+            run_id.to_owned(),
+            LocalRun {
+                control,
+                ended,
+                token,
+            },
+        );
+        std::mem::forget(slot); // given back by the run's task
         let manager = self.clone();
         // The run belongs to the call that started it: its spans are children of the
         // call's span (and so of the caller's trace). It is owned by the manager: it always
         // ends (bounded by its timeout, stopped by `stop_all` on shutdown), and a panic in
         // it ends it too, with one `done` event.
         let call_span = tracing::Span::current();
-        let task_run_id = run_id.clone();
+        let task_run_id = run_id.to_owned();
         tokio::spawn(
             async move {
                 let outcome = std::panic::AssertUnwindSafe(started.run())
@@ -183,7 +361,6 @@ impl RunManager {
             }
             .instrument(call_span),
         );
-        Ok(Started::New(run_id))
     }
 
     /// Claims the run's message id; `Some` with the run that already has it.
@@ -246,7 +423,10 @@ impl RunManager {
                     retryable: true,
                 });
                 let steps = record.steps.len();
-                if let Err(error) = self.store.save(&record, steps).await {
+                if let Some(run) = self.lock().get(run_id) {
+                    record.owner.clone_from(&run.token);
+                }
+                if let Err(error) = self.store.save(&record, steps, None).await {
                     warn!(%run_id, %error, "cannot record the end of a run that panicked");
                 }
             }
@@ -266,6 +446,11 @@ impl RunManager {
 
     /// Stops a run executing here because the client of its `Execute` went away.
     pub fn abandon(&self, run_id: &str) {
+        // A replica handing its runs over ends its streams: their clients resume
+        // elsewhere, and the runs go on.
+        if self.draining.is_cancelled() {
+            return;
+        }
         if let Some(run) = self.lock().get(run_id)
             && !*run.ended.borrow()
         {
@@ -336,6 +521,61 @@ impl RunManager {
             .collect();
         for control in controls {
             control.stop(reason);
+        }
+    }
+}
+
+/// Renews the leases of the runs executing here, all in one call, three times per lease;
+/// a run whose lease was lost (this replica was paused past it, and another took the run
+/// over) stops here at once, without ending.
+async fn renew_leases(manager: Weak<RunManager>, lease: Duration) {
+    let mut tick = tokio::time::interval(lease / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(manager) = manager.upgrade() else {
+            return;
+        };
+        // Also while the replica hands its runs over: those still stopping keep theirs.
+        let leases = manager.leases();
+        if leases.is_empty() {
+            continue;
+        }
+        match manager.store.renew(&leases).await {
+            Ok(lost) => {
+                for run_id in lost {
+                    let control = manager.lock().get(&run_id).map(|r| r.control.clone());
+                    if let Some(control) = control {
+                        Metrics::global().lease_lost();
+                        warn!(%run_id, "lost the run's lease to another replica: stopping it here");
+                        control.let_go();
+                    }
+                }
+            }
+            Err(error) => {
+                Metrics::global().lease_renewal_failed();
+                warn!(%error, runs = leases.len(), "cannot renew the runs' leases");
+            }
+        }
+    }
+}
+
+/// Looks for runs whose lease lapsed (their replica died, or handed them over) and
+/// continues them here.
+async fn take_over_runs(manager: Weak<RunManager>, lease: Duration) {
+    let every = (lease / 4).min(TAKEOVER_POLL);
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(manager) = manager.upgrade() else {
+            return;
+        };
+        if manager.draining.is_cancelled() {
+            return;
+        }
+        if let Err(error) = manager.take_over_lapsed().await {
+            debug!(%error, "cannot look for runs to take over");
         }
     }
 }

@@ -100,6 +100,11 @@ pub struct RunSettings {
     /// Longest tool output given to the model, in bytes; longer outputs are cut and end
     /// with a `[tool output truncated: ...]` marker.
     pub max_tool_output_bytes: usize,
+    /// With shared state: how long a run's lease lasts unrenewed (its replica renews it
+    /// three times as often); when it lapses, another replica takes the run over and
+    /// continues it. Between 1s and 10m.
+    #[serde(with = "config::duration")]
+    pub takeover_after: Duration,
 }
 
 impl Default for RunSettings {
@@ -113,6 +118,7 @@ impl Default for RunSettings {
             max_context_messages: 1_000,
             max_context_chars: 1_000_000,
             max_tool_output_bytes: agentrt_engine::DEFAULT_MAX_TOOL_OUTPUT_BYTES,
+            takeover_after: Duration::from_secs(10),
         }
     }
 }
@@ -289,6 +295,14 @@ impl Settings {
                 });
             }
         }
+        if self.runs.takeover_after < Duration::from_secs(1)
+            || self.runs.takeover_after > Duration::from_secs(600)
+        {
+            return Err(ConfigError::Invalid {
+                field: "runs.takeover_after",
+                message: "must be between 1s and 10m".into(),
+            });
+        }
         if self.runs.max_tool_output_bytes < 256 {
             return Err(ConfigError::Invalid {
                 field: "runs.max_tool_output_bytes",
@@ -371,6 +385,10 @@ pub struct Cli {
     /// Longest tool output given to the model, in bytes (longer ones are cut and marked).
     #[arg(long, value_name = "BYTES")]
     pub max_tool_output_bytes: Option<usize>,
+    /// With shared state: another replica takes a run over once its replica has not
+    /// renewed its lease for this long, e.g. `10s`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub takeover_after: Option<Duration>,
 }
 
 impl Cli {
@@ -421,6 +439,7 @@ impl Cli {
             &mut settings.runs.max_tool_output_bytes,
             self.max_tool_output_bytes,
         );
+        config::override_with(&mut settings.runs.takeover_after, self.takeover_after);
         if self.default_provider.is_some() {
             settings.default_provider.clone_from(&self.default_provider);
         }
