@@ -28,6 +28,7 @@ use clap::Parser;
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+mod durability;
 mod tool_sources;
 
 /// mimalloc, as in the servers: the bench client shares the cores with the stack it
@@ -78,6 +79,16 @@ struct Cli {
         default_value = "tests/mcp/node_modules/@modelcontextprotocol/server-everything/dist/index.js"
     )]
     mcp_server_js: PathBuf,
+    /// Measure how fast runs move between replicas (hand-over on SIGTERM, take-over after
+    /// a kill, lease renewal) instead: see `durability.rs`. Needs a Redis `--state`.
+    #[arg(long)]
+    durability: bool,
+    /// Runs in flight in each `--durability` figure.
+    #[arg(long, default_value_t = 1000)]
+    durable_runs: usize,
+    /// The replicas' `runs.takeover_after` in `--durability`, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    takeover_after_ms: u64,
 }
 
 /// Characters, streamed one per delta, of the `long_answer` scenario.
@@ -460,6 +471,16 @@ async fn main() -> anyhow::Result<()> {
         .to_path_buf();
     if cli.tool_sources {
         return tool_sources::run(&dir, &cli.mcp_server_js).await;
+    }
+    if cli.durability {
+        return durability::run(
+            &dir,
+            &cli.state,
+            cli.durable_runs,
+            cli.concurrent,
+            Duration::from_millis(cli.takeover_after_ms),
+        )
+        .await;
     }
     for binary in ["agent-server", "tool-executor", "model-simulator"] {
         if !dir.join(binary).exists() {
