@@ -484,7 +484,11 @@ local lapses = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not lapses then return {} end
 local now = now_ms()
 if tonumber(lapses) > now then return {} end
-if redis.call('EXISTS', KEYS[3]) == 0 then return {} end
+if redis.call('EXISTS', KEYS[3]) == 0 then
+  -- Nothing to continue from (its keys expired): not a run any more.
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return {}
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 local previous = redis.call('GET', KEYS[2]) or ''
 redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')

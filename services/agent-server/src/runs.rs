@@ -68,9 +68,11 @@ pub struct RunLimits {
 
 /// How often, at most, a replica looks for runs to take over (less often with a longer
 /// lease: a quarter of it).
-const TAKEOVER_POLL: Duration = Duration::from_millis(250);
-/// Runs taken over at once, per look.
-const TAKEOVER_BATCH: usize = 64;
+const TAKEOVER_POLL: Duration = Duration::from_millis(100);
+/// Lapsed runs asked for at once.
+const TAKEOVER_BATCH: usize = 256;
+/// Runs being taken over at once.
+const TAKEOVER_CONCURRENCY: usize = 64;
 /// How long a replica handing its runs over waits, at most, for one to stop.
 const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 
@@ -179,53 +181,71 @@ impl RunManager {
     /// Takes over, and continues here, the runs whose lease lapsed, as many as there is
     /// room for.
     async fn take_over_lapsed(self: &Arc<Self>) -> Result<(), StateError> {
-        let room = self
-            .limits
-            .max_active
-            .saturating_sub(self.active.load(Ordering::Acquire))
-            .min(TAKEOVER_BATCH);
-        if room == 0 {
-            return Ok(());
-        }
-        for run_id in self.store.lapsed(room).await? {
-            if self.draining.is_cancelled() {
+        loop {
+            let room = self
+                .limits
+                .max_active
+                .saturating_sub(self.active.load(Ordering::Acquire))
+                .min(TAKEOVER_BATCH);
+            if room == 0 || self.draining.is_cancelled() {
                 return Ok(());
             }
-            let active = self.active.fetch_add(1, Ordering::AcqRel);
-            let slot = Slot(self);
-            if active >= self.limits.max_active {
+            let lapsed = self.store.lapsed(room).await?;
+            if lapsed.is_empty() {
                 return Ok(());
             }
-            let token = self.new_token();
-            let Some(taken) = self.store.take_over(&run_id, &token).await? else {
-                continue;
-            };
-            let previous = taken.previous_owner.clone();
-            let handover = taken.handed_over;
-            let control = Arc::new(RunControl::default());
-            match self
-                .engine
-                .resume(
-                    taken,
-                    handover,
-                    self.bus.as_ref(),
-                    self.store.clone(),
-                    control.clone(),
-                )
-                .await
-            {
-                Ok(started) => {
-                    Metrics::global().run_taken_over(handover);
-                    info!(%run_id, previous_owner = %previous, handover, "run taken over");
-                    self.spawn(started, &run_id, control, token, slot);
-                }
-                Err(error) => {
-                    // Left to lapse again: another replica, or this one later, tries.
-                    warn!(%run_id, error = %error.message, "cannot continue a run taken over");
-                }
+            let taken: Vec<Result<bool, StateError>> = futures_util::stream::iter(lapsed)
+                .map(|run_id| self.take_over(run_id))
+                .buffer_unordered(TAKEOVER_CONCURRENCY)
+                .collect()
+                .await;
+            // Others took them all, or none can be taken now: look again at the next tick.
+            if !taken.iter().any(|t| matches!(t, Ok(true))) {
+                return taken.into_iter().find_map(Result::err).map_or(Ok(()), Err);
             }
         }
-        Ok(())
+    }
+
+    /// Takes `run_id` over and continues it here; true when it did.
+    async fn take_over(self: &Arc<Self>, run_id: String) -> Result<bool, StateError> {
+        if self.draining.is_cancelled() {
+            return Ok(false);
+        }
+        let active = self.active.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot(self);
+        if active >= self.limits.max_active {
+            return Ok(false);
+        }
+        let token = self.new_token();
+        let Some(taken) = self.store.take_over(&run_id, &token).await? else {
+            return Ok(false);
+        };
+        let previous = taken.previous_owner.clone();
+        let handover = taken.handed_over;
+        let control = Arc::new(RunControl::default());
+        match self
+            .engine
+            .resume(
+                taken,
+                handover,
+                self.bus.as_ref(),
+                self.store.clone(),
+                control.clone(),
+            )
+            .await
+        {
+            Ok(started) => {
+                Metrics::global().run_taken_over(handover);
+                info!(%run_id, previous_owner = %previous, handover, "run taken over");
+                self.spawn(started, &run_id, control, token, slot);
+                Ok(true)
+            }
+            Err(error) => {
+                // Left to lapse again: another replica, or this one later, tries.
+                warn!(%run_id, error = %error.message, "cannot continue a run taken over");
+                Ok(false)
+            }
+        }
     }
 
     /// Hands every run executing here over to the other replicas, at once: each stops
