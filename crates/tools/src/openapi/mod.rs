@@ -35,6 +35,10 @@ use crate::{
 };
 use document::{Location, Operation, Parameter};
 
+/// The header that carries a call's id on requests that may change something.
+const IDEMPOTENCY_KEY: reqwest::header::HeaderName =
+    reqwest::header::HeaderName::from_static("idempotency-key");
+
 /// What stays unescaped in a path segment: RFC 3986's unreserved characters.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'-')
@@ -318,8 +322,16 @@ impl OpenApiToolset {
         })
     }
 
-    /// The request `route` makes with `arguments`.
-    fn request(&self, route: &Route, arguments: &Value) -> std::result::Result<Outgoing, String> {
+    /// The request `route` makes with `arguments`, for the call `call_id`: a request that
+    /// may change something (not GET, HEAD or OPTIONS) carries it as its
+    /// `Idempotency-Key` (unless the source sets one), so that an API that honours the
+    /// header does the work once when agentrt sends a call again after a replica died.
+    fn request(
+        &self,
+        route: &Route,
+        arguments: &Value,
+        call_id: &str,
+    ) -> std::result::Result<Outgoing, String> {
         let op = &route.op;
         // The checks, in the parameters' order, and the header parameters; the path and
         // the query are written below, once nothing can fail.
@@ -352,6 +364,17 @@ impl OpenApiToolset {
         }
         for (name, value) in &self.headers {
             headers.insert(name.clone(), value.clone());
+        }
+        let safe = matches!(
+            op.method,
+            reqwest::Method::GET | reqwest::Method::HEAD | reqwest::Method::OPTIONS
+        );
+        if !safe
+            && !call_id.is_empty()
+            && !headers.contains_key(IDEMPOTENCY_KEY)
+            && let Ok(value) = reqwest::header::HeaderValue::from_str(call_id)
+        {
+            headers.insert(IDEMPOTENCY_KEY, value);
         }
         let body = if op.has_body
             && let Some(body) = arguments.get("body")
@@ -662,7 +685,7 @@ impl Toolset for OpenApiToolset {
             .routes
             .get(tool)
             .ok_or_else(|| CallError::Gone(tool.to_owned()))?;
-        let request = match self.request(route, &arguments) {
+        let request = match self.request(route, &arguments, &ctx.call_id) {
             Ok(request) => request,
             Err(message) => return Ok(ToolOutput::error(message)),
         };

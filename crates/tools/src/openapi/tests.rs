@@ -50,6 +50,7 @@ async fn arguments_fill_path_query_headers_and_body() {
             op,
             &json!({"id": "a/b c?", "tag": ["x", "y z"], "query_body": 3, "X-Mode": "fast",
                     "body": {"n": 1}}),
+            "call_1",
         )
         .unwrap();
     assert_eq!(
@@ -71,6 +72,7 @@ async fn arguments_fill_path_query_headers_and_body() {
          host: api.example.test\r\n\
          x-mode: fast\r\n\
          authorization: Bearer k3y\r\n\
+         idempotency-key: call_1\r\n\
          content-type: application/json\r\n\
          accept: */*\r\n\
          content-length: 7\r\n\
@@ -79,7 +81,7 @@ async fn arguments_fill_path_query_headers_and_body() {
     );
 
     for dots in ["..", "."] {
-        let err = toolset.request(op, &json!({"id": dots})).unwrap_err();
+        let err = toolset.request(op, &json!({"id": dots}), "c").unwrap_err();
         assert!(err.contains("cannot be"), "{err}");
     }
     std::fs::remove_dir_all(dir).unwrap();
@@ -259,7 +261,7 @@ fn precomputed_paths_and_queries_match_the_url_crate() {
                         arguments["other"] = json!("o");
                         arguments["idx"] = json!(".");
                         let expected = reference(&toolset.base, &route.op, &arguments, fixed);
-                        let got = toolset.request(route, &arguments).map(|request| {
+                        let got = toolset.request(route, &arguments, "").map(|request| {
                             let url = toolset.url(&request.target).to_string();
                             (request.target, url)
                         });
