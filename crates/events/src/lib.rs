@@ -551,6 +551,17 @@ impl InMemoryBus {
         }
     }
 
+    /// The log of `run_id`, unless it expired.
+    fn log(&self, run_id: &str) -> Result<Arc<RunLog>, BusError> {
+        let mut state = lock(&self.inner);
+        expire(&mut state, self.limits.retention);
+        state
+            .runs
+            .get(run_id)
+            .cloned()
+            .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))
+    }
+
     /// Runs whose logs are held (running, or finished within the retention).
     pub fn runs(&self) -> usize {
         let mut state = lock(&self.inner);
@@ -599,15 +610,7 @@ impl EventBus for InMemoryBus {
     }
 
     async fn resume(&self, run_id: &str, _owner: &str, after: u64) -> Result<Resumed, BusError> {
-        let log = {
-            let mut state = lock(&self.inner);
-            expire(&mut state, self.limits.retention);
-            state
-                .runs
-                .get(run_id)
-                .cloned()
-                .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?
-        };
+        let log = self.log(run_id)?;
         let tail = {
             let mut state = lock(&log.state);
             state.moved = false;
@@ -627,15 +630,7 @@ impl EventBus for InMemoryBus {
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
-        let log = {
-            let mut state = lock(&self.inner);
-            expire(&mut state, self.limits.retention);
-            state
-                .runs
-                .get(run_id)
-                .cloned()
-                .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?
-        };
+        let log = self.log(run_id)?;
         // A reader that attaches while the run runs always ends with its `done` event,
         // even when it asked to start beyond it; one that attaches to an ended run gets
         // only the events after its cursor (none, at or beyond the end).

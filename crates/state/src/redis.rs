@@ -786,6 +786,20 @@ fn sequence_of(id: &str) -> u64 {
 
 type Entries = Vec<(String, Vec<Vec<u8>>)>;
 
+/// The last event of the log at `key`, if it has any.
+async fn last_event(shared: &Shared, key: &str) -> Result<Option<Arc<RunEvent>>, BusError> {
+    let last: Entries = redis::cmd("XREVRANGE")
+        .arg(key)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(&mut shared.connection())
+        .await
+        .map_err(|e| bus_error(shared, &e))?;
+    Ok(decode(last)?.pop())
+}
+
 fn decode(entries: Entries) -> Result<Vec<Arc<RunEvent>>, BusError> {
     entries
         .into_iter()
@@ -845,16 +859,7 @@ impl EventBus for RedisBus {
         }
         if tail.is_empty() {
             // Nothing after `after`: the log must still hold it.
-            let last: Entries = redis::cmd("XREVRANGE")
-                .arg(&key)
-                .arg("+")
-                .arg("-")
-                .arg("COUNT")
-                .arg(1)
-                .query_async(&mut self.0.connection())
-                .await
-                .map_err(|e| bus_error(&self.0, &e))?;
-            match decode(last)?.pop() {
+            match last_event(&self.0, &key).await? {
                 Some(last) => cursor = cursor.max(last.sequence),
                 None => return Err(BusError::UnknownRun(run_id.to_owned())),
             }
@@ -873,16 +878,7 @@ impl EventBus for RedisBus {
             return Ok(local);
         }
         let key = self.0.key("events", run_id);
-        let last: Entries = redis::cmd("XREVRANGE")
-            .arg(&key)
-            .arg("+")
-            .arg("-")
-            .arg("COUNT")
-            .arg(1)
-            .query_async(&mut self.0.connection())
-            .await
-            .map_err(|e| bus_error(&self.0, &e))?;
-        let Some(last) = decode(last)?.pop() else {
+        let Some(last) = last_event(&self.0, &key).await? else {
             return Err(BusError::UnknownRun(run_id.to_owned()));
         };
         let follow = Follow::start(&self.0, &key).await;
@@ -1292,16 +1288,7 @@ impl RedisReader {
             if events.is_empty() && self.owes_done {
                 // Nothing after the cursor. A reader attached beyond the end of a running
                 // run still gets its `done` event once the run has ended.
-                let last: Entries = redis::cmd("XREVRANGE")
-                    .arg(&self.key)
-                    .arg("+")
-                    .arg("-")
-                    .arg("COUNT")
-                    .arg(1)
-                    .query_async(&mut self.shared.connection())
-                    .await
-                    .map_err(|e| bus_error(&self.shared, &e))?;
-                match decode(last)?.pop() {
+                match last_event(&self.shared, &self.key).await? {
                     // Written between the two reads: read them in order.
                     Some(last) if last.sequence > self.cursor => continue,
                     Some(last) if last.done => events.push(last),

@@ -101,13 +101,18 @@ async fn redis_engine_store() {
     .await;
 }
 
+/// One in-memory run store: the two replicas of a process share it.
+fn memory_runs() -> Arc<dyn RunStore> {
+    Arc::new(MemoryRunStore::new(RunRetention {
+        ended: Duration::from_secs(600),
+        lease: conformance::TEST_LEASE,
+    }))
+}
+
 #[tokio::test]
 async fn memory_run_store() {
     conformance::run_store(|| async {
-        let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: conformance::TEST_LEASE,
-        }));
+        let store = memory_runs();
         (store.clone(), store)
     })
     .await;
@@ -116,10 +121,7 @@ async fn memory_run_store() {
 #[tokio::test]
 async fn memory_run_leases() {
     conformance::run_leases(|| async {
-        let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: conformance::TEST_LEASE,
-        }));
+        let store = memory_runs();
         (store.clone(), store)
     })
     .await;
