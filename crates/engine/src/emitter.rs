@@ -202,7 +202,7 @@ impl Emitter {
         &mut self,
         engine_id: &str,
         agent: &str,
-        progress: Progress,
+        progress: Option<Progress>,
     ) -> Result<(), Outcome> {
         let data = EventData::RunStarted {
             engine_id: engine_id.to_owned(),
@@ -214,7 +214,13 @@ impl Emitter {
             String::new(),
             Some(data),
         ));
-        self.checkpoint(Some(progress)).await
+        self.checkpoint(progress).await
+    }
+
+    /// Whether another replica may take the run over: it has an owner, and saves what
+    /// continuing it needs at its checkpoints.
+    pub(crate) fn durable(&self) -> bool {
+        !self.record.owner.is_empty()
     }
 
     /// Says that round `iteration` runs again here (its text so far is void), for

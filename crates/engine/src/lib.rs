@@ -279,7 +279,12 @@ impl Engine {
             spec.config.max_iterations,
             TokenCounter::shared(),
         );
-        let started = match progress(&mut state, &mut 0, Some(&spec)) {
+        // A run without an owner cannot be taken over: nothing to save for that.
+        let durable = !owner.is_empty();
+        let started = match durable
+            .then(|| progress(&mut state, &mut 0, Some(&spec)))
+            .transpose()
+        {
             Ok(progress) => {
                 emitter
                     .run_started(&spec.engine_id, &spec.config.name, progress)
@@ -637,7 +642,10 @@ impl Engine {
                     let known = recovered.take();
                     let checkpoint = match known {
                         Some(_) => None,
-                        None => Some(progress(&mut state, &mut saved_messages, None)?),
+                        None if em.durable() => {
+                            Some(progress(&mut state, &mut saved_messages, None)?)
+                        }
+                        None => None,
                     };
                     let results = self
                         .run_tools(spec, &calls, em, cancel, checkpoint, known)
