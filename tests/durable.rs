@@ -291,6 +291,19 @@ impl Drop for Cluster {
 // Reading runs.
 // ---------------------------------------------------------------------------------------
 
+/// Starts a slow run on replica 0 with `Execute` and reads its stream until the model
+/// round is under way (a few answer deltas): the stream, and the events read.
+async fn slow_run_streaming(c: &mut Cluster) -> (Streaming<Event>, Vec<Event>) {
+    let engine_id = create_engine(&mut c.replicas[0].service, agent("slow", &[])).await;
+    let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
+    let mut received = Vec::new();
+    read_until(&mut stream, &mut received, |events| {
+        answer_deltas(events) >= 3
+    })
+    .await;
+    (stream, received)
+}
+
 async fn execute(engine: &mut AgentEngineClient<Channel>, engine_id: &str) -> Streaming<Event> {
     engine
         .execute(v1::ExecuteRequest {
@@ -519,13 +532,7 @@ fn assert_received_is_logged(received: &[Event], log: &[Event], what: &str) {
 #[tokio::test]
 async fn killed_mid_round_the_run_is_taken_over_and_the_client_resumes_on_another_replica() {
     let mut c = Cluster::up("durable-kill-mid-round", 2).await;
-    let engine_id = create_engine(&mut c.replicas[0].service, agent("slow", &[])).await;
-    let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
-    let mut received = Vec::new();
-    read_until(&mut stream, &mut received, |events| {
-        answer_deltas(events) >= 3
-    })
-    .await;
+    let (mut stream, mut received) = slow_run_streaming(&mut c).await;
     let run_id = received[0].run_id.clone();
     let interrupted = received.last().unwrap().iteration;
 
@@ -674,13 +681,7 @@ async fn killed_mid_tool_call_the_call_is_sent_again_with_its_id_and_its_result_
 #[tokio::test]
 async fn sigterm_hands_the_run_over_at_once_and_ends_the_streams_with_unavailable() {
     let mut c = Cluster::up("durable-sigterm", 2).await;
-    let engine_id = create_engine(&mut c.replicas[0].service, agent("slow", &[])).await;
-    let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
-    let mut received = Vec::new();
-    read_until(&mut stream, &mut received, |events| {
-        answer_deltas(events) >= 3
-    })
-    .await;
+    let (mut stream, mut received) = slow_run_streaming(&mut c).await;
     let run_id = received[0].run_id.clone();
     let interrupted = received.last().unwrap().iteration;
     // A second client follows the run on A, another one on B (which sees when the run
@@ -830,14 +831,8 @@ enum Resume {
 /// run's record stays as B wrote it, a second later too. The owner still serves new runs.
 async fn fencing(test: &str, resume: Resume) {
     let mut c = Cluster::up(test, 2).await;
-    let engine_id = create_engine(&mut c.replicas[0].service, agent("slow", &[])).await;
     // The client's stream on A stays open throughout: dropping it would cancel the run.
-    let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
-    let mut received = Vec::new();
-    read_until(&mut stream, &mut received, |events| {
-        answer_deltas(events) >= 3
-    })
-    .await;
+    let (mut stream, mut received) = slow_run_streaming(&mut c).await;
     let run_id = received[0].run_id.clone();
     let interrupted = received.last().unwrap().iteration;
     let mut on_b = subscribe(&mut c.replicas[1].engine, &run_id, 0).await;
