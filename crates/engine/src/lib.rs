@@ -274,17 +274,17 @@ impl Engine {
         );
         owner.clone_into(&mut record.owner);
         let mut emitter = Emitter::new(publisher, store, record);
-        let mut state = RunState::new(
-            &spec.query,
-            spec.config.max_iterations,
-            TokenCounter::shared(),
-        );
-        // A run without an owner cannot be taken over: nothing to save for that.
-        let durable = !owner.is_empty();
-        let started = match durable
-            .then(|| progress(&mut state, &mut 0, Some(&spec)))
-            .transpose()
-        {
+        // A run without an owner cannot be taken over: nothing to save for that. One
+        // with an owner saves its spec and its state before the first round.
+        let first = (!owner.is_empty()).then(|| {
+            let mut state = RunState::new(
+                &spec.query,
+                spec.config.max_iterations,
+                TokenCounter::shared(),
+            );
+            progress(&mut state, &mut 0, Some(&spec))
+        });
+        let started = match first.transpose() {
             Ok(progress) => {
                 emitter
                     .run_started(&spec.engine_id, &spec.config.name, progress)
