@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use agentrt::v1::{self, agent_service_client::AgentServiceClient};
-use agentrt_test_support::{Server, agent_server, connect, tool_executor, unused_addr};
+use agentrt_test_support::{Server, agent_server, connect, refusing_addr, tool_executor};
 use tonic::{Code, transport::Channel};
 use tonic_types::StatusExt;
 
@@ -459,7 +459,8 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
 
 #[tokio::test]
 async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
-    let nowhere = format!("http://{}", unused_addr());
+    let (refusing, _held) = refusing_addr();
+    let nowhere = format!("http://{refusing}");
     let agents = agent_server(&nowhere, &["--tool-executor-timeout", "2s"]).await;
     let mut client = AgentServiceClient::new(connect(&agents.url()).await);
     let started = std::time::Instant::now();

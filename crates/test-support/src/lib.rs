@@ -315,6 +315,18 @@ pub fn unused_addr() -> SocketAddr {
     listener.local_addr().expect("local address")
 }
 
+/// An address that refuses connections for as long as the returned socket lives: the
+/// socket holds the port (bound, not listening), so no server another test starts can
+/// take it meanwhile, as it could take a port that [`unused_addr`] let go.
+pub fn refusing_addr() -> (SocketAddr, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a TCP socket");
+    socket
+        .bind("127.0.0.1:0".parse().expect("an address"))
+        .expect("bind an ephemeral port");
+    let addr = socket.local_addr().expect("local address");
+    (addr, socket)
+}
+
 /// A gRPC channel to `url`, connected now.
 pub async fn connect(url: &str) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(url.to_owned())
