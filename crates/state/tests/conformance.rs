@@ -137,6 +137,24 @@ async fn redis_run_leases() {
 }
 
 #[tokio::test]
+async fn memory_run_waits() {
+    conformance::run_waits(|| async {
+        let store = memory_runs();
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_run_waits() {
+    conformance::run_waits(|| async {
+        let (a, b) = redis_pair("waits", 100).await;
+        (a.runs(), b.runs())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn redis_run_store() {
     conformance::run_store(|| async {
         let (a, b) = redis_pair("runs", 100).await;

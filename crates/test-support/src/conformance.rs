@@ -9,12 +9,13 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use agentrt_state::{
-    BusError, BusLimits, Claim, EngineStore, EventBus, Exchange, Lease, Progress, Resumable,
-    RunRecord, RunStatus, RunStore, SessionStore, StateError, StepRecord, StopReason, StoredEngine,
+    Action, Answered, Answers, BusError, BusLimits, Claim, EngineStore, EventBus, Exchange, Lease,
+    PendingCall, Progress, Resumable, RunRecord, RunStatus, RunStore, SessionStore, StateError,
+    StepRecord, StopReason, StoredEngine,
 };
 use futures_util::StreamExt;
 
-use agentrt_events::{EventKind, RunEvent};
+use agentrt_events::{EventKind, JsonText, RunEvent};
 
 fn delta(text: &str) -> RunEvent {
     RunEvent::new(EventKind::FinalAnswer, 1, text.into(), None)
@@ -242,6 +243,8 @@ where
             strategy: agentrt_core::Strategy::React,
             max_iterations: 7,
             tools: vec!["calculator".into()],
+            approval: Vec::new(),
+            client_tools: Vec::new(),
             parallel_tool_calls: true,
             max_parallel_tool_calls: 4,
             context: agentrt_core::ContextBudget {
@@ -394,6 +397,7 @@ where
         state: format!("state-{first}"),
         messages: messages.iter().map(|m| (*m).to_owned()).collect(),
         first_message: first,
+        wait: None,
     };
 
     // The first save of an owned run takes its lease; another owner cannot write it.
@@ -510,6 +514,625 @@ where
     store.save(&free, 0, None).await.unwrap();
     tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
     assert!(other.lapsed(10).await.unwrap().is_empty());
+}
+
+/// A pending call of the waits suite: tool `tool`, arguments `{"n": 1}`, not answered.
+fn pending_call(id: &str, action: Action) -> PendingCall {
+    PendingCall {
+        id: id.into(),
+        name: "tool".into(),
+        arguments: JsonText::new(&serde_json::json!({"n": 1})),
+        action,
+        answered: false,
+    }
+}
+
+/// `(call id, answer)` pairs, as [`RunStore::answer`] takes them.
+fn answers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(id, answer)| ((*id).to_owned(), (*answer).to_owned()))
+        .collect()
+}
+
+fn accepted(left: &[&str], completed: bool) -> Answered {
+    Answered::Accepted {
+        left: left.iter().map(|id| (*id).to_owned()).collect(),
+        completed,
+    }
+}
+
+fn told(pairs: &[(&str, &str)], cancelled: bool) -> Option<Answers> {
+    Some(Answers {
+        answers: pairs
+            .iter()
+            .map(|(id, answer)| ((*id).to_owned(), (*answer).to_owned()))
+            .collect(),
+        cancelled,
+    })
+}
+
+/// Whether `lapsed` lists `run_id` (other runs of the suite may lapse meanwhile).
+async fn is_lapsed(store: &dyn RunStore, run_id: &str) -> bool {
+    store
+        .lapsed(1000)
+        .await
+        .unwrap()
+        .iter()
+        .any(|lapsed| lapsed == run_id)
+}
+
+/// Starts run `run_id` owned by `{run_id}.a` (it takes the lease), then makes it wait
+/// for `calls` for at most `wait`, as the engine does at a round that needs its client.
+async fn start_waiting(
+    store: &dyn RunStore,
+    run_id: &str,
+    calls: Vec<PendingCall>,
+    wait: Duration,
+) -> RunRecord {
+    let mut record = RunRecord::new(run_id, "e", "s", &format!("m-{run_id}"), "q");
+    record.owner = format!("{run_id}.a");
+    let started = Progress {
+        spec: Some("{\"spec\":1}".into()),
+        state: "running".into(),
+        messages: vec!["m0".into()],
+        first_message: 0,
+        wait: None,
+    };
+    store.save(&record, 0, Some(&started)).await.unwrap();
+    record.steps.push(StepRecord {
+        iteration: 1,
+        thought: "the client has to help".into(),
+        ..StepRecord::default()
+    });
+    record.status = RunStatus::RequiresAction;
+    record.pending = calls;
+    let waiting = Progress {
+        spec: None,
+        state: "waiting".into(),
+        messages: vec!["m1".into()],
+        first_message: 1,
+        wait: Some(wait),
+    };
+    store.save(&record, 0, Some(&waiting)).await.unwrap();
+    record
+}
+
+/// Takes `run_id` over from both replicas at once (six tries): exactly one gets it.
+async fn take_over_once(
+    store: &Arc<dyn RunStore>,
+    other: &Arc<dyn RunStore>,
+    run_id: &str,
+) -> Resumable {
+    let tries = futures_util::future::join_all((0..6).map(|i| {
+        let store = if i % 2 == 0 { store } else { other };
+        async move {
+            store
+                .take_over(run_id, &format!("{run_id}.t{i}"))
+                .await
+                .unwrap()
+        }
+    }))
+    .await;
+    let mut taken: Vec<Resumable> = tries.into_iter().flatten().collect();
+    assert_eq!(taken.len(), 1, "exactly one replica takes {run_id} over");
+    taken.remove(0)
+}
+
+/// The suite of runs that wait (for tool outputs or approvals from their client, holding
+/// no task on any replica); `new` makes two handles on one store (two replicas) whose
+/// leases last [`TEST_LEASE`]. A waiting save lets the run's lease go until every pending
+/// call is answered (exactly one of several replicas answering at once completes it), it
+/// is cancelled, or its wait elapses; then the lease lapses, and the replica taking the
+/// run over is told, once, what the run was told while it waited. Answers are checked
+/// whole, the first answer of a call wins, and late answers are refused unless they
+/// repeat ones the run received.
+pub async fn run_waits<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn RunStore>)>,
+{
+    const LONG: Duration = Duration::from_secs(60);
+    let (store, other) = new().await;
+    let lease = |run: &str, token: &str| Lease {
+        run_id: run.into(),
+        token: token.into(),
+    };
+    let running = |state: &str, first: usize, messages: &[&str]| Progress {
+        spec: None,
+        state: state.into(),
+        messages: messages.iter().map(|m| (*m).to_owned()).collect(),
+        first_message: first,
+        wait: None,
+    };
+
+    // A run that never waited, or no run at all, takes no answers and no cancellation.
+    let mut plain = RunRecord::new("plain", "e", "s", "m-plain", "q");
+    plain.owner = "plain.a".into();
+    store
+        .save(&plain, 0, Some(&running("running", 0, &["m0"])))
+        .await
+        .unwrap();
+    assert_eq!(
+        other
+            .answer("plain", &answers(&[("c1", "{}")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert!(!other.cancel_waiting("plain").await.unwrap());
+    assert_eq!(
+        store
+            .answer("nope", &answers(&[("c1", "{}")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert!(!store.cancel_waiting("nope").await.unwrap());
+    plain.status = RunStatus::Succeeded;
+    plain.stop_reason = Some(StopReason::FinalAnswer);
+    store.save(&plain, 0, None).await.unwrap();
+    assert_eq!(
+        other
+            .answer("plain", &answers(&[("c1", "{}")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert!(!other.cancel_waiting("plain").await.unwrap());
+
+    // A waiting save lets the run go: nobody owns it, its previous owner is fenced off,
+    // and no replica takes it over while it waits; every pending call starts unanswered.
+    let calls = vec![
+        pending_call("c1", Action::ClientExecute),
+        pending_call("c2", Action::Approve),
+    ];
+    let record = start_waiting(&*store, "w1", calls.clone(), LONG).await;
+    let loaded = other.load("w1").await.unwrap().unwrap();
+    assert_eq!(loaded, record, "read back as saved, nothing answered");
+    assert_eq!(loaded.status, RunStatus::RequiresAction);
+    assert!(loaded.waiting() && !loaded.ended());
+    assert!(loaded.pending.iter().all(|call| !call.answered));
+    assert_eq!(
+        store.save(&record, 0, None).await,
+        Err(StateError::Fenced("w1".into())),
+        "the owner that made it wait owns it no more"
+    );
+    assert_eq!(
+        store.renew(&[lease("w1", "w1.a")]).await.unwrap(),
+        vec!["w1".to_owned()]
+    );
+    store.release(&[lease("w1", "w1.a")]).await.unwrap();
+    assert!(
+        !is_lapsed(&*other, "w1").await,
+        "a waiting run does not lapse"
+    );
+    assert_eq!(other.take_over("w1", "x.1").await.unwrap(), None);
+
+    // Answers are checked whole: one call it does not wait for, and nothing is kept.
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c1", "\"early\""), ("c9", "\"x\"")]))
+            .await
+            .unwrap(),
+        Answered::NotPending("c9".into())
+    );
+    let loaded = store.load("w1").await.unwrap().unwrap();
+    assert!(
+        loaded.pending.iter().all(|call| !call.answered),
+        "nothing kept: {:?}",
+        loaded.pending
+    );
+
+    // An answer is kept, on any replica; `load` says which calls are answered; the first
+    // answer of a call wins; a partial answer lets nothing go.
+    assert_eq!(
+        store
+            .answer("w1", &answers(&[("c1", "\"first\"")]))
+            .await
+            .unwrap(),
+        accepted(&["c2"], false)
+    );
+    let loaded = other.load("w1").await.unwrap().unwrap();
+    let answered: Vec<(&str, bool)> = loaded
+        .pending
+        .iter()
+        .map(|call| (call.id.as_str(), call.answered))
+        .collect();
+    assert_eq!(answered, [("c1", true), ("c2", false)]);
+    assert_eq!(
+        loaded,
+        RunRecord {
+            pending: vec![
+                PendingCall {
+                    answered: true,
+                    ..calls[0].clone()
+                },
+                calls[1].clone(),
+            ],
+            ..record.clone()
+        }
+    );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c1", "\"second\"")]))
+            .await
+            .unwrap(),
+        accepted(&["c2"], false),
+        "an answer for a call answered already changes nothing"
+    );
+    assert!(!is_lapsed(&*store, "w1").await);
+    assert_eq!(store.take_over("w1", "x.1").await.unwrap(), None);
+
+    // The last missing answer completes the wait: the lease lapses at once.
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c2", "true"), ("c1", "\"third\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], true)
+    );
+    assert!(
+        is_lapsed(&*store, "w1").await,
+        "answered: it lapses at once"
+    );
+    assert_eq!(
+        store
+            .answer("w1", &answers(&[("c2", "false")]))
+            .await
+            .unwrap(),
+        accepted(&[], false),
+        "completed once only"
+    );
+    let loaded = store.load("w1").await.unwrap().unwrap();
+    assert!(loaded.pending.iter().all(|call| call.answered));
+
+    // Exactly one replica takes it over at once, told what the run was told (the first
+    // answer of each call).
+    let taken = take_over_once(&store, &other, "w1").await;
+    assert_eq!(
+        taken.waited,
+        told(&[("c1", "\"first\""), ("c2", "true")], false)
+    );
+    assert_eq!(taken.previous_owner, "", "nobody owned it while it waited");
+    assert_eq!(taken.spec, "{\"spec\":1}");
+    assert_eq!(taken.state, "waiting");
+    assert_eq!(taken.messages, ["m0", "m1"]);
+    assert_eq!(taken.record.status, RunStatus::RequiresAction);
+    assert_eq!(taken.record.steps, record.steps);
+    assert_eq!(
+        taken
+            .record
+            .pending
+            .iter()
+            .map(|call| call.id.as_str())
+            .collect::<Vec<_>>(),
+        ["c1", "c2"]
+    );
+    let winner = taken.record.owner.clone();
+    assert!(winner.starts_with("w1.t"), "{winner}");
+    assert!(!is_lapsed(&*other, "w1").await);
+
+    // Taken over, it waits no more: repeating answers it received is accepted (and
+    // changes nothing), anything else is late; it cannot be cancelled as waiting.
+    for repeat in [
+        &[("c1", "\"first\"")][..],
+        &[("c2", "true"), ("c1", "\"first\"")],
+    ] {
+        assert_eq!(
+            store.answer("w1", &answers(repeat)).await.unwrap(),
+            accepted(&[], false),
+            "{repeat:?}"
+        );
+    }
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c9", "\"x\"")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c1", "\"first\""), ("c9", "\"x\"")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert!(!store.cancel_waiting("w1").await.unwrap());
+
+    // The new owner goes on with the run; the one that made it wait is still fenced off.
+    assert_eq!(
+        store.save(&record, 0, None).await,
+        Err(StateError::Fenced("w1".into()))
+    );
+    let mut record = taken.record.clone();
+    record.status = RunStatus::Running;
+    record.pending.clear();
+    record.steps.push(StepRecord {
+        iteration: 2,
+        ..StepRecord::default()
+    });
+    other
+        .save(&record, 1, Some(&running("running-again", 2, &["m2"])))
+        .await
+        .unwrap();
+    assert!(
+        other
+            .renew(&[lease("w1", &winner)])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let loaded = store.load("w1").await.unwrap().unwrap();
+    assert_eq!(loaded.status, RunStatus::Running);
+    assert!(loaded.pending.is_empty());
+    assert_eq!(loaded.owner, winner);
+
+    // It ran again: a later take-over is told nothing (what it was told is told once).
+    other.release(&[lease("w1", &winner)]).await.unwrap();
+    assert!(is_lapsed(&*store, "w1").await);
+    let again = store.take_over("w1", "w1.b").await.unwrap().unwrap();
+    assert_eq!(again.waited, None);
+    assert_eq!(again.previous_owner, winner);
+    assert_eq!(again.state, "running-again");
+    assert_eq!(again.messages, ["m0", "m1", "m2"]);
+    assert_eq!(
+        store
+            .answer("w1", &answers(&[("c1", "\"first\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
+
+    // A run that waits again waits for its new calls only, each unanswered at first.
+    let mut record = again.record.clone();
+    record.status = RunStatus::RequiresAction;
+    record.pending = vec![pending_call("c3", Action::Approve)];
+    store
+        .save(
+            &record,
+            2,
+            Some(&Progress {
+                wait: Some(LONG),
+                ..running("waiting-again", 3, &["m3"])
+            }),
+        )
+        .await
+        .unwrap();
+    let loaded = other.load("w1").await.unwrap().unwrap();
+    assert_eq!(loaded.pending, record.pending);
+    assert!(!loaded.pending[0].answered);
+    assert!(!is_lapsed(&*other, "w1").await);
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c1", "\"first\"")]))
+            .await
+            .unwrap(),
+        Answered::NotPending("c1".into()),
+        "an answer of the first wait is for no call of this one"
+    );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c3", "false")]))
+            .await
+            .unwrap(),
+        accepted(&[], true)
+    );
+    let third = take_over_once(&store, &other, "w1").await;
+    assert_eq!(third.waited, told(&[("c3", "false")], false));
+    assert_eq!(third.state, "waiting-again");
+    assert_eq!(third.messages, ["m0", "m1", "m2", "m3"]);
+
+    // Ended, it takes no answers but repeats of the ones it received.
+    let mut record = third.record.clone();
+    record.status = RunStatus::Running;
+    record.pending.clear();
+    other
+        .save(&record, 2, Some(&running("running-3", 4, &["m4"])))
+        .await
+        .unwrap();
+    record.status = RunStatus::Succeeded;
+    record.stop_reason = Some(StopReason::FinalAnswer);
+    record.final_answer = "done".into();
+    other.save(&record, 2, None).await.unwrap();
+    assert_eq!(
+        store
+            .answer("w1", &answers(&[("c3", "false")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
+    for late in [&[("c4", "true")][..], &[("c3", "false"), ("c4", "true")]] {
+        assert_eq!(
+            store.answer("w1", &answers(late)).await.unwrap(),
+            Answered::NotWaiting,
+            "{late:?}"
+        );
+    }
+    assert!(!store.cancel_waiting("w1").await.unwrap());
+    assert!(!is_lapsed(&*other, "w1").await);
+    assert_eq!(other.take_over("w1", "x.2").await.unwrap(), None);
+    assert_eq!(
+        other.load("w1").await.unwrap().unwrap().status,
+        RunStatus::Succeeded
+    );
+
+    // Several replicas answering at once, each every call: exactly one completes the
+    // wait, and the run is told that one's answers.
+    for round in 0..4 {
+        let run_id = format!("race-{round}");
+        let ids = ["c1", "c2", "c3"];
+        let calls = ids
+            .iter()
+            .map(|id| pending_call(id, Action::ClientExecute))
+            .collect();
+        start_waiting(&*store, &run_id, calls, LONG).await;
+        let sent: Vec<Vec<(String, String)>> = (0..6)
+            .map(|i| {
+                ids.iter()
+                    .map(|id| ((*id).to_owned(), format!("\"{id} from {i}\"")))
+                    .collect()
+            })
+            .collect();
+        let replies = futures_util::future::join_all(sent.iter().enumerate().map(|(i, sent)| {
+            let store = if i % 2 == 0 { &store } else { &other };
+            let run_id = &run_id;
+            async move { store.answer(run_id, sent).await.unwrap() }
+        }))
+        .await;
+        let completed: Vec<usize> = replies
+            .iter()
+            .enumerate()
+            .filter(|(_, reply)| **reply == accepted(&[], true))
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(completed.len(), 1, "{replies:?}");
+        assert!(
+            replies
+                .iter()
+                .all(|reply| *reply == accepted(&[], true) || *reply == accepted(&[], false)),
+            "{replies:?}"
+        );
+        assert!(is_lapsed(&*other, &run_id).await);
+        let taken = take_over_once(&store, &other, &run_id).await;
+        assert_eq!(
+            taken.waited,
+            Some(Answers {
+                answers: sent[completed[0]].iter().cloned().collect(),
+                cancelled: false,
+            }),
+            "the first answer of each call wins"
+        );
+    }
+
+    // Several replicas answering at once, each one call: exactly one supplies the last
+    // missing answer.
+    for round in 0..4 {
+        let run_id = format!("split-{round}");
+        let ids = ["c1", "c2", "c3"];
+        let calls = ids
+            .iter()
+            .map(|id| pending_call(id, Action::Approve))
+            .collect();
+        start_waiting(&*store, &run_id, calls, LONG).await;
+        let replies = futures_util::future::join_all((0..6).map(|i| {
+            let store = if i % 2 == 0 { &store } else { &other };
+            let run_id = &run_id;
+            let sent = answers(&[(ids[i % 3], if i < 3 { "true" } else { "false" })]);
+            async move { store.answer(run_id, &sent).await.unwrap() }
+        }))
+        .await;
+        let completed = replies
+            .iter()
+            .filter(|reply| **reply == accepted(&[], true))
+            .count();
+        assert_eq!(completed, 1, "{replies:?}");
+        assert!(
+            replies.iter().all(|reply| matches!(
+                reply,
+                Answered::Accepted { left, .. } if left.iter().all(|id| ids.contains(&id.as_str()))
+            )),
+            "{replies:?}"
+        );
+        assert!(is_lapsed(&*store, &run_id).await);
+        let taken = take_over_once(&store, &other, &run_id).await;
+        let waited = taken.waited.expect("it waited");
+        assert!(!waited.cancelled);
+        let mut answered: Vec<&str> = waited.answers.keys().map(String::as_str).collect();
+        answered.sort_unstable();
+        assert_eq!(answered, ids);
+        assert!(
+            waited
+                .answers
+                .values()
+                .all(|answer| answer == "true" || answer == "false")
+        );
+    }
+
+    // Cancelled, a waiting run lapses at once; it is cancelled once, takes no more
+    // answers, and the replica taking it over is told.
+    let calls = vec![
+        pending_call("c1", Action::ClientExecute),
+        pending_call("c2", Action::Approve),
+    ];
+    start_waiting(&*store, "wc", calls, LONG).await;
+    assert_eq!(
+        store
+            .answer("wc", &answers(&[("c1", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&["c2"], false)
+    );
+    assert!(!is_lapsed(&*store, "wc").await);
+    let cancels = futures_util::future::join_all((0..4).map(|i| {
+        let store = if i % 2 == 0 { &store } else { &other };
+        async move { store.cancel_waiting("wc").await.unwrap() }
+    }))
+    .await;
+    assert_eq!(
+        cancels.iter().filter(|cancelled| **cancelled).count(),
+        1,
+        "cancelled once: {cancels:?}"
+    );
+    assert!(!store.cancel_waiting("wc").await.unwrap());
+    assert!(
+        is_lapsed(&*other, "wc").await,
+        "cancelled: it lapses at once"
+    );
+    assert_eq!(
+        other
+            .answer("wc", &answers(&[("c2", "true")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    let taken = take_over_once(&store, &other, "wc").await;
+    assert_eq!(taken.waited, told(&[("c1", "\"out\"")], true));
+    assert!(!other.cancel_waiting("wc").await.unwrap());
+    assert_eq!(
+        store
+            .answer("wc", &answers(&[("c2", "true")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+
+    // Out of time, a waiting run lapses when its wait elapses, and is told what came.
+    let calls = vec![
+        pending_call("c1", Action::ClientExecute),
+        pending_call("c2", Action::ClientExecute),
+    ];
+    start_waiting(&*store, "wt", calls, TEST_LEASE).await;
+    assert_eq!(
+        other
+            .answer("wt", &answers(&[("c2", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&["c1"], false)
+    );
+    assert!(!is_lapsed(&*store, "wt").await);
+    assert_eq!(store.take_over("wt", "x.3").await.unwrap(), None);
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    assert!(is_lapsed(&*store, "wt").await, "out of time: it lapses");
+    let taken = take_over_once(&store, &other, "wt").await;
+    assert_eq!(taken.waited, told(&[("c2", "\"out\"")], false));
+    assert_eq!(taken.previous_owner, "");
+    assert_eq!(
+        store
+            .answer("wt", &answers(&[("c1", "\"late\"")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert_eq!(
+        store
+            .answer("wt", &answers(&[("c2", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
+    assert!(!other.cancel_waiting("wt").await.unwrap());
 }
 
 /// The Redis the tests use: `AGENTRT_TEST_REDIS`, or the local default. `scripts/test`
