@@ -41,9 +41,11 @@ fn valid() -> v1::AgentConfig {
         tools: vec![
             v1::ToolRef {
                 name: "calculator".into(),
+                require_approval: false,
             },
             v1::ToolRef {
                 name: "current_time".into(),
+                require_approval: false,
             },
         ],
         parallel_tool_calls: true,
@@ -176,6 +178,7 @@ async fn each_invalid_config_names_its_violation() {
             |c| {
                 c.tools.push(v1::ToolRef {
                     name: "web_search".into(),
+                    require_approval: false,
                 })
             },
             "tools[2].name",
@@ -186,6 +189,7 @@ async fn each_invalid_config_names_its_violation() {
             |c| {
                 c.tools.push(v1::ToolRef {
                     name: "calculator".into(),
+                    require_approval: false,
                 })
             },
             "tools[2].name",
@@ -253,6 +257,7 @@ async fn each_invalid_config_names_its_violation() {
                     run: secs(60),
                     model_call: secs(61),
                     tool_call: secs(5),
+                    action: None,
                 })
             },
             "timeouts.model_call",
@@ -313,6 +318,7 @@ async fn every_violation_is_reported_at_once() {
         max_iterations: 500,
         tools: vec![v1::ToolRef {
             name: "ghost".into(),
+            require_approval: false,
         }],
         ..Default::default()
     };
@@ -414,6 +420,7 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
     config.name.clear();
     config.tools.push(v1::ToolRef {
         name: "ghost".into(),
+        require_approval: false,
     });
     let status = s
         .client

@@ -456,6 +456,7 @@ async fn statuses_stay_within_what_standard_clients_accept() {
     config.tools = (0..40)
         .map(|i| v1::ToolRef {
             name: format!("unknown_tool_with_a_rather_long_name_number_{i:02}"),
+            require_approval: false,
         })
         .collect();
     let status = s

@@ -27,6 +27,7 @@ pub fn calculator_agent(name: &str, model: &str) -> v1::AgentConfig {
         }),
         tools: vec![v1::ToolRef {
             name: "calculator".into(),
+            require_approval: false,
         }],
         ..Default::default()
     }
@@ -73,7 +74,10 @@ pub fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
         }),
         tools: tools
             .iter()
-            .map(|t| v1::ToolRef { name: (*t).into() })
+            .map(|t| v1::ToolRef {
+                name: (*t).into(),
+                require_approval: false,
+            })
             .collect(),
         parallel_tool_calls: true,
         ..Default::default()

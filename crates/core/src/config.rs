@@ -43,6 +43,12 @@ pub mod limits {
     pub const DEFAULT_MODEL_CALL_TIMEOUT: Duration = Duration::from_secs(120);
     /// Tool call timeout when unset.
     pub const DEFAULT_TOOL_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+    /// Longest wait of a run for tool outputs or approvals.
+    pub const MAX_ACTION_TIMEOUT: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Wait for tool outputs or approvals when unset.
+    pub const DEFAULT_ACTION_TIMEOUT: Duration = Duration::from_secs(3600);
+    /// Longest description of a client tool.
+    pub const CLIENT_TOOL_DESCRIPTION_MAX_CHARS: usize = 4096;
 }
 
 /// A validated agent config with every default applied: what an engine runs.
@@ -62,6 +68,12 @@ pub struct AgentConfig {
     pub max_iterations: u32,
     /// Names of the tools the agent may call, each once.
     pub tools: Vec<String>,
+    /// Those of `tools` whose calls wait for approval.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub approval: Vec<String>,
+    /// Tools the caller runs itself.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_tools: Vec<ClientTool>,
     /// Whether the calls of one round run concurrently.
     pub parallel_tool_calls: bool,
     /// How many calls of one round run at once when they run concurrently.
@@ -70,6 +82,29 @@ pub struct AgentConfig {
     pub context: ContextBudget,
     /// Time limits.
     pub timeouts: Timeouts,
+}
+
+/// A tool the caller runs itself: a call of it waits for the caller's output.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ClientTool {
+    /// Its name, as the model sees it.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// The JSON Schema of its arguments.
+    pub input_schema: serde_json::Value,
+}
+
+impl AgentConfig {
+    /// The client tool named `name`.
+    pub fn client_tool(&self, name: &str) -> Option<&ClientTool> {
+        self.client_tools.iter().find(|t| t.name == name)
+    }
+
+    /// Whether calls of `name` wait for approval.
+    pub fn needs_approval(&self, name: &str) -> bool {
+        self.approval.iter().any(|t| t == name)
+    }
 }
 
 /// A chat model on a provider configured on the server.
@@ -123,6 +158,13 @@ pub struct Timeouts {
     pub model_call: Duration,
     /// Each tool call.
     pub tool_call: Duration,
+    /// Each wait for tool outputs or approvals.
+    #[serde(default = "default_action_timeout")]
+    pub action: Duration,
+}
+
+fn default_action_timeout() -> Duration {
+    limits::DEFAULT_ACTION_TIMEOUT
 }
 
 impl Default for Timeouts {
@@ -131,6 +173,7 @@ impl Default for Timeouts {
             run: limits::DEFAULT_RUN_TIMEOUT,
             model_call: limits::DEFAULT_MODEL_CALL_TIMEOUT,
             tool_call: limits::DEFAULT_TOOL_CALL_TIMEOUT,
+            action: limits::DEFAULT_ACTION_TIMEOUT,
         }
     }
 }

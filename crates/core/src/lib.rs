@@ -11,7 +11,8 @@ mod tool;
 mod violation;
 
 pub use config::{
-    AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, limits,
+    AgentConfig, ClientTool, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
+    limits,
 };
 pub use secret::{Secret, mask_url_credentials};
 pub use state::{StateError, StateResult};

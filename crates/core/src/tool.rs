@@ -83,6 +83,8 @@ pub enum ToolSource {
     Http,
     /// A tool of an MCP server.
     Mcp,
+    /// A tool the caller of the run executes itself (`AgentConfig.client_tools`).
+    Client,
 }
 
 /// What the model and the validator know of a tool.

@@ -270,6 +270,44 @@ impl Emitter {
         }
     }
 
+    /// The run waits for answers to `pending`: says so (one event), then saves its record
+    /// (waiting) with `progress`, which lets the run go: nobody executes it until it is
+    /// answered, cancelled or out of time.
+    pub(crate) async fn wait(
+        &mut self,
+        pending: Vec<agentrt_events::PendingCall>,
+        progress: Progress,
+    ) -> Result<(), Outcome> {
+        let data = EventData::ActionRequired {
+            tool_calls: pending.clone(),
+        };
+        self.publish(RunEvent::new(
+            EventKind::ActionRequired,
+            self.iteration,
+            String::new(),
+            Some(data),
+        ));
+        // The events first: once the record says the run waits, nobody may write them.
+        self.flush().await?;
+        self.record.status = RunStatus::RequiresAction;
+        self.record.pending = pending;
+        self.store
+            .save(&self.record, self.saved_steps, Some(&progress))
+            .await
+            .map_err(|e| unsaved(&e))?;
+        self.saved_steps = self.record.steps.len().saturating_sub(1);
+        Ok(())
+    }
+
+    /// Lets the log go without ending it: the run waits (see [`Emitter::wait`]).
+    pub(crate) async fn park(self) {
+        if let Err(error) = self.publisher.park().await
+            && !matches!(error, BusError::Fenced(_))
+        {
+            warn!(run_id = %self.record.run_id, %error, "cannot let the log of a waiting run go cleanly");
+        }
+    }
+
     /// A reasoning delta: a plain event, no structured payload, one lock.
     pub(crate) fn thought(&mut self, text: String) {
         self.text(EventKind::Thought, text);

@@ -33,7 +33,7 @@ use agentrt_models::{
     ChatDelta, ChatMessage, ChatModel, ChatModels, ChatRequest, FinishReason, ModelError,
     ModelToolCall, RerankRequest, ToolDefinition, Usage,
 };
-use agentrt_state::{Progress, Resumable, RunStore};
+use agentrt_state::{Action, Answers, PendingCall, Progress, Resumable, RunStore};
 use futures_util::{FutureExt, StreamExt, task::AtomicWaker};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -43,7 +43,7 @@ pub use agentrt_state::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
 use emitter::Emitter;
-use machine::{Ending, Reply, RunState, Step};
+use machine::{CallResult, Ending, Reply, RunState, Step};
 use strategy::Strategy as RunStrategy;
 
 /// What the engine needs from the rest of the server.
@@ -158,6 +158,52 @@ pub(crate) enum Outcome {
     Failed(StopReason, RunError),
     /// The run is another replica's now: it stops here without ending.
     Moved,
+    /// The run waits for answers (stored with its state): it stops here without ending,
+    /// and whichever replica is answered last continues it.
+    Waiting,
+}
+
+/// An answer to a call a waiting run waits for, as the store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ToolAnswer {
+    /// The output of a client tool's call.
+    Output {
+        /// What the tool returned.
+        output: String,
+        /// Whether it is an error.
+        is_error: bool,
+    },
+    /// A decision on a call that needs approval.
+    Decision {
+        /// Whether the call runs.
+        approved: bool,
+        /// Why (for a denial, the model reads it).
+        reason: String,
+    },
+}
+
+impl ToolAnswer {
+    /// The answer as the store keeps it.
+    pub fn encode(&self) -> String {
+        // A plain enum of strings and booleans always encodes.
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    /// Whether this answers a call that needs `action`.
+    pub fn answers(&self, action: Action) -> bool {
+        matches!(
+            (self, action),
+            (Self::Output { .. }, Action::ClientExecute) | (Self::Decision { .. }, Action::Approve)
+        )
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Where a run taken over from another replica goes on from.
@@ -172,6 +218,8 @@ struct Resume {
     interrupted: Vec<u32>,
     /// `takeover` or `handover`.
     reason: &'static str,
+    /// For a run that waited: what it was told meanwhile.
+    waited: Option<Answers>,
 }
 
 /// What another replica needs to continue the run from `state`: the state without its
@@ -210,6 +258,7 @@ fn progress(
         state: encoded.map_err(encode_failed)?,
         messages: new,
         first_message: first,
+        wait: None,
     })
 }
 
@@ -295,7 +344,9 @@ impl Engine {
         if let Err(outcome) = started {
             return Err(match outcome {
                 Outcome::Failed(_, error) => error,
-                Outcome::Answered(_) | Outcome::Moved => stopped_error(StopReason::InternalError),
+                Outcome::Answered(_) | Outcome::Moved | Outcome::Waiting => {
+                    stopped_error(StopReason::InternalError)
+                }
             });
         }
         Ok(StartedRun {
@@ -334,7 +385,12 @@ impl Engine {
             .map(|m| serde_json::from_str(m))
             .collect::<Result<_, _>>()
             .map_err(|e| corrupt("messages", &e))?;
-        let record = taken.record;
+        let mut record = taken.record;
+        if record.waiting() {
+            // It goes on: it will say so at its next checkpoint.
+            record.status = RunStatus::Running;
+            record.pending.clear();
+        }
         let resumed = bus
             .resume(&record.run_id, &record.owner, record.last_sequence)
             .await
@@ -342,7 +398,7 @@ impl Engine {
         let mut results = HashMap::new();
         let mut interrupted = Vec::new();
         let pending: &[ModelToolCall] = match &state.phase {
-            machine::Phase::RunTools { calls, .. } => calls,
+            machine::Phase::RunTools { calls, .. } | machine::Phase::Waiting { calls, .. } => calls,
             _ => &[],
         };
         let mut last = record.last_sequence;
@@ -406,6 +462,7 @@ impl Engine {
                 results,
                 interrupted,
                 reason: if handover { "handover" } else { "takeover" },
+                waited: taken.waited,
             }),
         })
     }
@@ -447,11 +504,16 @@ impl StartedRun {
         let metrics = Metrics::global();
         let _active = metrics.run_started();
         let run_timeout = spec.config.timeouts.run;
-        // A run taken over has used part of its time already.
+        // A run taken over has used part of its time already; time it waited for answers
+        // does not count.
+        let waited = resume
+            .as_ref()
+            .map_or(Duration::ZERO, |r| r.state.waited(now_ms()));
         let left = run_timeout.saturating_sub(
             std::time::SystemTime::now()
                 .duration_since(emitter.started())
-                .unwrap_or_default(),
+                .unwrap_or_default()
+                .saturating_sub(waited),
         );
         let outcome = {
             let drive = engine
@@ -471,6 +533,7 @@ impl StartedRun {
                 }),
                 outcome = drive => match outcome.unwrap_or_else(|failed| failed) {
                     Outcome::Moved => Outcome::Moved,
+                    Outcome::Waiting => Outcome::Waiting,
                     // A stop that lands while the run is being polled cancels the calls in
                     // flight before the stop branch above sees it: the failure it caused
                     // is the stop's.
@@ -503,6 +566,10 @@ impl StartedRun {
             Outcome::Moved => {
                 debug!(parent: &span, "run taken over by another replica");
                 emitter.release().await;
+            }
+            Outcome::Waiting => {
+                debug!(parent: &span, "run waits for tool outputs or approvals");
+                emitter.park().await;
             }
         }
     }
@@ -563,21 +630,23 @@ impl Engine {
                     + counter.text(&d.parameters.text())
             })
             .sum();
-        let (mut state, mut saved_messages, mut recovered, mut interrupted, reason) = match resume {
-            Some(resume) => (
-                resume.state,
-                resume.saved_messages,
-                Some(resume.results),
-                resume.interrupted,
-                resume.reason,
-            ),
-            None => {
-                // Saved as it is when the run started.
-                let state = RunState::new(&spec.query, config.max_iterations, counter);
-                let saved = state.messages.len();
-                (state, saved, None, Vec::new(), "")
-            }
-        };
+        let (mut state, mut saved_messages, mut recovered, mut interrupted, reason, mut waited) =
+            match resume {
+                Some(resume) => (
+                    resume.state,
+                    resume.saved_messages,
+                    Some(resume.results),
+                    resume.interrupted,
+                    resume.reason,
+                    resume.waited,
+                ),
+                None => {
+                    // Saved as it is when the run started.
+                    let state = RunState::new(&spec.query, config.max_iterations, counter);
+                    let saved = state.messages.len();
+                    (state, saved, None, Vec::new(), "", None)
+                }
+            };
         loop {
             match state.next() {
                 Step::Model {
@@ -647,10 +716,53 @@ impl Engine {
                         }
                         None => None,
                     };
-                    let results = self
+                    match self
                         .run_tools(spec, &calls, em, cancel, checkpoint, known)
+                        .await?
+                    {
+                        Ran::All(results) => state.tools_ran(results, strategy, counter),
+                        Ran::Waiting { results, pending } => {
+                            state.wait(results, pending.clone(), now_ms());
+                            // Everything continuing needs is saved with the wait: a run
+                            // that saved no progress so far saves all of it now.
+                            let mut progress = if em.durable() {
+                                progress(&mut state, &mut saved_messages, None)?
+                            } else {
+                                progress(&mut state, &mut 0, Some(spec))?
+                            };
+                            progress.wait = Some(config.timeouts.action);
+                            em.wait(pending, progress).await?;
+                            return Ok(Outcome::Waiting);
+                        }
+                    }
+                }
+                Step::Answers {
+                    calls,
+                    results,
+                    pending,
+                } => {
+                    let calls = calls.to_vec();
+                    let mut results = results.to_vec();
+                    let pending = pending.to_vec();
+                    let known = recovered.take().unwrap_or_default();
+                    let to_run = match waited.take() {
+                        Some(told) => {
+                            let to_run =
+                                self.take_answers(spec, &calls, &mut results, &pending, &told, em)?;
+                            state.decided(results.clone(), &to_run);
+                            if em.durable() {
+                                let progress = progress(&mut state, &mut saved_messages, None)?;
+                                em.checkpoint(Some(progress)).await?;
+                            }
+                            to_run
+                        }
+                        // Answered already, and taken over while the approved calls ran.
+                        None => state.approved().to_vec(),
+                    };
+                    let results = self
+                        .run_approved(spec, &calls, results, &to_run, known, em, cancel)
                         .await?;
-                    state.tools_ran(results, strategy, counter);
+                    state.answered(results, now_ms(), strategy, counter);
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
                     let reason = *reason;
@@ -873,8 +985,10 @@ impl Engine {
         }
     }
 
-    /// Runs a round's calls (concurrently under the cap when the config allows) and
-    /// returns their results in call order.
+    /// Runs a round's calls (concurrently under the cap when the config allows), those
+    /// that need nothing; answers their results in call order, or, when some calls wait
+    /// for approval or for the caller's output, the results so far and the calls that
+    /// wait.
     async fn run_tools(
         &self,
         spec: &RunSpec,
@@ -883,8 +997,7 @@ impl Engine {
         cancel: &CancellationToken,
         checkpoint: Option<Progress>,
         known: Option<HashMap<String, (ToolResult, Duration)>>,
-    ) -> Result<Vec<ToolResult>, Outcome> {
-        let config = &spec.config;
+    ) -> Result<Ran, Outcome> {
         // A run taken over announced its calls already.
         let resumed = known.is_some();
         let mut known = known.unwrap_or_default();
@@ -894,12 +1007,23 @@ impl Engine {
         let mut results: Vec<Option<ToolResult>> = vec![None; calls.len()];
         let mut prepared: Vec<(usize, Result<ToolInvocation, ToolResult>)> =
             Vec::with_capacity(calls.len());
+        let mut waiting = Vec::new();
         for (index, call) in calls.iter().enumerate() {
             if let Some((result, duration)) = known.remove(&call.id) {
                 em.recovered_result(&call.id, &result, duration);
                 results[index] = Some(result);
-            } else {
-                prepared.push((index, self.prepare(spec, call, em, resumed)));
+                continue;
+            }
+            match self.prepare(spec, call, em, resumed) {
+                Prepared::Run(invocation) => prepared.push((index, Ok(invocation))),
+                Prepared::Done(result) => prepared.push((index, Err(result))),
+                Prepared::Wait(action, arguments) => waiting.push(PendingCall {
+                    id: call.id.clone(),
+                    name: call.name.clone(),
+                    arguments: agentrt_events::JsonText::new(&arguments),
+                    action,
+                    answered: false,
+                }),
             }
         }
         // The calls are announced and recorded before they run: GetRun shows them while
@@ -907,6 +1031,176 @@ impl Engine {
         if !resumed {
             em.checkpoint(checkpoint).await?;
         }
+        self.execute_calls(spec, calls, prepared, &mut results, em, cancel)
+            .await?;
+        if waiting.is_empty() {
+            return Ok(Ran::All(
+                results.into_iter().map(Option::unwrap_or_default).collect(),
+            ));
+        }
+        Ok(Ran::Waiting {
+            results: results
+                .iter()
+                .map(|r| r.as_ref().map(CallResult::from))
+                .collect(),
+            pending: waiting,
+        })
+    }
+
+    /// Reads the answers a waiting run was told: the outputs of client tools and the
+    /// denials become results (published), the approved calls are answered, to run.
+    fn take_answers(
+        &self,
+        spec: &RunSpec,
+        calls: &[ModelToolCall],
+        results: &mut [Option<CallResult>],
+        pending: &[PendingCall],
+        told: &Answers,
+        em: &mut Emitter,
+    ) -> Result<Vec<String>, Outcome> {
+        if told.cancelled {
+            return Err(Outcome::Failed(
+                StopReason::Cancelled,
+                stopped_error(StopReason::Cancelled),
+            ));
+        }
+        let mut to_run = Vec::new();
+        let mut missing = Vec::new();
+        for call in pending {
+            let Some(index) = calls.iter().position(|c| c.id == call.id) else {
+                continue;
+            };
+            let answer = told
+                .answers
+                .get(&call.id)
+                .and_then(|a| serde_json::from_str::<ToolAnswer>(a).ok());
+            let result = match answer {
+                Some(ToolAnswer::Output {
+                    mut output,
+                    is_error,
+                }) => {
+                    truncate_output(&mut output, self.max_tool_output_bytes);
+                    ToolResult {
+                        output,
+                        is_error,
+                        references: Vec::new(),
+                    }
+                }
+                Some(ToolAnswer::Decision { approved: true, .. }) => {
+                    to_run.push(call.id.clone());
+                    continue;
+                }
+                Some(ToolAnswer::Decision {
+                    approved: false,
+                    reason,
+                }) => ToolResult::error(if reason.trim().is_empty() {
+                    "the call was denied by the user; it did not run".to_owned()
+                } else {
+                    format!("the call was denied by the user; it did not run. Reason: {reason}")
+                }),
+                None => {
+                    missing.push(call.id.as_str());
+                    continue;
+                }
+            };
+            em.tool_result(&call.id, &call.name, &result, Duration::ZERO, None);
+            results[index] = Some(CallResult::from(&result));
+        }
+        if !missing.is_empty() {
+            return Err(Outcome::Failed(
+                StopReason::ActionTimeout,
+                RunError {
+                    code: "ACTION_TIMEOUT".into(),
+                    message: format!(
+                        "no answer within the action timeout of {:?} for tool calls {}",
+                        spec.config.timeouts.action,
+                        missing.join(", ")
+                    ),
+                    category: "timeout",
+                    retryable: false,
+                },
+            ));
+        }
+        Ok(to_run)
+    }
+
+    /// Runs the approved calls of a round that waited, and answers every call's result in
+    /// call order.
+    #[allow(clippy::too_many_arguments)] // the parts of one step, as run_tools takes them
+    async fn run_approved(
+        &self,
+        spec: &RunSpec,
+        calls: &[ModelToolCall],
+        results: Vec<Option<CallResult>>,
+        to_run: &[String],
+        mut known: HashMap<String, (ToolResult, Duration)>,
+        em: &mut Emitter,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<ToolResult>, Outcome> {
+        let mut out: Vec<Option<ToolResult>> = results
+            .into_iter()
+            .map(|r| {
+                r.map(|r| ToolResult {
+                    output: r.output,
+                    is_error: r.is_error,
+                    references: Vec::new(),
+                })
+            })
+            .collect();
+        let mut prepared = Vec::with_capacity(to_run.len());
+        for id in to_run {
+            let Some(index) = calls.iter().position(|c| c.id == *id) else {
+                continue;
+            };
+            if out[index].is_some() {
+                continue;
+            }
+            let call = &calls[index];
+            if let Some((result, duration)) = known.remove(id) {
+                // Ran before this replica took the run over.
+                em.recovered_result(id, &result, duration);
+                out[index] = Some(result);
+                continue;
+            }
+            let invocation = parse_arguments(&call.arguments)
+                .map(|arguments| invocation(spec, call, arguments))
+                .map_err(ToolResult::error);
+            prepared.push((index, invocation));
+        }
+        self.execute_calls(spec, calls, prepared, &mut out, em, cancel)
+            .await?;
+        let lost: Vec<&str> = calls
+            .iter()
+            .zip(&out)
+            .filter(|(_, r)| r.is_none())
+            .map(|(c, _)| c.id.as_str())
+            .collect();
+        if !lost.is_empty() {
+            return Err(Outcome::Failed(
+                StopReason::InternalError,
+                RunError {
+                    code: "INTERNAL".into(),
+                    message: format!("the answers to tool calls {} were lost", lost.join(", ")),
+                    category: "internal",
+                    retryable: false,
+                },
+            ));
+        }
+        Ok(out.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Runs `prepared` calls of `calls` (concurrently under the cap when the config
+    /// allows), publishing each result as it comes, into `results`.
+    async fn execute_calls(
+        &self,
+        spec: &RunSpec,
+        calls: &[ModelToolCall],
+        prepared: Vec<(usize, Result<ToolInvocation, ToolResult>)>,
+        results: &mut [Option<ToolResult>],
+        em: &mut Emitter,
+        cancel: &CancellationToken,
+    ) -> Result<(), Outcome> {
+        let config = &spec.config;
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
         let max_output = self.max_tool_output_bytes;
@@ -946,7 +1240,7 @@ impl Engine {
             1
         };
         let finished = |em: &mut Emitter,
-                        results: &mut Vec<Option<ToolResult>>,
+                        results: &mut [Option<ToolResult>],
                         (index, result, duration, rerank): (
             usize,
             ToolResult,
@@ -962,7 +1256,7 @@ impl Engine {
             let mut left = prepared.len();
             for (index, prepared) in prepared {
                 let done = execute(index, prepared).await;
-                finished(em, &mut results, done);
+                finished(em, results, done);
                 // The last result goes out with the next round's start.
                 left -= 1;
                 if left > 0 {
@@ -975,25 +1269,26 @@ impl Engine {
                 futures_util::stream::iter(prepared.into_iter().map(|(i, p)| execute(i, p)))
                     .buffer_unordered(concurrency);
             while let Some(done) = running.next().await {
-                finished(em, &mut results, done);
+                finished(em, results, done);
                 left -= 1;
                 if left > 0 {
                     em.flush().await?;
                 }
             }
         }
-        Ok(results.into_iter().map(Option::unwrap_or_default).collect())
+        Ok(())
     }
 
-    /// Announces a call (unless a previous owner of the run did) and makes its
-    /// invocation, or the result of a call that cannot run.
+    /// Announces a call (unless a previous owner of the run did) and says what becomes
+    /// of it: it runs on the tool executor, it has its result already (it cannot run), or
+    /// it waits for an approval or for the caller's output.
     fn prepare(
         &self,
         spec: &RunSpec,
         call: &ModelToolCall,
         em: &mut Emitter,
         announced: bool,
-    ) -> Result<ToolInvocation, ToolResult> {
+    ) -> Prepared {
         let config = &spec.config;
         let arguments = parse_arguments(&call.arguments);
         if !announced {
@@ -1006,26 +1301,119 @@ impl Engine {
                 ),
             }
         }
-        let arguments = arguments.map_err(ToolResult::error)?;
+        let arguments = match arguments {
+            Ok(arguments) => arguments,
+            Err(error) => return Prepared::Done(ToolResult::error(error)),
+        };
+        if let Some(tool) = config.client_tool(&call.name) {
+            // The caller sees only calls that match the tool's schema: the model fixes
+            // the others.
+            return match schema_violations(&tool.input_schema, &arguments) {
+                None => Prepared::Wait(Action::ClientExecute, arguments),
+                Some(violations) => Prepared::Done(ToolResult::error(format!(
+                    "the arguments do not match the input schema of tool {:?}: {violations}",
+                    call.name
+                ))),
+            };
+        }
         if !config.tools.iter().any(|t| t == &call.name) {
-            return Err(ToolResult::error(format!(
+            let available: Vec<&str> = config
+                .tools
+                .iter()
+                .map(String::as_str)
+                .chain(config.client_tools.iter().map(|t| t.name.as_str()))
+                .collect();
+            return Prepared::Done(ToolResult::error(format!(
                 "tool {:?} is not available to this agent; available tools: {}",
                 call.name,
-                if config.tools.is_empty() {
+                if available.is_empty() {
                     "none".to_owned()
                 } else {
-                    config.tools.join(", ")
+                    available.join(", ")
                 }
             )));
         }
-        Ok(ToolInvocation {
-            call_id: call.id.clone(),
-            name: call.name.clone(),
-            arguments,
-            run_id: spec.run_id.clone(),
-            session_id: spec.session_id.clone(),
-        })
+        if config.needs_approval(&call.name) {
+            return Prepared::Wait(Action::Approve, arguments);
+        }
+        Prepared::Run(invocation(spec, call, arguments))
     }
+}
+
+/// What becomes of a call of a round.
+enum Prepared {
+    /// It runs on the tool executor.
+    Run(ToolInvocation),
+    /// It cannot run: this is its result.
+    Done(ToolResult),
+    /// It waits for an answer, with these arguments.
+    Wait(Action, serde_json::Value),
+}
+
+/// How a round's calls went.
+enum Ran {
+    /// Every call has its result, in call order.
+    All(Vec<ToolResult>),
+    /// Some calls wait for answers; the others' results, in call order.
+    Waiting {
+        results: Vec<Option<CallResult>>,
+        pending: Vec<PendingCall>,
+    },
+}
+
+/// The invocation of `call` on the tool executor.
+fn invocation(
+    spec: &RunSpec,
+    call: &ModelToolCall,
+    arguments: serde_json::Value,
+) -> ToolInvocation {
+    ToolInvocation {
+        call_id: call.id.clone(),
+        name: call.name.clone(),
+        arguments,
+        run_id: spec.run_id.clone(),
+        session_id: spec.session_id.clone(),
+    }
+}
+
+/// Whether `schema` is a JSON Schema the engine can check a client tool's arguments
+/// against (with the validator the tool executor uses): `Err` says why not.
+pub fn check_input_schema(schema: &serde_json::Value) -> Result<(), String> {
+    if !schema.is_object() {
+        return Err("must be a JSON Schema object".into());
+    }
+    if let Some(kind) = schema.get("type")
+        && kind != "object"
+    {
+        return Err(format!(
+            "must describe an object (\"type\": \"object\"), got \"type\": {kind}"
+        ));
+    }
+    jsonschema::validator_for(schema)
+        .map(drop)
+        .map_err(|e| format!("is not a valid JSON Schema: {e}"))
+}
+
+/// Where `arguments` break `schema` (a JSON Schema that validation accepted), said for
+/// the model; `None` when they match.
+fn schema_violations(schema: &serde_json::Value, arguments: &serde_json::Value) -> Option<String> {
+    let validator = match jsonschema::validator_for(schema) {
+        Ok(validator) => validator,
+        Err(error) => return Some(format!("the schema cannot be used: {error}")),
+    };
+    let violations: Vec<String> = validator
+        .iter_errors(arguments)
+        .take(10)
+        .map(|error| {
+            let at = error.instance_path().to_string();
+            if at.is_empty() {
+                error.to_string()
+            } else {
+                format!("{at}: {error}")
+            }
+        })
+        .collect();
+    (!violations.is_empty()).then(|| violations.join("; "))
 }
 
 impl Engine {

@@ -6,6 +6,7 @@
 
 use agentrt_context::TokenCounter;
 use agentrt_core::ToolResult;
+use agentrt_events::PendingCall;
 use agentrt_models::{ChatMessage, ModelToolCall};
 use serde::{Deserialize, Serialize};
 
@@ -26,6 +27,10 @@ pub struct RunState {
     previous_calls: Option<Vec<(String, String)>>,
     /// How many rounds in a row asked for exactly those calls.
     repeats: u32,
+    /// How long the run has waited for answers, in milliseconds, not counting a wait
+    /// under way: time that does not count against its time limit.
+    #[serde(default)]
+    pub waited_ms: u64,
 }
 
 /// Where a run is.
@@ -39,6 +44,24 @@ pub enum Phase {
         content: String,
         /// The calls.
         calls: Vec<ModelToolCall>,
+    },
+    /// Some calls of the last round wait for answers the run cannot produce itself
+    /// (approvals, outputs of the caller's own tools); the others have their results.
+    Waiting {
+        /// The text the model wrote beside the calls.
+        content: String,
+        /// The calls.
+        calls: Vec<ModelToolCall>,
+        /// The result of each call, in call order; `None` for a call that waits.
+        results: Vec<Option<CallResult>>,
+        /// The calls that wait.
+        pending: Vec<PendingCall>,
+        /// When the wait began, in milliseconds since the Unix epoch.
+        since_ms: u64,
+        /// Once answered: the calls approved, which run next (the others have their
+        /// results).
+        #[serde(default)]
+        approved: Vec<String>,
     },
     /// Out of rounds (or stuck): the model is asked next for an answer without tools.
     AskFinal,
@@ -77,8 +100,35 @@ pub enum Step<'a> {
     },
     /// Runs these calls of the last round.
     Tools(&'a [ModelToolCall]),
+    /// Goes on with the answers to the calls the run waited for.
+    Answers {
+        /// The round's calls.
+        calls: &'a [ModelToolCall],
+        /// Their results so far.
+        results: &'a [Option<CallResult>],
+        /// The calls that waited.
+        pending: &'a [PendingCall],
+    },
     /// Nothing: the run has ended.
     End(&'a Ending),
+}
+
+/// The result of a call, as a waiting run keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallResult {
+    /// What the model is given.
+    pub output: String,
+    /// Whether it failed.
+    pub is_error: bool,
+}
+
+impl From<&ToolResult> for CallResult {
+    fn from(result: &ToolResult) -> Self {
+        Self {
+            output: result.output.clone(),
+            is_error: result.is_error,
+        }
+    }
 }
 
 /// What a model round produced, as the driver read it.
@@ -134,7 +184,18 @@ impl RunState {
             },
             previous_calls: None,
             repeats: 0,
+            waited_ms: 0,
         }
+    }
+
+    /// How long the run has waited for answers, by `now_ms` (milliseconds since the Unix
+    /// epoch), the wait under way included.
+    pub fn waited(&self, now_ms: u64) -> std::time::Duration {
+        let current = match &self.phase {
+            Phase::Waiting { since_ms, .. } => now_ms.saturating_sub(*since_ms),
+            _ => 0,
+        };
+        std::time::Duration::from_millis(self.waited_ms.saturating_add(current))
     }
 
     /// What the driver does next.
@@ -149,6 +210,16 @@ impl RunState {
                 with_tools: false,
             },
             Phase::RunTools { calls, .. } => Step::Tools(calls),
+            Phase::Waiting {
+                calls,
+                results,
+                pending,
+                ..
+            } => Step::Answers {
+                calls,
+                results,
+                pending,
+            },
             Phase::Ended(ending) => Step::End(ending),
         }
     }
@@ -242,6 +313,72 @@ impl RunState {
         else {
             return;
         };
+        strategy.record_tools(&mut self.messages, content, &calls, results, counter);
+        self.after_round();
+    }
+
+    /// Some calls of [`Phase::RunTools`] wait for answers: `results` has the others'.
+    pub(crate) fn wait(
+        &mut self,
+        results: Vec<Option<CallResult>>,
+        pending: Vec<PendingCall>,
+        now_ms: u64,
+    ) {
+        let Phase::RunTools { content, calls } =
+            std::mem::replace(&mut self.phase, Phase::AskModel)
+        else {
+            return;
+        };
+        self.phase = Phase::Waiting {
+            content,
+            calls,
+            results,
+            pending,
+            since_ms: now_ms,
+            approved: Vec::new(),
+        };
+    }
+
+    /// The answers of [`Phase::Waiting`] arrived: `results` has those of the calls that
+    /// do not run, `to_run` names the approved calls.
+    pub(crate) fn decided(&mut self, decided: Vec<Option<CallResult>>, to_run: &[String]) {
+        if let Phase::Waiting {
+            results, approved, ..
+        } = &mut self.phase
+        {
+            *results = decided;
+            *approved = to_run.to_vec();
+        }
+    }
+
+    /// The approved calls of [`Phase::Waiting`], once answered.
+    pub(crate) fn approved(&self) -> &[String] {
+        match &self.phase {
+            Phase::Waiting { approved, .. } => approved,
+            _ => &[],
+        }
+    }
+
+    /// Every call of [`Phase::Waiting`] has its result now, in call order.
+    pub(crate) fn answered(
+        &mut self,
+        results: Vec<ToolResult>,
+        now_ms: u64,
+        strategy: &dyn Strategy,
+        counter: &TokenCounter,
+    ) {
+        let Phase::Waiting {
+            content,
+            calls,
+            since_ms,
+            ..
+        } = std::mem::replace(&mut self.phase, Phase::AskModel)
+        else {
+            return;
+        };
+        self.waited_ms = self
+            .waited_ms
+            .saturating_add(now_ms.saturating_sub(since_ms));
         strategy.record_tools(&mut self.messages, content, &calls, results, counter);
         self.after_round();
     }

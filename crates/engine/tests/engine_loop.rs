@@ -164,6 +164,8 @@ fn config(strategy: Strategy, tools: &[&str]) -> AgentConfig {
         strategy,
         max_iterations: 4,
         tools: tools.iter().map(|t| (*t).to_owned()).collect(),
+        approval: Vec::new(),
+        client_tools: Vec::new(),
         parallel_tool_calls: true,
         max_parallel_tool_calls: 2,
         context: ContextBudget {
@@ -564,6 +566,7 @@ async fn timeouts_end_runs_and_model_calls() {
         run: Duration::from_secs(60),
         model_call: Duration::from_secs(5),
         tool_call: Duration::from_secs(5),
+        ..Timeouts::default()
     };
     let (events, record) = h.run("r1", cfg.clone(), Arc::default()).await;
     assert_eq!(

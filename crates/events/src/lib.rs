@@ -41,6 +41,8 @@ pub enum EventKind {
     /// A model round runs again on another replica: the text deltas of its iteration
     /// published before are void.
     RoundRestarted,
+    /// The run waits for tool outputs or approvals.
+    ActionRequired,
 }
 
 /// One event of a run.
@@ -153,8 +155,48 @@ pub enum EventData {
         /// go as it shut down).
         reason: String,
     },
+    /// The run waits for answers to these calls.
+    ActionRequired {
+        /// The calls, in call order.
+        tool_calls: Vec<PendingCall>,
+    },
     /// The end of a run.
     End(RunSummary),
+}
+
+/// What a waiting run needs for a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Action {
+    /// A decision: the tool requires approval.
+    Approve,
+    /// An output: the caller runs the tool itself.
+    ClientExecute,
+}
+
+impl Action {
+    /// The name clients see.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Approve => "approve",
+            Self::ClientExecute => "client_execute",
+        }
+    }
+}
+
+/// A call a waiting run needs an answer for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PendingCall {
+    /// The call's id.
+    pub id: String,
+    /// The tool.
+    pub name: String,
+    /// The arguments the model gave.
+    pub arguments: JsonText,
+    /// What it needs.
+    pub action: Action,
+    /// Whether its answer arrived (filled in by the store when the record is read).
+    #[serde(default, skip_serializing)]
+    pub answered: bool,
 }
 
 /// How the reranking of a call's references went.
@@ -348,6 +390,18 @@ impl EventData {
             Self::RoundRestarted { iteration, reason } => {
                 json!({"iteration": iteration, "reason": reason})
             }
+            Self::ActionRequired { tool_calls } => {
+                let calls: Vec<serde_json::Value> = tool_calls
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "id": c.id, "name": c.name,
+                            "arguments": c.arguments.value(), "action": c.action.as_str(),
+                        })
+                    })
+                    .collect();
+                json!({"tool_calls": calls})
+            }
             Self::End(summary) => {
                 let mut data = json!({
                     "stop_reason": summary.stop_reason,
@@ -438,6 +492,15 @@ pub trait RunPublisher: Send + Sync {
     /// continues it. Readers following the run through this publisher's copy get
     /// [`BusError::Moved`] after its last event; nothing more is published here.
     async fn release(&self) -> Result<(), BusError>;
+
+    /// Writes what is buffered and lets the log go without ending it, because the run
+    /// waits (for tool outputs or approvals): readers keep following it, and whichever
+    /// replica continues the run later resumes the log (`EventBus::resume`). A shared bus
+    /// does this as [`RunPublisher::release`] does (its readers go on reading the shared
+    /// log).
+    async fn park(&self) -> Result<(), BusError> {
+        self.release().await
+    }
 }
 
 /// A log continued by a new owner: what was published after the point it resumes from,
@@ -535,6 +598,8 @@ struct LogState {
     done: bool,
     /// Whether its publisher let the run go to another replica.
     moved: bool,
+    /// Whether the run waits: no publisher now, no end yet.
+    parked: bool,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -596,6 +661,7 @@ impl EventBus for InMemoryBus {
                 next: 1,
                 done: false,
                 moved: false,
+                parked: false,
             }),
             published: watch::Sender::new(0),
             capacity: self.limits.events_per_run.max(1),
@@ -614,6 +680,7 @@ impl EventBus for InMemoryBus {
         let tail = {
             let mut state = lock(&log.state);
             state.moved = false;
+            state.parked = false;
             let start = usize::try_from(after.saturating_add(1).saturating_sub(state.first))
                 .unwrap_or(usize::MAX);
             state.events.iter().skip(start).cloned().collect()
@@ -733,6 +800,11 @@ impl RunPublisher for Publisher {
         self.log.published.send_modify(|_| {});
         Ok(())
     }
+
+    async fn park(&self) -> Result<(), BusError> {
+        lock(&self.log.state).parked = true;
+        Ok(())
+    }
 }
 
 impl Drop for Publisher {
@@ -740,7 +812,7 @@ impl Drop for Publisher {
     /// run) still ends exactly once, so that no reader waits forever.
     fn drop(&mut self) {
         let state = lock(&self.log.state);
-        if !state.done && !state.moved {
+        if !state.done && !state.moved && !state.parked {
             drop(state);
             self.append(RunEvent::ended_without_end());
             self.wake();

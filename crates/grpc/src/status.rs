@@ -78,6 +78,12 @@ pub fn not_found(reason: &str, what: &str, id: &str) -> Status {
     Status::with_error_details(Code::NotFound, format!("{what} {id:?} not found"), details)
 }
 
+/// `FAILED_PRECONDITION` with an `ErrorInfo` naming the reason.
+pub fn failed_precondition(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    Status::with_error_details(Code::FailedPrecondition, message, details)
+}
+
 /// `UNAVAILABLE` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Status {
     let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);

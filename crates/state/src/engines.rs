@@ -178,6 +178,8 @@ mod tests {
                 strategy: Strategy::FunctionCall,
                 max_iterations: 10,
                 tools: vec![],
+                approval: Vec::new(),
+                client_tools: Vec::new(),
                 parallel_tool_calls: false,
                 max_parallel_tool_calls: 4,
                 context: ContextBudget {

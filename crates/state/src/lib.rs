@@ -14,12 +14,12 @@ mod runs;
 
 pub use agentrt_context::{Exchange, InMemorySessionStore, SessionLimits, SessionStore};
 pub use agentrt_core::{StateError, StateResult};
-pub use agentrt_events::{BusError, BusLimits, EventBus, InMemoryBus};
+pub use agentrt_events::{Action, BusError, BusLimits, EventBus, InMemoryBus, PendingCall};
 pub use engines::{EngineStore, MemoryEngineStore, StoredEngine};
 pub use record::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
 pub use runs::{
-    Claim, Lease, MemoryRunStore, Progress, Resumable, RunRetention, RunStore, StopRequest,
-    StopRequests,
+    Answered, Answers, Claim, Lease, MemoryRunStore, Progress, Resumable, RunRetention, RunStore,
+    StopRequest, StopRequests,
 };

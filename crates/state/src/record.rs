@@ -18,6 +18,8 @@ pub enum RunStatus {
     Cancelled,
     /// Ended with an answer cut short at the model's token limit.
     Incomplete,
+    /// Waits for tool outputs or approvals ([`RunRecord::pending`]); not an end.
+    RequiresAction,
 }
 
 /// Why a run ended.
@@ -39,6 +41,8 @@ pub enum StopReason {
     InternalError,
     /// The model stopped at its token limit; the run ended with the partial answer.
     MaxTokens,
+    /// The run waited for tool outputs or approvals longer than `timeouts.action`.
+    ActionTimeout,
 }
 
 impl StopReason {
@@ -53,6 +57,7 @@ impl StopReason {
             Self::Shutdown => "shutdown",
             Self::InternalError => "internal_error",
             Self::MaxTokens => "max_tokens",
+            Self::ActionTimeout => "action_timeout",
         }
     }
 
@@ -67,6 +72,7 @@ impl StopReason {
             Self::Shutdown,
             Self::InternalError,
             Self::MaxTokens,
+            Self::ActionTimeout,
         ]
         .into_iter()
         .find(|reason| reason.as_str() == name)
@@ -78,7 +84,9 @@ impl StopReason {
             Self::FinalAnswer | Self::MaxIterations => RunStatus::Succeeded,
             Self::MaxTokens => RunStatus::Incomplete,
             Self::Cancelled | Self::Shutdown => RunStatus::Cancelled,
-            Self::Timeout | Self::ModelError | Self::InternalError => RunStatus::Failed,
+            Self::Timeout | Self::ModelError | Self::InternalError | Self::ActionTimeout => {
+                RunStatus::Failed
+            }
         }
     }
 }
@@ -181,6 +189,9 @@ pub struct RunRecord {
     /// no other replica may take over). Stores refuse a write from an owner that lost it.
     #[serde(default)]
     pub owner: String,
+    /// While the run waits ([`RunStatus::RequiresAction`]): the calls it waits for.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pending: Vec<agentrt_events::PendingCall>,
 }
 
 impl<'de> Deserialize<'de> for RunError {
@@ -230,6 +241,7 @@ impl RunRecord {
             update_time: now,
             abandoned: false,
             owner: String::new(),
+            pending: Vec::new(),
         }
     }
 
@@ -252,11 +264,17 @@ impl RunRecord {
             update_time: self.update_time,
             abandoned: self.abandoned,
             owner: self.owner.clone(),
+            pending: self.pending.clone(),
         }
     }
 
     /// Whether the run has ended.
     pub fn ended(&self) -> bool {
-        self.status != RunStatus::Running
+        !matches!(self.status, RunStatus::Running | RunStatus::RequiresAction)
+    }
+
+    /// Whether the run waits for answers.
+    pub fn waiting(&self) -> bool {
+        self.status == RunStatus::RequiresAction
     }
 }

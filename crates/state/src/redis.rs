@@ -45,7 +45,9 @@ use tracing::{debug, info, warn};
 
 use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
-    runs::{Claim, Lease, Progress, Resumable, RunStore, StopRequest, StopRequests},
+    runs::{
+        Answered, Answers, Claim, Lease, Progress, Resumable, RunStore, StopRequest, StopRequests,
+    },
 };
 
 /// How long one command may take before it fails, and one connection attempt.
@@ -413,14 +415,16 @@ end
 const SAVE: &str = r"
 if not may_write(KEYS[1], KEYS[2], ARGV[2]) then return 0 end
 local fields = tonumber(ARGV[6])
+local waits = tonumber(ARGV[8])
+local base = 8 + waits
 local first = string.find(ARGV[5], 'f', 1, true)
 local ended = string.find(ARGV[5], 'e', 1, true)
 local record = {}
-for i = 7, 6 + 2 * fields do record[#record + 1] = ARGV[i] end
+for i = base + 1, base + 2 * fields do record[#record + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(record))
-if not ended and #ARGV > 6 + 2 * fields then
+if not ended and #ARGV > base + 2 * fields then
   local progress = {}
-  for i = 7 + 2 * fields, #ARGV do progress[#progress + 1] = ARGV[i] end
+  for i = base + 1 + 2 * fields, #ARGV do progress[#progress + 1] = ARGV[i] end
   redis.call('HSET', KEYS[6], unpack(progress))
 end
 if first then
@@ -431,6 +435,20 @@ if first then
     redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[4]), ARGV[1])
   end
 end
+if ARGV[7] ~= '' then
+  -- The run waits: nobody executes it (no owner may write it) until it is answered,
+  -- cancelled or out of time; its keys live as long as the wait may.
+  redis.call('SET', KEYS[2], '', 'PX', ARGV[3])
+  redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[7]), ARGV[1])
+  redis.call('DEL', KEYS[7])
+  local pending = {}
+  for i = 9, 8 + waits do
+    pending[#pending + 1] = 'c:' .. ARGV[i]
+    pending[#pending + 1] = ''
+  end
+  redis.call('HSET', KEYS[7], unpack(pending))
+  for _, i in ipairs({1, 4, 5, 6, 7}) do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+end
 if ended then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   redis.call('PEXPIRE', KEYS[4], ARGV[3])
@@ -438,6 +456,10 @@ if ended then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[6])
   redis.call('ZREM', KEYS[3], ARGV[1])
+  if redis.call('EXISTS', KEYS[7]) == 1 then
+    redis.call('HSET', KEYS[7], '!taken', '1')
+    redis.call('PEXPIRE', KEYS[7], ARGV[3])
+  end
 end
 return 1
 ";
@@ -492,8 +514,68 @@ end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 local previous = redis.call('GET', KEYS[2]) or ''
 redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
-if tonumber(lapses) == 0 then return {previous, '1'} end
-return {previous, '0'}
+local taken = {previous, '0'}
+if tonumber(lapses) == 0 then taken[2] = '1' end
+-- A run that waited: what it was told, once (it waits no more).
+if redis.call('EXISTS', KEYS[4]) == 1 and redis.call('HEXISTS', KEYS[4], '!taken') == 0 then
+  local told = redis.call('HGETALL', KEYS[4])
+  redis.call('HSET', KEYS[4], '!taken', '1')
+  for i = 1, #told do taken[#taken + 1] = told[i] end
+end
+return taken
+";
+
+/// Keeps answers for waiting run `ARGV[1]` (`KEYS[1]` its wait, `KEYS[2]` the leases):
+/// `ARGV[2..]` are call id and answer pairs. Answers `{'a', completed, left...}`, `{'n'}`
+/// (not waiting), `{'p', id}` (not pending) or `{'c', id}` (answered otherwise before).
+const ANSWER: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
+  return {'n'}
+end
+if redis.call('HEXISTS', KEYS[1], '!taken') == 1 or redis.call('HEXISTS', KEYS[1], '!done') == 1 then
+  -- A repeat of answers it received is accepted; anything else is late.
+  for i = 2, #ARGV, 2 do
+    local answer = redis.call('HGET', KEYS[1], 'c:' .. ARGV[i])
+    if not answer or answer == '' then return {'n'} end
+    if answer ~= ARGV[i + 1] then return {'c', ARGV[i]} end
+  end
+  return {'a', '0'}
+end
+for i = 2, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], 'c:' .. ARGV[i]) == 0 then return {'p', ARGV[i]} end
+end
+for i = 2, #ARGV, 2 do
+  local answer = redis.call('HGET', KEYS[1], 'c:' .. ARGV[i])
+  if answer ~= '' and answer ~= ARGV[i + 1] then return {'c', ARGV[i]} end
+end
+for i = 2, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], 'c:' .. ARGV[i]) == '' then
+    redis.call('HSET', KEYS[1], 'c:' .. ARGV[i], ARGV[i + 1])
+  end
+end
+local all = redis.call('HGETALL', KEYS[1])
+local answered = {'a', '0'}
+for i = 1, #all, 2 do
+  if all[i + 1] == '' then answered[#answered + 1] = string.sub(all[i], 3) end
+end
+if #answered == 2 then
+  answered[2] = '1'
+  redis.call('HSET', KEYS[1], '!done', '1')
+  redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
+end
+return answered
+";
+
+/// Cancels waiting run `ARGV[1]` (`KEYS[1]` its wait, `KEYS[2]` the leases): 1 when it
+/// waited.
+const CANCEL_WAITING: &str = r"
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], '!taken') == 1
+    or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], '!cancel', '1')
+redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
+return 1
 ";
 
 /// A script made of the fence's functions and `body`, hashed once.
@@ -518,6 +600,8 @@ script!(renew_script, RENEW);
 script!(release_script, RELEASE);
 script!(lapsed_script, LAPSED);
 script!(take_over_script, TAKE_OVER);
+script!(answer_script, ANSWER);
+script!(cancel_waiting_script, CANCEL_WAITING);
 
 impl RedisRuns {
     fn message_key(&self, session_id: &str, message_id: &str) -> String {
@@ -527,11 +611,12 @@ impl RedisRuns {
         )
     }
 
-    fn ttl(&self, record: &RunRecord) -> Duration {
+    fn ttl(&self, record: &RunRecord, wait: Option<Duration>) -> Duration {
         if record.ended() {
             self.0.limits.run_retention
         } else {
-            RUNNING_TTL + self.0.limits.run_retention
+            // A waiting run's keys outlive its wait, then what is left of its run.
+            RUNNING_TTL + wait.unwrap_or_default() + self.0.limits.run_retention
         }
     }
 }
@@ -593,6 +678,9 @@ impl RunStore for RedisRuns {
             (true, false) => "f",
             (false, false) => "",
         };
+        let wait = progress
+            .and_then(|p| p.wait)
+            .filter(|_| record.waiting() && !record.pending.is_empty());
         let written: u8 = save_script()
             .key(self.0.key("run", &record.run_id))
             .key(self.0.key("owner", &record.run_id))
@@ -600,12 +688,24 @@ impl RunStore for RedisRuns {
             .key(self.0.key("events", &record.run_id))
             .key(self.message_key(&record.session_id, &record.message_id))
             .key(self.0.key("resume", &record.run_id))
+            .key(self.0.key("wait", &record.run_id))
             .arg(&record.run_id)
             .arg(&record.owner)
-            .arg(millis(self.ttl(record)))
+            .arg(millis(self.ttl(record, wait)))
             .arg(millis(self.0.limits.lease))
             .arg(flags)
             .arg(count)
+            .arg(wait.map_or_else(String::new, |w| millis(w).to_string()))
+            .arg(if wait.is_some() {
+                record.pending.len()
+            } else {
+                0
+            })
+            .arg(
+                wait.iter()
+                    .flat_map(|_| record.pending.iter().map(|p| p.id.as_str()))
+                    .collect::<Vec<_>>(),
+            )
             .arg(fields)
             .invoke_async(&mut self.0.connection())
             .await
@@ -637,7 +737,52 @@ impl RunStore for RedisRuns {
         }
         steps.sort_by_key(|(index, _)| *index);
         record.steps = steps.into_iter().map(|(_, step)| step).collect();
+        if record.waiting() {
+            let told: HashMap<String, String> = self
+                .0
+                .connection()
+                .hgetall(self.0.key("wait", run_id))
+                .await
+                .map_err(|e| self.0.unavailable(&e))?;
+            for call in &mut record.pending {
+                call.answered = told
+                    .get(&format!("c:{}", call.id))
+                    .is_some_and(|answer| !answer.is_empty());
+            }
+        }
         Ok(Some(record))
+    }
+
+    async fn answer(&self, run_id: &str, answers: &[(String, String)]) -> StateResult<Answered> {
+        let mut script = answer_script().key(self.0.key("wait", run_id));
+        script.key(self.0.key("leases", "all")).arg(run_id);
+        for (id, answer) in answers {
+            script.arg(id).arg(answer);
+        }
+        let reply: Vec<String> = script
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(match reply.as_slice() {
+            [kind, completed, left @ ..] if kind == "a" => Answered::Accepted {
+                left: left.to_vec(),
+                completed: completed == "1",
+            },
+            [kind, id] if kind == "p" => Answered::NotPending(id.clone()),
+            [kind, id] if kind == "c" => Answered::Conflict(id.clone()),
+            _ => Answered::NotWaiting,
+        })
+    }
+
+    async fn cancel_waiting(&self, run_id: &str) -> StateResult<bool> {
+        let cancelled: u8 = cancel_waiting_script()
+            .key(self.0.key("wait", run_id))
+            .key(self.0.key("leases", "all"))
+            .arg(run_id)
+            .invoke_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(cancelled == 1)
     }
 
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
@@ -685,15 +830,30 @@ impl RunStore for RedisRuns {
             .key(self.0.key("leases", "all"))
             .key(self.0.key("owner", run_id))
             .key(self.0.key("resume", run_id))
+            .key(self.0.key("wait", run_id))
             .arg(run_id)
             .arg(token)
             .arg(millis(self.0.limits.lease))
             .invoke_async(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
-        let [previous_owner, handed_over] = taken.as_slice() else {
+        let [previous_owner, handed_over, told @ ..] = taken.as_slice() else {
             return Ok(None);
         };
+        let waited = (!told.is_empty()).then(|| {
+            let mut waited = Answers::default();
+            for pair in told.chunks_exact(2) {
+                match (pair[0].strip_prefix("c:"), pair[1].as_str()) {
+                    (Some(_), "") => {}
+                    (Some(id), answer) => {
+                        waited.answers.insert(id.to_owned(), answer.to_owned());
+                    }
+                    (None, _) if pair[0] == "!cancel" => waited.cancelled = true,
+                    (None, _) => {}
+                }
+            }
+            waited
+        });
         let fields: HashMap<String, String> = self
             .0
             .connection()
@@ -722,6 +882,7 @@ impl RunStore for RedisRuns {
             messages: messages.into_iter().map(|(_, m)| m.clone()).collect(),
             previous_owner: previous_owner.clone(),
             handed_over: handed_over == "1",
+            waited,
         }))
     }
 
@@ -875,8 +1036,58 @@ impl EventBus for RedisBus {
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
         if let Ok(local) = self.0.local.subscribe(run_id, after_sequence).await {
-            return Ok(local);
+            return Ok(self.then_shared(run_id, local));
         }
+        self.shared_log(run_id, after_sequence).await
+    }
+}
+
+impl RedisBus {
+    /// Follows this replica's copy of a run's log, then, when the run goes on elsewhere
+    /// (it waited and another replica continues it, or another replica took it over),
+    /// the shared log from where the copy stopped: a reader here never misses the rest.
+    fn then_shared(&self, run_id: &str, local: EventStream) -> EventStream {
+        use futures_util::StreamExt;
+        enum Source {
+            Local(EventStream),
+            Shared(EventStream),
+            Done,
+        }
+        let bus = RedisBus(self.0.clone());
+        let run_id = run_id.to_owned();
+        Box::pin(futures_util::stream::unfold(
+            Source::Local(local),
+            move |source| {
+                let bus = RedisBus(bus.0.clone());
+                let run_id = run_id.clone();
+                async move {
+                    match source {
+                        Source::Local(mut local) => match local.next().await {
+                            Some(Err(BusError::Moved { after })) => {
+                                match bus.shared_log(&run_id, after).await {
+                                    Ok(mut shared) => {
+                                        let next = shared.next().await?;
+                                        Some((next, Source::Shared(shared)))
+                                    }
+                                    Err(error) => Some((Err(error), Source::Done)),
+                                }
+                            }
+                            Some(item) => Some((item, Source::Local(local))),
+                            None => None,
+                        },
+                        Source::Shared(mut shared) => {
+                            let next = shared.next().await?;
+                            Some((next, Source::Shared(shared)))
+                        }
+                        Source::Done => None,
+                    }
+                }
+            },
+        ))
+    }
+
+    /// Follows the shared log of `run_id` from `after_sequence`.
+    async fn shared_log(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
         let key = self.0.key("events", run_id);
         let Some(last) = last_event(&self.0, &key).await? else {
             return Err(BusError::UnknownRun(run_id.to_owned()));

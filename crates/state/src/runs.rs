@@ -55,6 +55,40 @@ pub struct Progress {
     pub messages: Vec<String>,
     /// The index of `messages[0]` in the turn.
     pub first_message: usize,
+    /// With a record that waits ([`RunStatus::RequiresAction`](crate::RunStatus)): how
+    /// long the wait may last. The save lets the run's lease go (nobody executes a waiting
+    /// run) until every pending call is answered, the run is cancelled, or this elapses;
+    /// then any replica takes it over.
+    pub wait: Option<Duration>,
+}
+
+/// What a waiting run was told while it waited, as a replica taking it over reads it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Answers {
+    /// The answers that arrived, by call id (opaque to the store: JSON the engine reads).
+    pub answers: HashMap<String, String>,
+    /// Whether the run was cancelled while it waited.
+    pub cancelled: bool,
+}
+
+/// The outcome of [`RunStore::answer`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answered {
+    /// The answers are kept (an answer for a call answered already changes nothing).
+    Accepted {
+        /// The pending calls still without an answer.
+        left: Vec<String>,
+        /// Whether these answers were the last ones missing: the run may go on now (its
+        /// lease lapses at once, for whichever replica takes it first).
+        completed: bool,
+    },
+    /// The run does not wait (any more, or at all), and the answers are not ones it
+    /// received while it waited.
+    NotWaiting,
+    /// The run waits, but not for this call.
+    NotPending(String),
+    /// This call was answered already, with another answer (the first one stands).
+    Conflict(String),
 }
 
 /// A run taken over: its record (with its steps) and what continuing it needs.
@@ -72,6 +106,9 @@ pub struct Resumable {
     pub previous_owner: String,
     /// Whether that owner let it go (it shut down) rather than let its lease lapse.
     pub handed_over: bool,
+    /// For a run that waited ([`RunStatus::RequiresAction`](crate::RunStatus)): what it
+    /// was told meanwhile.
+    pub waited: Option<Answers>,
 }
 
 /// Stop requests as they are made.
@@ -122,7 +159,17 @@ pub trait RunStore: Send + Sync {
     /// (its lease holds, it ended, or another replica got it).
     async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>>;
 
-    /// The run's record, while it runs and for the retention after it ended.
+    /// Keeps answers (call id, answer) for the calls waiting run `run_id` waits for,
+    /// checking every call id first (nothing is kept when one is not pending). Exactly one
+    /// of several callers answering at once gets `completed`.
+    async fn answer(&self, run_id: &str, answers: &[(String, String)]) -> StateResult<Answered>;
+
+    /// Cancels waiting run `run_id`: its lease lapses at once, and the replica that takes
+    /// it over ends it cancelled. False when the run does not wait.
+    async fn cancel_waiting(&self, run_id: &str) -> StateResult<bool>;
+
+    /// The run's record, while it runs and for the retention after it ended; for a
+    /// waiting run, each pending call says whether it was answered.
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>>;
 
     /// Asks the replica executing `run_id` to stop it (at once, wherever it runs).
@@ -175,6 +222,18 @@ struct Inner {
     leases: HashMap<String, (String, Instant, bool)>,
     /// What continuing each running run needs: spec, state, messages.
     progress: HashMap<String, (String, String, Vec<String>)>,
+    /// The waits of runs that wait or waited, until their record expires.
+    waits: HashMap<String, Wait>,
+}
+
+/// What a waiting run was told.
+#[derive(Default)]
+struct Wait {
+    /// Each pending call, in call order, with its answer once it came.
+    answers: Vec<(String, Option<String>)>,
+    cancelled: bool,
+    /// Set when a replica took the run over: it waits no more.
+    taken: bool,
 }
 
 impl Inner {
@@ -187,6 +246,7 @@ impl Inner {
             if let Some((_, run_id)) = self.ended.pop_front()
                 && let Some(record) = self.records.remove(&run_id)
             {
+                self.waits.remove(&run_id);
                 let key = (record.session_id, record.message_id);
                 if self.keys.get(&key) == Some(&run_id) {
                     self.keys.remove(&key);
@@ -261,6 +321,9 @@ impl RunStore for MemoryRunStore {
         if record.ended() {
             inner.leases.remove(&record.run_id);
             inner.progress.remove(&record.run_id);
+            if let Some(wait) = inner.waits.get_mut(&record.run_id) {
+                wait.taken = true;
+            }
         } else if let Some(progress) = progress {
             let entry = inner.progress.entry(record.run_id.clone()).or_default();
             if let Some(spec) = &progress.spec {
@@ -269,6 +332,22 @@ impl RunStore for MemoryRunStore {
             entry.1.clone_from(&progress.state);
             entry.2.truncate(progress.first_message);
             entry.2.extend(progress.messages.iter().cloned());
+            if record.waiting() {
+                // Nobody executes the run until it is answered, cancelled or out of time.
+                let lapses = Instant::now() + progress.wait.unwrap_or(self.retention.lease);
+                inner
+                    .leases
+                    .insert(record.run_id.clone(), (String::new(), lapses, false));
+                let wait = Wait {
+                    answers: record
+                        .pending
+                        .iter()
+                        .map(|p| (p.id.clone(), None))
+                        .collect(),
+                    ..Wait::default()
+                };
+                inner.waits.insert(record.run_id.clone(), wait);
+            }
         }
         let newly_ended = record.ended()
             && inner
@@ -299,7 +378,98 @@ impl RunStore for MemoryRunStore {
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
         let mut inner = self.lock();
         inner.expire(self.retention.ended);
-        Ok(inner.records.get(run_id).cloned())
+        let Some(mut record) = inner.records.get(run_id).cloned() else {
+            return Ok(None);
+        };
+        if record.waiting()
+            && let Some(wait) = inner.waits.get(run_id)
+        {
+            for call in &mut record.pending {
+                call.answered = wait
+                    .answers
+                    .iter()
+                    .any(|(id, answer)| *id == call.id && answer.is_some());
+            }
+        }
+        Ok(Some(record))
+    }
+
+    async fn answer(&self, run_id: &str, answers: &[(String, String)]) -> StateResult<Answered> {
+        let mut inner = self.lock();
+        let Some(wait) = inner.waits.get_mut(run_id) else {
+            return Ok(Answered::NotWaiting);
+        };
+        let kept = |wait: &Wait, id: &str| -> Option<String> {
+            wait.answers
+                .iter()
+                .find(|(pending, _)| pending == id)
+                .and_then(|(_, answer)| answer.clone())
+        };
+        let complete = wait.answers.iter().all(|(_, a)| a.is_some());
+        if wait.taken || wait.cancelled || complete {
+            // A repeat of an answer the run received is accepted; anything else is late.
+            if wait.cancelled {
+                return Ok(Answered::NotWaiting);
+            }
+            for (id, answer) in answers {
+                match kept(wait, id) {
+                    Some(first) if first == *answer => {}
+                    Some(_) => return Ok(Answered::Conflict(id.clone())),
+                    None => return Ok(Answered::NotWaiting),
+                }
+            }
+            return Ok(Answered::Accepted {
+                left: Vec::new(),
+                completed: false,
+            });
+        }
+        if let Some((id, _)) = answers
+            .iter()
+            .find(|(id, _)| !wait.answers.iter().any(|(pending, _)| pending == id))
+        {
+            return Ok(Answered::NotPending(id.clone()));
+        }
+        if let Some((id, _)) = answers
+            .iter()
+            .find(|(id, answer)| kept(wait, id).is_some_and(|first| first != *answer))
+        {
+            return Ok(Answered::Conflict(id.clone()));
+        }
+        for (id, answer) in answers {
+            if let Some((_, slot)) = wait.answers.iter_mut().find(|(pending, _)| pending == id)
+                && slot.is_none()
+            {
+                *slot = Some(answer.clone());
+            }
+        }
+        let left: Vec<String> = wait
+            .answers
+            .iter()
+            .filter(|(_, a)| a.is_none())
+            .map(|(id, _)| id.clone())
+            .collect();
+        let completed = left.is_empty();
+        if completed && let Some((_, at, released)) = inner.leases.get_mut(run_id) {
+            *at = Instant::now();
+            *released = true;
+        }
+        Ok(Answered::Accepted { left, completed })
+    }
+
+    async fn cancel_waiting(&self, run_id: &str) -> StateResult<bool> {
+        let mut inner = self.lock();
+        let Some(wait) = inner.waits.get_mut(run_id) else {
+            return Ok(false);
+        };
+        if wait.taken || wait.cancelled {
+            return Ok(false);
+        }
+        wait.cancelled = true;
+        if let Some((_, at, released)) = inner.leases.get_mut(run_id) {
+            *at = Instant::now();
+            *released = true;
+        }
+        Ok(true)
     }
 
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
@@ -367,14 +537,29 @@ impl RunStore for MemoryRunStore {
         };
         let mut record = record.clone();
         token.clone_into(&mut record.owner);
-        Ok(Some(Resumable {
+        let mut resumable = Resumable {
             record,
             spec: spec.clone(),
             state: state.clone(),
             messages: messages.clone(),
             previous_owner,
             handed_over,
-        }))
+            waited: None,
+        };
+        if let Some(wait) = inner.waits.get_mut(run_id)
+            && !wait.taken
+        {
+            wait.taken = true;
+            resumable.waited = Some(Answers {
+                answers: wait
+                    .answers
+                    .iter()
+                    .filter_map(|(id, answer)| Some((id.clone(), answer.clone()?)))
+                    .collect(),
+                cancelled: wait.cancelled,
+            });
+        }
+        Ok(Some(resumable))
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {

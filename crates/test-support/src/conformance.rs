@@ -755,19 +755,29 @@ where
     );
     assert_eq!(
         other
-            .answer("w1", &answers(&[("c1", "\"second\"")]))
+            .answer("w1", &answers(&[("c1", "\"first\"")]))
             .await
             .unwrap(),
         accepted(&["c2"], false),
-        "an answer for a call answered already changes nothing"
+        "the same answer again changes nothing"
     );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c2", "true"), ("c1", "\"second\"")]))
+            .await
+            .unwrap(),
+        Answered::Conflict("c1".into()),
+        "another answer for a call answered already is refused, and nothing is kept"
+    );
+    let loaded = store.load("w1").await.unwrap().unwrap();
+    assert!(!loaded.pending[1].answered);
     assert!(!is_lapsed(&*store, "w1").await);
     assert_eq!(store.take_over("w1", "x.1").await.unwrap(), None);
 
     // The last missing answer completes the wait: the lease lapses at once.
     assert_eq!(
         other
-            .answer("w1", &answers(&[("c2", "true"), ("c1", "\"third\"")]))
+            .answer("w1", &answers(&[("c2", "true"), ("c1", "\"first\"")]))
             .await
             .unwrap(),
         accepted(&[], true)
@@ -778,7 +788,7 @@ where
     );
     assert_eq!(
         store
-            .answer("w1", &answers(&[("c2", "false")]))
+            .answer("w1", &answers(&[("c2", "true")]))
             .await
             .unwrap(),
         accepted(&[], false),
@@ -989,10 +999,9 @@ where
             .collect();
         assert_eq!(completed.len(), 1, "{replies:?}");
         assert!(
-            replies
-                .iter()
-                .all(|reply| *reply == accepted(&[], true) || *reply == accepted(&[], false)),
-            "{replies:?}"
+            replies.iter().all(|reply| *reply == accepted(&[], true)
+                || matches!(reply, Answered::Conflict(id) if ids.contains(&id.as_str()))),
+            "the others answered otherwise: {replies:?}"
         );
         assert!(is_lapsed(&*other, &run_id).await);
         let taken = take_over_once(&store, &other, &run_id).await;
@@ -1029,10 +1038,11 @@ where
             .count();
         assert_eq!(completed, 1, "{replies:?}");
         assert!(
-            replies.iter().all(|reply| matches!(
-                reply,
-                Answered::Accepted { left, .. } if left.iter().all(|id| ids.contains(&id.as_str()))
-            )),
+            replies.iter().all(|reply| match reply {
+                Answered::Accepted { left, .. } => left.iter().all(|id| ids.contains(&id.as_str())),
+                Answered::Conflict(id) => ids.contains(&id.as_str()),
+                _ => false,
+            }),
             "{replies:?}"
         );
         assert!(is_lapsed(&*store, &run_id).await);

@@ -4,7 +4,7 @@ use std::{pin::Pin, sync::Arc, time::Duration};
 
 use agentrt::v1::{self, agent_engine_server::AgentEngine};
 use agentrt_core::Violation;
-use agentrt_engine::RunSpec;
+use agentrt_engine::{RunSpec, ToolAnswer};
 use agentrt_events::{BusError, EventStream};
 use agentrt_models::ChatMessage;
 use agentrt_state::{EngineStore, RunRecord};
@@ -90,6 +90,81 @@ impl AgentEngineImpl {
             .await
             .map_err(Error::from)?
             .ok_or_else(|| Error::RunNotFound(run_id.to_owned()).into())
+    }
+}
+
+impl AgentEngineImpl {
+    async fn answer(
+        &self,
+        run_id: &str,
+        answers: Vec<(String, ToolAnswer)>,
+    ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        let outcome = self.runs.answer(run_id, answers).await?;
+        Ok(Response::new(v1::ToolAnswersResponse {
+            status: convert::run_status_to_wire(outcome.status) as i32,
+            pending_tool_call_ids: outcome.left,
+        }))
+    }
+}
+
+/// Most answers in one request (a round has at most this many calls that wait).
+const MAX_ANSWERS: usize = 128;
+/// Longest output of a client tool accepted, in bytes (the model is given at most the
+/// server's tool output limit of it).
+const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
+
+/// Checks the form of an answer request: a run id, at least one answer, each with a
+/// call id, each call once.
+fn check_answers<'a>(
+    run_id: &str,
+    field: &str,
+    answers: impl Iterator<Item = (&'a str, ToolAnswer)>,
+) -> Result<Vec<(String, ToolAnswer)>, Status> {
+    let mut violations = Vec::new();
+    if run_id.is_empty() {
+        violations.push(Violation::new("run_id", "required"));
+    }
+    let mut checked: Vec<(String, ToolAnswer)> = Vec::new();
+    for (index, (call_id, answer)) in answers.enumerate() {
+        if call_id.is_empty() {
+            violations.push(Violation::new(
+                format!("{field}[{index}].tool_call_id"),
+                "required",
+            ));
+        } else if let Some(first) = checked.iter().position(|(id, _)| id == call_id) {
+            violations.push(Violation::new(
+                format!("{field}[{index}].tool_call_id"),
+                format!("duplicate of {field}[{first}] ({call_id:?}): answer each call once"),
+            ));
+        }
+        let size = match &answer {
+            ToolAnswer::Output { output, .. } => output.len(),
+            ToolAnswer::Decision { reason, .. } => reason.len(),
+        };
+        if size > MAX_OUTPUT_BYTES {
+            let what = match &answer {
+                ToolAnswer::Output { .. } => "output",
+                ToolAnswer::Decision { .. } => "reason",
+            };
+            violations.push(Violation::new(
+                format!("{field}[{index}].{what}"),
+                format!("at most {MAX_OUTPUT_BYTES} bytes, got {size}"),
+            ));
+        }
+        checked.push((call_id.to_owned(), answer));
+    }
+    if checked.is_empty() {
+        violations.push(Violation::new(field, "at least one is required"));
+    } else if checked.len() > MAX_ANSWERS {
+        violations.push(Violation::new(
+            field,
+            format!("at most {MAX_ANSWERS}, got {}", checked.len()),
+        ));
+    }
+    if violations.is_empty() {
+        Ok(checked)
+    } else {
+        Err(Error::InvalidRequest(violations).into())
     }
 }
 
@@ -322,6 +397,48 @@ impl AgentEngine for AgentEngineImpl {
         Ok(Response::new(v1::CancelResponse {
             status: status as i32,
         }))
+    }
+
+    async fn submit_tool_outputs(
+        &self,
+        request: Request<v1::SubmitToolOutputsRequest>,
+    ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        let request = request.into_inner();
+        let answers = check_answers(
+            &request.run_id,
+            "outputs",
+            request.outputs.iter().map(|o| {
+                (
+                    o.tool_call_id.as_str(),
+                    ToolAnswer::Output {
+                        output: o.output.clone(),
+                        is_error: o.is_error,
+                    },
+                )
+            }),
+        )?;
+        self.answer(&request.run_id, answers).await
+    }
+
+    async fn approve_tool_calls(
+        &self,
+        request: Request<v1::ApproveToolCallsRequest>,
+    ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        let request = request.into_inner();
+        let answers = check_answers(
+            &request.run_id,
+            "decisions",
+            request.decisions.iter().map(|d| {
+                (
+                    d.tool_call_id.as_str(),
+                    ToolAnswer::Decision {
+                        approved: d.approved,
+                        reason: d.reason.clone(),
+                    },
+                )
+            }),
+        )?;
+        self.answer(&request.run_id, answers).await
     }
 
     async fn get_run(

@@ -7,7 +7,8 @@ use std::{
 
 use agentrt::v1;
 use agentrt_core::{
-    AgentConfig, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts, Violation,
+    AgentConfig, ClientTool, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
+    Violation,
 };
 use agentrt_engine::{RunRecord, RunStatus, StopReason};
 use agentrt_events::{EventData, EventKind, RunEvent};
@@ -39,6 +40,21 @@ pub fn config_from_wire(config: &v1::AgentConfig) -> AgentConfig {
         },
         max_iterations: u32::try_from(config.max_iterations).unwrap_or(1),
         tools: config.tools.iter().map(|t| t.name.clone()).collect(),
+        approval: config
+            .tools
+            .iter()
+            .filter(|t| t.require_approval)
+            .map(|t| t.name.clone())
+            .collect(),
+        client_tools: config
+            .client_tools
+            .iter()
+            .map(|t| ClientTool {
+                name: t.name.clone(),
+                description: t.description.clone(),
+                input_schema: crate::validate::client_tool_schema(t),
+            })
+            .collect(),
         parallel_tool_calls: config.parallel_tool_calls,
         max_parallel_tool_calls: u32::try_from(config.max_parallel_tool_calls).unwrap_or(1),
         context: ContextBudget {
@@ -50,6 +66,7 @@ pub fn config_from_wire(config: &v1::AgentConfig) -> AgentConfig {
             run: duration_from_wire(timeouts.run).unwrap_or(defaults.run),
             model_call: duration_from_wire(timeouts.model_call).unwrap_or(defaults.model_call),
             tool_call: duration_from_wire(timeouts.tool_call).unwrap_or(defaults.tool_call),
+            action: duration_from_wire(timeouts.action).unwrap_or(defaults.action),
         },
     }
 }
@@ -80,7 +97,19 @@ pub fn config_to_wire(config: &AgentConfig) -> v1::AgentConfig {
         tools: config
             .tools
             .iter()
-            .map(|name| v1::ToolRef { name: name.clone() })
+            .map(|name| v1::ToolRef {
+                name: name.clone(),
+                require_approval: config.needs_approval(name),
+            })
+            .collect(),
+        client_tools: config
+            .client_tools
+            .iter()
+            .map(|t| v1::ClientTool {
+                name: t.name.clone(),
+                description: t.description.clone(),
+                input_schema: agentrt::json::json_to_struct(&t.input_schema),
+            })
             .collect(),
         parallel_tool_calls: config.parallel_tool_calls,
         max_parallel_tool_calls: clamp(config.max_parallel_tool_calls),
@@ -91,6 +120,7 @@ pub fn config_to_wire(config: &AgentConfig) -> v1::AgentConfig {
             run: duration_to_wire(config.timeouts.run),
             model_call: duration_to_wire(config.timeouts.model_call),
             tool_call: duration_to_wire(config.timeouts.tool_call),
+            action: duration_to_wire(config.timeouts.action),
         }),
     }
 }
@@ -125,6 +155,7 @@ pub fn event_to_wire(
             EventKind::Error => v1::EventType::Error,
             EventKind::RunStarted => v1::EventType::RunStarted,
             EventKind::RoundRestarted => v1::EventType::RoundRestarted,
+            EventKind::ActionRequired => v1::EventType::ActionRequired,
         } as i32,
         content: event.content.clone(),
         data: event.data.as_deref().map(event_data_to_wire),
@@ -188,7 +219,10 @@ pub fn event_data_to_wire(data: &EventData) -> prost_types::Struct {
         EventData::RunStarted { engine_id, agent } => {
             fields([("engine_id", text(engine_id)), ("agent", text(agent))])
         }
-        EventData::References { .. } | EventData::End(_) | EventData::RoundRestarted { .. } => {
+        EventData::References { .. }
+        | EventData::End(_)
+        | EventData::RoundRestarted { .. }
+        | EventData::ActionRequired { .. } => {
             return agentrt::json::json_to_struct(&data.to_json()).unwrap_or_default();
         }
     };
@@ -203,6 +237,7 @@ pub fn run_status_to_wire(status: RunStatus) -> v1::RunStatus {
         RunStatus::Failed => v1::RunStatus::Failed,
         RunStatus::Cancelled => v1::RunStatus::Cancelled,
         RunStatus::Incomplete => v1::RunStatus::Incomplete,
+        RunStatus::RequiresAction => v1::RunStatus::RequiresAction,
     }
 }
 
@@ -217,6 +252,7 @@ fn stop_reason_to_wire(reason: Option<StopReason>) -> v1::StopReason {
         Some(StopReason::Shutdown) => v1::StopReason::Shutdown,
         Some(StopReason::InternalError) => v1::StopReason::InternalError,
         Some(StopReason::MaxTokens) => v1::StopReason::MaxTokens,
+        Some(StopReason::ActionTimeout) => v1::StopReason::ActionTimeout,
     }
 }
 
@@ -334,6 +370,17 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
         create_time: Some(timestamp(record.create_time)),
         update_time: Some(timestamp(record.update_time)),
         truncated: false,
+        pending_tool_calls: record
+            .pending
+            .iter()
+            .map(|call| v1::PendingToolCall {
+                id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: agentrt::json::json_to_struct(&call.arguments.value()),
+                action: call.action.as_str().to_owned(),
+                answered: call.answered,
+            })
+            .collect(),
     }
 }
 
@@ -471,6 +518,7 @@ mod tests {
             usage: agentrt_engine::TokenUsage::default(),
             error: None,
             last_sequence: 3,
+            pending: Vec::new(),
             create_time: now,
             update_time: now,
             abandoned: false,
@@ -524,6 +572,7 @@ mod tests {
             max_iterations: 7,
             tools: vec![v1::ToolRef {
                 name: "calculator".into(),
+                require_approval: true,
             }],
             parallel_tool_calls: true,
             max_parallel_tool_calls: 2,
@@ -543,7 +592,20 @@ mod tests {
                     seconds: 10,
                     nanos: 0,
                 }),
+                action: Some(prost_types::Duration {
+                    seconds: 600,
+                    nanos: 0,
+                }),
             }),
+            client_tools: vec![v1::ClientTool {
+                name: "lookup_order".into(),
+                description: "Finds an order".into(),
+                input_schema: agentrt::json::json_to_struct(&serde_json::json!({
+                    "type": "object",
+                    "properties": {"id": {"type": "string"}},
+                    "required": ["id"],
+                })),
+            }],
         };
         assert_eq!(config_to_wire(&config_from_wire(&wire)), wire);
     }

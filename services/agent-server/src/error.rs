@@ -41,6 +41,46 @@ pub enum Error {
     /// A run could not start.
     #[error(transparent)]
     RunStart(#[from] crate::runs::RunStartError),
+    /// The run does not wait for tool outputs or approvals.
+    #[error("run {run_id:?} is not waiting for tool outputs or approvals (it is {status})")]
+    RunNotWaiting {
+        /// The run.
+        run_id: String,
+        /// What it is doing instead.
+        status: &'static str,
+    },
+    /// The run waits, but not for this call.
+    #[error("run {run_id:?} is not waiting for tool call {call_id:?} (it waits for: {waiting})")]
+    CallNotPending {
+        /// The run.
+        run_id: String,
+        /// The call.
+        call_id: String,
+        /// The calls it waits for.
+        waiting: String,
+    },
+    /// The call was answered already, otherwise.
+    #[error(
+        "tool call {call_id:?} of run {run_id:?} was answered already, with another answer; the first answer stands"
+    )]
+    AnsweredOtherwise {
+        /// The run.
+        run_id: String,
+        /// The call.
+        call_id: String,
+    },
+    /// The call waits for the other kind of answer.
+    #[error("tool call {call_id:?} of run {run_id:?} waits for {wanted}; answer it with {rpc}")]
+    WrongAnswer {
+        /// The run.
+        run_id: String,
+        /// The call.
+        call_id: String,
+        /// What it waits for.
+        wanted: &'static str,
+        /// The RPC that answers it.
+        rpc: &'static str,
+    },
     /// This replica shuts down and hands its runs over: a stream it served resumes on
     /// another one.
     #[error(
@@ -90,6 +130,18 @@ impl From<Error> for Status {
             Error::Bus(error @ BusError::Lagged { .. }) => Status::out_of_range(error.to_string()),
             Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
             Error::EventsExpired(_) => Status::out_of_range(error.to_string()),
+            error @ Error::RunNotWaiting { .. } => {
+                status::failed_precondition("RUN_NOT_WAITING", error.to_string())
+            }
+            error @ Error::CallNotPending { .. } => {
+                status::failed_precondition("TOOL_CALL_NOT_PENDING", error.to_string())
+            }
+            error @ Error::AnsweredOtherwise { .. } => {
+                status::failed_precondition("TOOL_CALL_ANSWERED", error.to_string())
+            }
+            error @ Error::WrongAnswer { .. } => {
+                status::failed_precondition("WRONG_ANSWER_KIND", error.to_string())
+            }
             error @ Error::ShuttingDown { .. } => status::unavailable(
                 "REPLICA_SHUTTING_DOWN",
                 error.to_string(),

@@ -200,6 +200,7 @@ pub async fn serve(
         runs::RunLimits {
             max_active: settings.runs.max_active,
             takeover_after: shared.then_some(settings.runs.takeover_after),
+            lease: settings.runs.takeover_after,
         },
     )
     .await

@@ -12,10 +12,10 @@ use std::{
     time::Duration,
 };
 
-use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StartedRun, StopReason};
+use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StartedRun, StopReason, ToolAnswer};
 use agentrt_events::{BusError, EventBus, EventStream};
 use agentrt_metrics::Metrics;
-use agentrt_state::{Claim, Lease, RunRecord, RunStatus, RunStore, StateError};
+use agentrt_state::{Action, Answered, Claim, Lease, RunRecord, RunStatus, RunStore, StateError};
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +64,17 @@ pub struct RunLimits {
     /// With shared state: how long a run's lease lasts unrenewed, after which another
     /// replica takes it over. `None` in memory: runs live and die with this process.
     pub takeover_after: Option<Duration>,
+    /// How long a lease lasts unrenewed: with shared state, `takeover_after`; in memory,
+    /// the lease of a run that waited and goes on (its store's lease).
+    pub lease: Duration,
+}
+
+/// Where a run is after answers to the calls it waits for.
+pub struct AnswerOutcome {
+    /// `RequiresAction` while calls are left; `Running` once it goes on.
+    pub status: RunStatus,
+    /// The calls still without an answer.
+    pub left: Vec<String>,
 }
 
 /// How often, at most, a replica looks for runs to take over (less often with a longer
@@ -149,10 +160,10 @@ impl RunManager {
                 }
             }
         });
-        if let Some(lease) = limits.takeover_after {
-            tokio::spawn(renew_leases(Arc::downgrade(&manager), lease));
-            tokio::spawn(take_over_runs(Arc::downgrade(&manager), lease));
-        }
+        // With state in memory too: a run that waited is continued from the store, by
+        // this replica, when it is answered, cancelled or out of time.
+        tokio::spawn(renew_leases(Arc::downgrade(&manager), limits.lease));
+        tokio::spawn(take_over_runs(Arc::downgrade(&manager), limits.lease));
         Ok(manager)
     }
 
@@ -171,6 +182,7 @@ impl RunManager {
     fn leases(&self) -> Vec<Lease> {
         self.lock()
             .iter()
+            .filter(|(_, run)| !run.token.is_empty())
             .map(|(run_id, run)| Lease {
                 run_id: run_id.clone(),
                 token: run.token.clone(),
@@ -222,6 +234,7 @@ impl RunManager {
         };
         let previous = taken.previous_owner.clone();
         let handover = taken.handed_over;
+        let waited = taken.waited.is_some();
         let control = Arc::new(RunControl::default());
         match self
             .engine
@@ -235,8 +248,12 @@ impl RunManager {
             .await
         {
             Ok(started) => {
-                Metrics::global().run_taken_over(handover);
-                info!(%run_id, previous_owner = %previous, handover, "run taken over");
+                if waited {
+                    info!(%run_id, "run that waited goes on");
+                } else {
+                    Metrics::global().run_taken_over(handover);
+                    info!(%run_id, previous_owner = %previous, handover, "run taken over");
+                }
                 self.spawn(started, &run_id, control, token, slot);
                 Ok(true)
             }
@@ -479,10 +496,97 @@ impl RunManager {
         }
     }
 
+    /// Answers calls that waiting run `run_id` waits for, through any replica; the run
+    /// goes on here once the last one is answered.
+    pub async fn answer(
+        self: &Arc<Self>,
+        run_id: &str,
+        answers: Vec<(String, ToolAnswer)>,
+    ) -> Result<AnswerOutcome, crate::error::Error> {
+        use crate::error::Error;
+        let record = self
+            .store
+            .load(run_id)
+            .await?
+            .ok_or_else(|| Error::RunNotFound(run_id.to_owned()))?;
+        let waiting = || {
+            record
+                .pending
+                .iter()
+                .filter(|p| !p.answered)
+                .map(|p| p.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if record.waiting() {
+            for (call_id, answer) in &answers {
+                match record.pending.iter().find(|p| p.id == *call_id) {
+                    None => {
+                        return Err(Error::CallNotPending {
+                            run_id: run_id.to_owned(),
+                            call_id: call_id.clone(),
+                            waiting: waiting(),
+                        });
+                    }
+                    Some(pending) if !answer.answers(pending.action) => {
+                        let (wanted, rpc) = match pending.action {
+                            Action::Approve => ("an approval", "ApproveToolCalls"),
+                            Action::ClientExecute => ("the client's output", "SubmitToolOutputs"),
+                        };
+                        return Err(Error::WrongAnswer {
+                            run_id: run_id.to_owned(),
+                            call_id: call_id.clone(),
+                            wanted,
+                            rpc,
+                        });
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let encoded: Vec<(String, String)> = answers
+            .iter()
+            .map(|(id, answer)| (id.clone(), answer.encode()))
+            .collect();
+        match self.store.answer(run_id, &encoded).await? {
+            Answered::NotWaiting => Err(Error::RunNotWaiting {
+                run_id: run_id.to_owned(),
+                status: status_name(record.status),
+            }),
+            Answered::NotPending(call_id) => Err(Error::CallNotPending {
+                run_id: run_id.to_owned(),
+                call_id,
+                waiting: waiting(),
+            }),
+            Answered::Conflict(call_id) => Err(Error::AnsweredOtherwise {
+                run_id: run_id.to_owned(),
+                call_id,
+            }),
+            Answered::Accepted { left, completed } => {
+                if completed {
+                    // Goes on here at once; should this replica not get it (another took
+                    // it first, or there is no room), the take-over loops will.
+                    match self.take_over(run_id.to_owned()).await {
+                        Ok(_) => {}
+                        Err(error) => {
+                            warn!(%run_id, %error, "cannot continue an answered run here yet");
+                        }
+                    }
+                }
+                let status = if left.is_empty() {
+                    RunStatus::Running
+                } else {
+                    RunStatus::RequiresAction
+                };
+                Ok(AnswerOutcome { status, left })
+            }
+        }
+    }
+
     /// Stops the run wherever it executes and waits, at most `wait`, for it to end;
     /// answers its record then. `None` for an unknown run.
     pub async fn cancel(
-        &self,
+        self: &Arc<Self>,
         run_id: &str,
         wait: Duration,
     ) -> Result<Option<RunRecord>, StateError> {
@@ -491,6 +595,13 @@ impl RunManager {
         };
         if record.ended() {
             return Ok(Some(record));
+        }
+        if record.waiting() && self.store.cancel_waiting(run_id).await? {
+            // Nobody executes a waiting run: it ends here, or on whichever replica takes
+            // it first.
+            if let Err(error) = self.take_over(run_id.to_owned()).await {
+                warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
+            }
         }
         let local = self
             .lock()
@@ -542,6 +653,18 @@ impl RunManager {
         for control in controls {
             control.stop(reason);
         }
+    }
+}
+
+/// A status's name, for messages.
+fn status_name(status: RunStatus) -> &'static str {
+    match status {
+        RunStatus::Running => "running",
+        RunStatus::Succeeded => "succeeded",
+        RunStatus::Failed => "failed",
+        RunStatus::Cancelled => "cancelled",
+        RunStatus::Incomplete => "incomplete",
+        RunStatus::RequiresAction => "waiting",
     }
 }
 

@@ -129,6 +129,7 @@ impl ConfigValidator {
         check
             .violations
             .extend(tool_violations.into_iter().map(|(_, v)| v));
+        tools.extend(check.client_tools(&effective.tools, &effective.client_tools));
         check.parallel(&mut effective.max_parallel_tool_calls);
         check.context(effective.context.get_or_insert_default());
         check.timeouts(effective.timeouts.get_or_insert_default());
@@ -237,6 +238,14 @@ impl ConfigValidator {
             );
         }
     }
+}
+
+/// The input schema of a client tool: an object of any properties when none is given.
+pub fn client_tool_schema(tool: &v1::ClientTool) -> serde_json::Value {
+    tool.input_schema.as_ref().map_or_else(
+        || serde_json::json!({"type": "object", "properties": {}}),
+        agentrt::json::struct_to_json,
+    )
 }
 
 /// Names listed in a message at most; a catalogue of many MCP tools would otherwise put
@@ -356,6 +365,88 @@ impl Check {
         (wanted, violations)
     }
 
+    /// Checks the client tools (names well formed, unique, not also an executor tool of
+    /// the config; descriptions bounded; input schemas valid JSON Schema of an object);
+    /// answers the specs the model is offered for those that pass.
+    fn client_tools(&mut self, tools: &[v1::ToolRef], client: &[v1::ClientTool]) -> Vec<ToolSpec> {
+        if tools.len() + client.len() > limits::MAX_TOOLS {
+            self.violation(
+                "client_tools",
+                format!(
+                    "at most {} tools and client tools together, got {}",
+                    limits::MAX_TOOLS,
+                    tools.len() + client.len()
+                ),
+            );
+        }
+        let mut specs = Vec::new();
+        let mut seen: HashMap<&str, usize> = HashMap::new();
+        for (index, tool) in client.iter().enumerate() {
+            let field = format!("client_tools[{index}]");
+            let mut valid = true;
+            if tool.name.is_empty() {
+                self.violation(format!("{field}.name"), "required");
+                valid = false;
+            } else if tool.name.len() > 64
+                || !tool
+                    .name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+            {
+                self.violation(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'",
+                        tool.name
+                    ),
+                );
+                valid = false;
+            } else if let Some(first) = seen.get(tool.name.as_str()) {
+                self.violation(
+                    format!("{field}.name"),
+                    format!("duplicate of client_tools[{first}] ({:?})", tool.name),
+                );
+                valid = false;
+            } else if let Some(at) = tools.iter().position(|t| t.name == tool.name) {
+                self.violation(
+                    format!("{field}.name"),
+                    format!(
+                        "{:?} is also tools[{at}]: a client tool may not have the name of a tool of the executor",
+                        tool.name
+                    ),
+                );
+                valid = false;
+            } else {
+                seen.insert(&tool.name, index);
+            }
+            let chars = tool.description.chars().count();
+            if chars > limits::CLIENT_TOOL_DESCRIPTION_MAX_CHARS {
+                self.violation(
+                    format!("{field}.description"),
+                    format!(
+                        "must be at most {} characters, got {chars}",
+                        limits::CLIENT_TOOL_DESCRIPTION_MAX_CHARS
+                    ),
+                );
+                valid = false;
+            }
+            let schema = client_tool_schema(tool);
+            if let Err(why) = agentrt_engine::check_input_schema(&schema) {
+                self.violation(format!("{field}.input_schema"), why);
+                valid = false;
+            }
+            if valid {
+                specs.push(ToolSpec {
+                    name: tool.name.clone(),
+                    description: tool.description.clone(),
+                    input_schema: schema.into(),
+                    source: agentrt_core::ToolSource::Client,
+                });
+            }
+        }
+        specs
+    }
+
     fn parallel(&mut self, cap: &mut i32) {
         if *cap == 0 {
             *cap = limits::DEFAULT_PARALLEL_TOOL_CALLS;
@@ -389,6 +480,14 @@ impl Check {
             &mut timeouts.run,
             limits::DEFAULT_RUN_TIMEOUT,
         );
+        let action = self.timeout(
+            "timeouts.action",
+            &mut timeouts.action,
+            limits::DEFAULT_ACTION_TIMEOUT,
+        );
+        if action.is_some_and(|a| a > limits::MAX_ACTION_TIMEOUT) {
+            self.violation("timeouts.action", "must be at most 7 days (604800s)");
+        }
         let model = self.timeout(
             "timeouts.model_call",
             &mut timeouts.model_call,
@@ -563,15 +662,19 @@ mod tests {
             tools: vec![
                 v1::ToolRef {
                     name: "calculator".into(),
+                    require_approval: false,
                 },
                 v1::ToolRef {
                     name: "calculator".into(),
+                    require_approval: false,
                 },
                 v1::ToolRef {
                     name: "nope".into(),
+                    require_approval: false,
                 },
                 v1::ToolRef {
                     name: String::new(),
+                    require_approval: false,
                 },
             ],
             max_parallel_tool_calls: 65,
@@ -591,7 +694,35 @@ mod tests {
                     seconds: 20,
                     nanos: 0,
                 }),
+                action: Some(prost_types::Duration {
+                    seconds: 8 * 24 * 3600,
+                    nanos: 0,
+                }),
             }),
+            client_tools: vec![
+                v1::ClientTool {
+                    name: "lookup order".into(),
+                    ..Default::default()
+                },
+                v1::ClientTool {
+                    name: "calculator".into(),
+                    ..Default::default()
+                },
+                v1::ClientTool {
+                    name: "book".into(),
+                    input_schema: agentrt::json::json_to_struct(
+                        &serde_json::json!({"type": "object", "properties": {"n": {"type": 7}}}),
+                    ),
+                    ..Default::default()
+                },
+                v1::ClientTool {
+                    name: "book".into(),
+                    input_schema: agentrt::json::json_to_struct(
+                        &serde_json::json!({"type": "array"}),
+                    ),
+                    ..Default::default()
+                },
+            ],
             ..Default::default()
         };
         let checked = validator(Ok(vec![calculator()]))
@@ -616,12 +747,31 @@ mod tests {
                 "tools[1].name",
                 "tools[2].name",
                 "tools[3].name",
+                "client_tools[0].name",
+                "client_tools[1].name",
+                "client_tools[2].input_schema",
+                "client_tools[3].name",
+                "client_tools[3].input_schema",
                 "max_parallel_tool_calls",
                 "context.max_prompt_tokens",
+                "timeouts.action",
                 "timeouts.model_call",
                 "timeouts.tool_call",
             ]
         );
+        let about = |field: &str| {
+            checked
+                .violations
+                .iter()
+                .find(|v| v.field == field)
+                .map(|v| v.description.clone())
+                .unwrap()
+        };
+        assert!(about("client_tools[1].name").contains("also tools[0]"));
+        assert!(about("client_tools[2].input_schema").contains("not a valid JSON Schema"));
+        assert!(about("client_tools[3].name").contains("duplicate of client_tools[2]"));
+        assert!(about("client_tools[3].input_schema").contains("must describe an object"));
+        assert!(about("timeouts.action").contains("7 days"));
         assert!(
             checked.violations[7]
                 .description
@@ -645,6 +795,7 @@ mod tests {
         let mut with_tools = minimal();
         with_tools.tools.push(v1::ToolRef {
             name: "calculator".into(),
+            require_approval: false,
         });
         assert!(v.check(Some(&with_tools)).await.is_err());
     }

@@ -193,6 +193,7 @@ impl Stack {
             }),
             tools: vec![v1::ToolRef {
                 name: "calculator".into(),
+                require_approval: false,
             }],
             max_iterations: 20,
             ..Default::default()

@@ -139,6 +139,8 @@ fn tool_to_wire(spec: &ToolSpec) -> v1::Tool {
             ToolSource::Builtin => v1::ToolSource::Builtin,
             ToolSource::Http => v1::ToolSource::Http,
             ToolSource::Mcp => v1::ToolSource::Mcp,
+            // The executor lists only its own tools.
+            ToolSource::Client => v1::ToolSource::Unspecified,
         } as i32,
     }
 }

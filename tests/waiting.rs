@@ -1,0 +1,738 @@
+//! Runs that wait: tools whose calls need a person's approval (`ToolRef.require_approval`)
+//! and tools the caller runs itself (`AgentConfig.client_tools`). A round's calls that
+//! need nothing run at once; the others produce one EVENT_TYPE_ACTION_REQUIRED event, the
+//! run says RUN_STATUS_REQUIRES_ACTION and holds nothing until `ApproveToolCalls` and
+//! `SubmitToolOutputs` have answered every call, then goes on in the same stream.
+//!
+//! The tests with Redis need it at `AGENTRT_TEST_REDIS` (default
+//! `redis://127.0.0.1:6379/0`); `scripts/test` starts one when none answers. Each keeps
+//! its keys under a prefix of its own.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use agentrt::v1::{
+    self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
+};
+use agentrt_test_support::{
+    Server, agent_server_with_model,
+    conformance::{redis_prefix, redis_url},
+    connect,
+};
+use common::{Stack, assert_well_formed, collect, create_engine, data, done, kind, of_kind, rest};
+use serde_json::{Value, json};
+use tokio_stream::StreamExt;
+use tonic::{Code, Streaming, transport::Channel};
+
+type Event = v1::AgentStreamEvent;
+
+const SCENARIOS: &str = r#"{"scenarios": {
+  "one": {"turns": [
+    {"tool_calls": [{"id": "c1", "name": "calculator", "arguments": {"expression": "6 * 7"}}]},
+    {"content": "results: {tool_results}"}]},
+  "mix": {"turns": [
+    {"tool_calls": [
+      {"id": "t1", "name": "calculator", "arguments": {"expression": "1 + 1"}},
+      {"id": "t2", "name": "lookup_order", "arguments": {"order_id": "A-17"}},
+      {"id": "t3", "name": "sleep", "arguments": {"seconds": 0}},
+      {"id": "t4", "name": "lookup_order", "arguments": {"order": 17}},
+      {"id": "t5", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
+    {"content": "results: {tool_results}"}]},
+  "client": {"turns": [
+    {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"content": "results: {tool_results}"}]},
+  "react": {"turns": [
+    {"content": "Thought: I need the order.\nAction: lookup_order\nAction Input: {\"order_id\": \"A-17\"}"},
+    {"content": "Thought: I know it now.\nFinal Answer: the order is shipped"}]}
+}}"#;
+
+/// The client tool of these tests.
+fn lookup_order() -> v1::ClientTool {
+    v1::ClientTool {
+        name: "lookup_order".into(),
+        description: "Finds an order of the caller's shop by its id.".into(),
+        input_schema: agentrt::json::json_to_struct(&json!({
+            "type": "object",
+            "properties": {"order_id": {"type": "string"}},
+            "required": ["order_id"],
+            "additionalProperties": false,
+        })),
+    }
+}
+
+/// An agent on `model` with the calculator, `sleep` (needing approval when `approve_sleep`)
+/// and the client tool `lookup_order`; `approve_calculator` makes the calculator need
+/// approval too.
+fn waiting_agent(model: &str, approve_calculator: bool) -> v1::AgentConfig {
+    v1::AgentConfig {
+        name: "waiter".into(),
+        model: Some(v1::ModelConfig {
+            name: model.into(),
+            ..Default::default()
+        }),
+        tools: vec![
+            v1::ToolRef {
+                name: "calculator".into(),
+                require_approval: approve_calculator,
+            },
+            v1::ToolRef {
+                name: "sleep".into(),
+                require_approval: true,
+            },
+        ],
+        client_tools: vec![lookup_order()],
+        parallel_tool_calls: true,
+        ..Default::default()
+    }
+}
+
+/// Reads `stream` until its EVENT_TYPE_ACTION_REQUIRED event: the events read, that
+/// event's data.
+async fn until_action(stream: &mut Streaming<Event>) -> (Vec<Event>, Value) {
+    let mut events = Vec::new();
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), stream.next())
+            .await
+            .expect("no ACTION_REQUIRED event within 30 s")
+            .expect("the stream ended before ACTION_REQUIRED")
+            .expect("the stream failed before ACTION_REQUIRED");
+        assert!(!event.done, "the run ended without waiting: {event:?}");
+        let action = kind(&event) == v1::EventType::ActionRequired;
+        let payload = action.then(|| data(&event));
+        events.push(event);
+        if let Some(payload) = payload {
+            return (events, payload);
+        }
+    }
+}
+
+async fn execute(engine: &mut AgentEngineClient<Channel>, engine_id: &str) -> Streaming<Event> {
+    engine
+        .execute(v1::ExecuteRequest {
+            engine_id: engine_id.into(),
+            query: "where is my order?".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn approve(
+    engine: &mut AgentEngineClient<Channel>,
+    run_id: &str,
+    decisions: &[(&str, bool, &str)],
+) -> Result<v1::ToolAnswersResponse, tonic::Status> {
+    engine
+        .approve_tool_calls(v1::ApproveToolCallsRequest {
+            run_id: run_id.into(),
+            decisions: decisions
+                .iter()
+                .map(|(id, approved, reason)| v1::ToolCallDecision {
+                    tool_call_id: (*id).into(),
+                    approved: *approved,
+                    reason: (*reason).into(),
+                })
+                .collect(),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+async fn submit(
+    engine: &mut AgentEngineClient<Channel>,
+    run_id: &str,
+    outputs: &[(&str, &str)],
+) -> Result<v1::ToolAnswersResponse, tonic::Status> {
+    engine
+        .submit_tool_outputs(v1::SubmitToolOutputsRequest {
+            run_id: run_id.into(),
+            outputs: outputs
+                .iter()
+                .map(|(id, output)| v1::ToolOutput {
+                    tool_call_id: (*id).into(),
+                    output: (*output).into(),
+                    is_error: false,
+                })
+                .collect(),
+        })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+async fn get_run(engine: &mut AgentEngineClient<Channel>, run_id: &str) -> v1::AgentState {
+    engine
+        .get_run(v1::GetRunRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// The answer text of a run's events.
+fn answer(events: &[Event]) -> String {
+    events
+        .iter()
+        .filter(|e| kind(e) == v1::EventType::FinalAnswer && !e.done)
+        .map(|e| e.content.as_str())
+        .collect()
+}
+
+/// The pending calls of ACTION_REQUIRED data, as (id, name, action).
+fn pending(action: &Value) -> Vec<(String, String, String)> {
+    action["tool_calls"]
+        .as_array()
+        .expect("tool_calls")
+        .iter()
+        .map(|c| {
+            (
+                c["id"].as_str().unwrap().to_owned(),
+                c["name"].as_str().unwrap().to_owned(),
+                c["action"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+fn status_reason(status: &tonic::Status) -> String {
+    tonic_types::StatusExt::get_details_error_info(status)
+        .map(|info| info.reason)
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let engine_id = stack.engine_for(waiting_agent("one", true)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, action) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    assert_eq!(
+        pending(&action),
+        [(
+            "c1".to_owned(),
+            "calculator".to_owned(),
+            "approve".to_owned()
+        )]
+    );
+    assert_eq!(action["tool_calls"][0]["arguments"]["expression"], "6 * 7");
+    assert!(
+        of_kind(&before, v1::EventType::ToolCall)
+            .iter()
+            .any(|c| c["id"] == "c1"),
+        "the call is announced before the wait"
+    );
+    assert!(of_kind(&before, v1::EventType::ToolResult).is_empty());
+
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+    assert_eq!(state.stop_reason, v1::StopReason::Unspecified as i32);
+    assert_eq!(state.pending_tool_calls.len(), 1);
+    let call = &state.pending_tool_calls[0];
+    assert_eq!(
+        (call.id.as_str(), call.name.as_str(), call.action.as_str()),
+        ("c1", "calculator", "approve")
+    );
+    assert!(!call.answered);
+
+    let answered = approve(&mut stack.engine, &run_id, &[("c1", true, "")])
+        .await
+        .unwrap();
+    assert_eq!(answered.status, v1::RunStatus::Running as i32);
+    assert!(answered.pending_tool_call_ids.is_empty());
+
+    let after = rest(stream).await;
+    let events: Vec<Event> = before.into_iter().chain(after).collect();
+    assert_well_formed(&events);
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0]["id"], "c1");
+    assert_eq!(results[0]["output"], "42");
+    assert_eq!(results[0]["is_error"], false);
+    assert_eq!(answer(&events), "results: 42");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Succeeded as i32);
+    assert_eq!(state.final_answer, "results: 42");
+    assert!(state.pending_tool_calls.is_empty());
+
+    // Answered again once it went on: accepted once, nothing changes.
+    let again = approve(&mut stack.engine, &run_id, &[("c1", true, "")])
+        .await
+        .unwrap();
+    assert!(again.pending_tool_call_ids.is_empty());
+    // Another answer once it went on: FAILED_PRECONDITION, the first answer stands.
+    let late = approve(&mut stack.engine, &run_id, &[("c1", false, "no")])
+        .await
+        .unwrap_err();
+    assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
+    assert_eq!(status_reason(&late), "TOOL_CALL_ANSWERED");
+}
+
+#[tokio::test]
+async fn a_denied_call_goes_back_to_the_model_with_the_reason() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let engine_id = stack.engine_for(waiting_agent("one", true)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    approve(
+        &mut stack.engine,
+        &run_id,
+        &[("c1", false, "arithmetic is not allowed today")],
+    )
+    .await
+    .unwrap();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["is_error"], true);
+    let output = results[0]["output"].as_str().unwrap();
+    assert!(output.contains("denied"), "{output}");
+    assert!(
+        output.contains("arithmetic is not allowed today"),
+        "{output}"
+    );
+    // The model read it: the simulator echoes the tool results it was sent.
+    let said = answer(&events);
+    assert!(said.contains("arithmetic is not allowed today"), "{said}");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+/// One round with an ordinary call, two client calls (one with arguments that break the
+/// tool's schema) and a call needing approval: the ordinary call runs at once, the bad
+/// client call goes back to the model, the others wait and are answered in any order,
+/// one at a time, with repeats, an unknown id and an answer of the wrong kind on the way.
+#[tokio::test]
+async fn a_mixed_round_answered_in_any_order_with_repeats_and_mistakes() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let engine_id = stack.engine_for(waiting_agent("mix", false)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, action) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    assert_eq!(
+        pending(&action),
+        [
+            (
+                "t2".to_owned(),
+                "lookup_order".to_owned(),
+                "client_execute".to_owned()
+            ),
+            ("t3".to_owned(), "sleep".to_owned(), "approve".to_owned()),
+            (
+                "t5".to_owned(),
+                "lookup_order".to_owned(),
+                "client_execute".to_owned()
+            ),
+        ]
+    );
+    // Before the wait: five calls announced, the two that need nothing have results.
+    assert_eq!(of_kind(&before, v1::EventType::ToolCall).len(), 5);
+    let results = of_kind(&before, v1::EventType::ToolResult);
+    let by_id = |id: &str| {
+        results
+            .iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no result of {id}: {results:?}"))
+    };
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(by_id("t1")["output"], "2");
+    assert_eq!(by_id("t4")["is_error"], true);
+    let schema_error = by_id("t4")["output"].as_str().unwrap();
+    assert!(schema_error.contains("input schema"), "{schema_error}");
+    assert!(schema_error.contains("order_id"), "{schema_error}");
+
+    // An id the run does not wait for, and an answer of the wrong kind: refused, nothing
+    // kept.
+    let unknown = submit(&mut stack.engine, &run_id, &[("t2", "x"), ("nope", "y")])
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::FailedPrecondition, "{unknown:?}");
+    assert_eq!(status_reason(&unknown), "TOOL_CALL_NOT_PENDING");
+    assert!(unknown.message().contains("nope"), "{unknown:?}");
+    let wrong = submit(&mut stack.engine, &run_id, &[("t3", "done")])
+        .await
+        .unwrap_err();
+    assert_eq!(wrong.code(), Code::FailedPrecondition, "{wrong:?}");
+    assert!(wrong.message().contains("ApproveToolCalls"), "{wrong:?}");
+    let ran = of_kind(&before, v1::EventType::ToolCall);
+    assert_eq!(ran.len(), 5);
+    // A request naming one call twice is malformed.
+    let twice = submit(&mut stack.engine, &run_id, &[("t2", "a"), ("t2", "b")])
+        .await
+        .unwrap_err();
+    assert_eq!(twice.code(), Code::InvalidArgument, "{twice:?}");
+
+    // The last call first, then the approval, then the first call, with a repeat.
+    let first = submit(
+        &mut stack.engine,
+        &run_id,
+        &[("t5", "order B-2: in transit")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(first.status, v1::RunStatus::RequiresAction as i32);
+    assert_eq!(first.pending_tool_call_ids, ["t2", "t3"]);
+    let repeat = submit(
+        &mut stack.engine,
+        &run_id,
+        &[("t5", "order B-2: in transit")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(repeat.pending_tool_call_ids, ["t2", "t3"]);
+    let otherwise = submit(
+        &mut stack.engine,
+        &run_id,
+        &[("t2", "x"), ("t5", "changed my mind")],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(otherwise.code(), Code::FailedPrecondition, "{otherwise:?}");
+    assert_eq!(status_reason(&otherwise), "TOOL_CALL_ANSWERED");
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+    let answered: Vec<(&str, bool)> = state.pending_tool_call_ids_answered().into_iter().collect();
+    assert_eq!(answered, [("t2", false), ("t3", false), ("t5", true)]);
+    let second = approve(&mut stack.engine, &run_id, &[("t3", true, "fine")])
+        .await
+        .unwrap();
+    assert_eq!(second.pending_tool_call_ids, ["t2"]);
+    let last = submit(&mut stack.engine, &run_id, &[("t2", "order A-17: shipped")])
+        .await
+        .unwrap();
+    assert_eq!(last.status, v1::RunStatus::Running as i32);
+
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(
+        of_kind(&events, v1::EventType::ActionRequired).len(),
+        1,
+        "one ACTION_REQUIRED event per wait"
+    );
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    let mut ids: Vec<&str> = results.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    ids.sort_unstable();
+    assert_eq!(
+        ids,
+        ["t1", "t2", "t3", "t4", "t5"],
+        "each call has one result"
+    );
+    let said = answer(&events);
+    // The model gets the results in call order; the first answer of t5 is the one kept.
+    assert!(
+        said.starts_with("results: 2, order A-17: shipped, "),
+        "{said}"
+    );
+    assert!(said.ends_with(", order B-2: in transit"), "{said}");
+    assert!(!said.contains("changed my mind"), "{said}");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+/// A request of `AgentState` listing each pending call with whether it was answered.
+trait PendingAnswered {
+    fn pending_tool_call_ids_answered(&self) -> Vec<(&str, bool)>;
+}
+
+impl PendingAnswered for v1::AgentState {
+    fn pending_tool_call_ids_answered(&self) -> Vec<(&str, bool)> {
+        self.pending_tool_calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.answered))
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn answers_to_unknown_runs_runs_not_waiting_and_malformed_requests() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let unknown = submit(&mut stack.engine, "no-such-run", &[("c1", "x")])
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), Code::NotFound, "{unknown:?}");
+    let empty = stack
+        .engine
+        .approve_tool_calls(v1::ApproveToolCallsRequest {
+            run_id: "r".into(),
+            decisions: Vec::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(empty.code(), Code::InvalidArgument, "{empty:?}");
+    let no_id = submit(&mut stack.engine, "", &[("", "x")])
+        .await
+        .unwrap_err();
+    assert_eq!(no_id.code(), Code::InvalidArgument, "{no_id:?}");
+
+    // A run that never waited (its calculator needs nothing).
+    let events = stack
+        .run(common::agent("one", &["calculator"]), "6*7?")
+        .await;
+    let run_id = events[0].run_id.clone();
+    let refused = submit(&mut stack.engine, &run_id, &[("c1", "x")])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert_eq!(status_reason(&refused), "RUN_NOT_WAITING");
+}
+
+/// A wait longer than `timeouts.action` ends the run with STOP_REASON_ACTION_TIMEOUT; the
+/// run's own time limit is paused meanwhile (here shorter than the wait).
+#[tokio::test]
+async fn the_action_timeout_ends_a_wait_and_the_run_timeout_is_paused() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let secs = |seconds| Some(prost_types::Duration { seconds, nanos: 0 });
+    // Waits longer than its run timeout, then is answered: it succeeds.
+    let mut patient = waiting_agent("client", false);
+    patient.timeouts = Some(v1::Timeouts {
+        run: secs(2),
+        model_call: secs(2),
+        tool_call: secs(2),
+        action: secs(60),
+    });
+    let engine_id = stack.engine_for(patient).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:?}");
+    assert_eq!(answer(&events), "results: shipped");
+
+    // Not answered within its action timeout: it ends.
+    let mut hasty = waiting_agent("client", false);
+    hasty.timeouts = Some(v1::Timeouts {
+        action: secs(1),
+        ..Default::default()
+    });
+    let engine_id = stack.engine_for(hasty).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    let end = done(&events);
+    assert_eq!(end["stop_reason"], "action_timeout", "{end}");
+    assert_eq!(end["code"], "ACTION_TIMEOUT", "{end}");
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Failed as i32);
+    assert_eq!(state.stop_reason, v1::StopReason::ActionTimeout as i32);
+    let late = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap_err();
+    assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
+}
+
+/// The client of `Execute` goes away while the run waits: the run is not cancelled; it is
+/// answered, and `Subscribe` shows it whole.
+#[tokio::test]
+async fn a_disconnect_while_waiting_does_not_cancel_and_subscribe_follows_it() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let engine_id = stack.engine_for(waiting_agent("client", false)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+
+    let mut follower = stack
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (replayed, _) = until_action(&mut follower).await;
+    assert_eq!(replayed.len(), before.len());
+    submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    let events: Vec<Event> = replayed.into_iter().chain(rest(follower).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(answer(&events), "results: shipped");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+#[tokio::test]
+async fn cancel_ends_a_waiting_run() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let engine_id = stack.engine_for(waiting_agent("client", false)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    let cancelled = stack
+        .engine
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "cancelled");
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    let late = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap_err();
+    assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
+}
+
+/// ReAct makes one call a round: a client tool's call waits like any other.
+#[tokio::test]
+async fn react_waits_for_a_client_tool_too() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let mut config = waiting_agent("react", false);
+    config.strategy = v1::Strategy::React as i32;
+    let engine_id = stack.engine_for(config).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, action) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    let calls = pending(&action);
+    assert_eq!(calls.len(), 1, "{action}");
+    assert_eq!(calls[0].1, "lookup_order");
+    assert_eq!(calls[0].2, "client_execute");
+    assert_eq!(action["tool_calls"][0]["arguments"]["order_id"], "A-17");
+    submit(&mut stack.engine, &run_id, &[(&calls[0].0, "shipped")])
+        .await
+        .unwrap();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 1);
+    assert_eq!(results[0]["output"], "shipped");
+    assert_eq!(answer(&events), "the order is shipped");
+}
+
+// ---------------------------------------------------------------------------------------
+// With shared state.
+// ---------------------------------------------------------------------------------------
+
+struct Replica {
+    server: Server,
+    engine: AgentEngineClient<Channel>,
+    service: AgentServiceClient<Channel>,
+}
+
+async fn replica(stack: &Stack, args: &[&str]) -> Replica {
+    let server = agent_server_with_model(
+        &stack.tools.url(),
+        &format!("{}/v1", stack.model.url()),
+        args,
+    )
+    .await;
+    let channel = connect(&server.url()).await;
+    Replica {
+        server,
+        engine: AgentEngineClient::new(channel.clone()),
+        service: AgentServiceClient::new(channel),
+    }
+}
+
+/// A run waiting on replica A is answered through replica B, whose `Execute` stream was
+/// never open: the stream on A goes on to the end.
+#[tokio::test]
+async fn with_redis_an_answer_through_another_replica_continues_the_run() {
+    let prefix = redis_prefix("wait-other");
+    let url = redis_url();
+    let args = [
+        "--state",
+        url.as_str(),
+        "--state-key-prefix",
+        prefix.as_str(),
+    ];
+    let mut a = Stack::up(SCENARIOS, &args).await;
+    let mut b = replica(&a, &args).await;
+    let engine_id = a.engine_for(waiting_agent("mix", false)).await;
+    let mut stream = execute(&mut a.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    let state = get_run(&mut b.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+    assert_eq!(state.pending_tool_calls.len(), 3);
+    // Answers through both replicas.
+    submit(&mut a.engine, &run_id, &[("t5", "in transit")])
+        .await
+        .unwrap();
+    approve(&mut b.engine, &run_id, &[("t3", true, "")])
+        .await
+        .unwrap();
+    let last = submit(&mut b.engine, &run_id, &[("t2", "shipped")])
+        .await
+        .unwrap();
+    assert_eq!(last.status, v1::RunStatus::Running as i32);
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    let said = answer(&events);
+    assert!(said.starts_with("results: 2, shipped, "), "{said}");
+    assert!(said.ends_with(", in transit"), "{said}");
+    let state = get_run(&mut a.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Succeeded as i32);
+    assert_eq!(state.final_answer, said);
+}
+
+/// A waiting run outlives every replica: both stop (kill -9), two new ones start, and the
+/// run is answered and followed through them.
+#[tokio::test]
+async fn with_redis_a_waiting_run_outlives_a_restart_of_every_replica() {
+    let prefix = redis_prefix("wait-restart");
+    let url = redis_url();
+    let args = [
+        "--state",
+        url.as_str(),
+        "--state-key-prefix",
+        prefix.as_str(),
+    ];
+    let mut stack = Stack::up(SCENARIOS, &args).await;
+    let mut first = replica(&stack, &args).await;
+    let engine_id = create_engine(&mut first.service, waiting_agent("client", false)).await;
+    let mut stream = execute(&mut first.engine, &engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    drop(stream);
+    // Every replica goes away.
+    for server in [&mut stack.agents, &mut first.server] {
+        let pid = server.pid().expect("running");
+        std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap();
+        server.wait(Duration::from_secs(10)).await;
+    }
+    let mut c = replica(&stack, &args).await;
+    let mut d = replica(&stack, &args).await;
+    let state = get_run(&mut c.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+    let mut follower = c
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (replayed, _) = until_action(&mut follower).await;
+    assert_eq!(replayed.len(), before.len());
+    submit(&mut d.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    let events: Vec<Event> = replayed.into_iter().chain(rest(follower).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(answer(&events), "results: shipped");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+    let _ = collect;
+}
