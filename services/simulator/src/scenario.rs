@@ -3,7 +3,8 @@
 //! A request's `model` names a scenario. The turn played is the number of assistant
 //! messages already in the request, so that a scenario is deterministic and stateless
 //! across concurrent conversations (past the last turn, the last one repeats).
-//! The built-in `demo` model answers arithmetic with the calculator tool instead.
+//! The built-in `demo` model answers by rules instead (see [`demo`]): arithmetic with the
+//! calculator tool, a query that names another offered tool with that tool.
 //!
 //! Like real servers, the simulator honours `stop`: the content is cut at the first stop
 //! sequence and the turn finishes with `stop`. Turns can also misbehave as some servers
@@ -329,7 +330,8 @@ pub struct Conversation {
     pub tool_results: Vec<String>,
     /// How many user messages the request carries (history included).
     pub user_messages: usize,
-    /// Names of the tools offered.
+    /// Names of the tools offered; with the ReAct text protocol, those the system prompt
+    /// lists (`Action: the tool to use, one of [a, b]`).
     pub tools: Vec<String>,
     /// Whether the request uses the ReAct text protocol (no tools offered, and the
     /// system prompt describes `Action Input:`).
@@ -378,6 +380,7 @@ impl Conversation {
             .map(text)
             .unwrap_or_default();
         let react = tools.is_empty() && system.contains("Action Input:");
+        let tools = if react { react_tools(&system) } else { tools };
         let observation = react
             .then(|| {
                 query
@@ -422,30 +425,48 @@ impl Scenario {
     }
 }
 
-/// The built-in `demo` model: uses the calculator for arithmetic in the query, then
-/// answers with its result; answers other queries directly.
+/// The built-in `demo` model, deterministic:
+///
+/// - arithmetic in the query, with the calculator offered: calls `calculator` with
+///   `{"expression": <the arithmetic>}`;
+/// - else, when the query names an offered tool other than the calculator (its name as a
+///   whole word, in any case; the first such tool in the order offered): calls that tool
+///   with `{"query": <the query>}`, so that a client tool or one needing approval can be
+///   shown with any tool;
+/// - else answers `You said: <the query>`;
+/// - once the request carries tool results, answers `The answer is <the results, joined by
+///   ", ">.`
+///
+/// It makes at most one call a round, whose id is then `call_sim_0`. With the ReAct text
+/// protocol it follows the same rules in ReAct's format (the calculator need not be
+/// offered there), and answers with the last `Observation:`.
 pub fn demo(conversation: &Conversation) -> Turn {
     if conversation.react {
         return demo_react(conversation);
     }
+    let call = demo_call(conversation);
     if !conversation.tool_results.is_empty() {
         let results = conversation.tool_results.join(", ");
+        let tool = match &call {
+            Some(call) if call.name != "calculator" => format!("The {} tool", call.name),
+            _ => "The calculator".to_owned(),
+        };
         return Turn {
-            reasoning: format!("The calculator returned {results}."),
+            reasoning: format!("{tool} returned {results}."),
             content: format!("The answer is {results}."),
             ..Turn::default()
         };
     }
-    match arithmetic_in(&conversation.query)
-        .filter(|_| conversation.tools.iter().any(|t| t == "calculator"))
-    {
-        Some(expression) => Turn {
-            reasoning: format!("I should compute {expression} with the calculator."),
-            tool_calls: vec![ScriptedCall {
-                name: "calculator".into(),
-                arguments: serde_json::json!({ "expression": expression }),
-                ..ScriptedCall::default()
-            }],
+    match call {
+        Some(call) => Turn {
+            reasoning: match call.name.as_str() {
+                "calculator" => format!(
+                    "I should compute {} with the calculator.",
+                    call.arguments["expression"].as_str().unwrap_or_default()
+                ),
+                name => format!("I should ask the {name} tool."),
+            },
+            tool_calls: vec![call],
             ..Turn::default()
         },
         None => Turn {
@@ -455,20 +476,49 @@ pub fn demo(conversation: &Conversation) -> Turn {
     }
 }
 
+/// The call the `demo` model makes for the query, if any (see [`demo`]).
+fn demo_call(conversation: &Conversation) -> Option<ScriptedCall> {
+    let calculator = conversation.tools.iter().any(|t| t == "calculator");
+    if let Some(expression) = arithmetic_in(&conversation.query).filter(|_| calculator) {
+        return Some(ScriptedCall {
+            name: "calculator".into(),
+            arguments: serde_json::json!({ "expression": expression }),
+            ..ScriptedCall::default()
+        });
+    }
+    named_tool(&conversation.query, &conversation.tools).map(|name| ScriptedCall {
+        name: name.to_owned(),
+        arguments: serde_json::json!({ "query": conversation.query }),
+        ..ScriptedCall::default()
+    })
+}
+
 fn demo_react(conversation: &Conversation) -> Turn {
+    let action = |thought: &str, tool: &str, input: Value| {
+        format!(
+            "Thought: {thought}\nAction: {tool}\nAction Input: {input}\n\
+             Observation: (the model would go on imagining here)"
+        )
+    };
     let content = match (
         &conversation.observation,
         arithmetic_in(&conversation.query),
+        named_tool(&conversation.query, &conversation.tools),
     ) {
-        (Some(observation), _) => {
+        (Some(observation), _, _) => {
             format!("Thought: I have the result.\nFinal Answer: The answer is {observation}.")
         }
-        (None, Some(expression)) => format!(
-            "Thought: I should compute {expression} with the calculator.\nAction: calculator\n\
-             Action Input: {}\nObservation: (the model would go on imagining here)",
-            serde_json::json!({ "expression": expression })
+        (None, Some(expression), _) => action(
+            &format!("I should compute {expression} with the calculator."),
+            "calculator",
+            serde_json::json!({ "expression": expression }),
         ),
-        (None, None) => format!(
+        (None, None, Some(tool)) => action(
+            &format!("I should ask the {tool} tool."),
+            tool,
+            serde_json::json!({ "query": conversation.query }),
+        ),
+        (None, None, None) => format!(
             "Thought: No tool is needed.\nFinal Answer: You said: {}",
             conversation.query
         ),
@@ -477,6 +527,37 @@ fn demo_react(conversation: &Conversation) -> Turn {
         content,
         ..Turn::default()
     }
+}
+
+/// The first of `tools`, other than the calculator, whose name `query` holds as a whole
+/// word (not inside a longer name of letters, digits and `_`), in any case.
+fn named_tool<'t>(query: &str, tools: &'t [String]) -> Option<&'t str> {
+    let query = query.to_lowercase();
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_');
+    tools
+        .iter()
+        .filter(|name| !name.is_empty() && name.as_str() != "calculator")
+        .find(|name| {
+            let name = name.to_lowercase();
+            query.match_indices(&name).any(|(at, _)| {
+                !word(query[..at].chars().next_back())
+                    && !word(query[at + name.len()..].chars().next())
+            })
+        })
+        .map(String::as_str)
+}
+
+/// The tool names a ReAct system prompt lists: `Action: the tool to use, one of [a, b]`.
+fn react_tools(system: &str) -> Vec<String> {
+    system
+        .lines()
+        .filter(|line| line.starts_with("Action:"))
+        .filter_map(|line| line.split_once("one of [")?.1.split_once(']'))
+        .flat_map(|(names, _)| names.split(','))
+        .map(str::trim)
+        .filter(|name| !name.is_empty())
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The longest run of arithmetic characters with a digit and an operator in it.
@@ -549,5 +630,84 @@ mod tests {
             {"role": "assistant", "content": null},
             {"role": "tool", "tool_call_id": "a", "content": "42"}]});
         assert_eq!(demo(&conversation(&answered)).content, "The answer is 42.");
+    }
+
+    #[test]
+    fn the_demo_calls_a_tool_the_query_names_with_the_query() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "calculator"}},
+            {"type": "function", "function": {"name": "weather"}},
+            {"type": "function", "function": {"name": "weather_alerts"}}]);
+        let ask = |query: &str| {
+            demo(&conversation(
+                &json!({"messages": [{"role": "user", "content": query}], "tools": tools}),
+            ))
+        };
+        let first = ask("What is the Weather in Paris?");
+        assert_eq!(first.tool_calls.len(), 1);
+        assert_eq!(first.tool_calls[0].name, "weather");
+        assert_eq!(
+            first.tool_calls[0].arguments,
+            json!({"query": "What is the Weather in Paris?"})
+        );
+        assert!(
+            first.tool_calls[0].id.is_empty(),
+            "the simulator numbers it"
+        );
+        assert_eq!(
+            ask("Any weather_alerts?").tool_calls[0].name,
+            "weather_alerts"
+        );
+        // Arithmetic still goes to the calculator; a name inside a word, the calculator's
+        // name without arithmetic, or a tool not offered call nothing.
+        assert_eq!(ask("weather: 6 * 7?").tool_calls[0].name, "calculator");
+        for query in ["Is it weathery?", "Use the calculator", "Ask the oracle"] {
+            let turn = ask(query);
+            assert!(turn.tool_calls.is_empty(), "{query}");
+            assert_eq!(turn.content, format!("You said: {query}"));
+        }
+
+        let answered = json!({"messages": [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": null},
+            {"role": "tool", "tool_call_id": "call_sim_0", "content": "Sunny, 21 °C"}],
+            "tools": tools});
+        let last = demo(&conversation(&answered));
+        assert!(last.tool_calls.is_empty());
+        assert_eq!(last.reasoning, "The weather tool returned Sunny, 21 °C.");
+        assert_eq!(last.content, "The answer is Sunny, 21 °C.");
+    }
+
+    #[test]
+    fn the_demo_names_tools_in_react_too() {
+        let system = "Answer the user's question. You can use these tools:\n\n\
+                      Use exactly this format:\n\n\
+                      Action: the tool to use, one of [calculator, weather]\n\
+                      Action Input: the tool's input as a JSON object\n";
+        let ask = |messages: Value| demo(&conversation(&json!({"messages": messages})));
+        let first = ask(json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "What is the weather in Paris?"}]));
+        assert!(
+            first.content.starts_with(
+                "Thought: I should ask the weather tool.\nAction: weather\n\
+                 Action Input: {\"query\":\"What is the weather in Paris?\"}\n"
+            ),
+            "{}",
+            first.content
+        );
+        let arithmetic = ask(json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "weather: 6 * 7?"}]));
+        assert!(arithmetic.content.contains("Action: calculator\n"));
+        let last = ask(json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": "Thought: ...\nAction: weather\nAction Input: {}"},
+            {"role": "user", "content": "Observation: Sunny"}]));
+        assert_eq!(
+            last.content,
+            "Thought: I have the result.\nFinal Answer: The answer is Sunny."
+        );
     }
 }
