@@ -1,18 +1,30 @@
 //! The Node.js example client (@grpc/grpc-js, @grpc/proto-loader reading `proto/`) runs a
-//! tool-using `Execute` against the real binaries.
+//! tool-using `Execute` against the real binaries, and answers a run that waits: it runs
+//! its client tool and approves or denies a call, by flag or on the terminal.
 //!
 //! Needs node 18+ and the example's packages: `npm ci --prefix examples/node`.
 
 // Tests fail by panicking, with the value that was wrong.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::Path;
+mod common;
+
+use std::{path::PathBuf, process::Stdio, time::Duration};
 
 use agentrt_test_support::run_example_client;
+use common::Stack;
+use tokio::io::AsyncWriteExt;
 
-#[tokio::test]
-async fn the_node_example_runs_a_tool_using_turn() {
-    let example = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/node");
+/// A model that calls the example's client tool and the calculator in one round, then
+/// answers with the tool results it was sent.
+const SHOP: &str = r#"{"scenarios": {"shop": {"turns": [
+  {"tool_calls": [
+    {"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}},
+    {"id": "c1", "name": "calculator", "arguments": {"expression": "6 * 7"}}]},
+  {"content": "results: {tool_results}"}]}}}"#;
+
+fn script() -> PathBuf {
+    let example = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/node");
     let node = std::process::Command::new("node").arg("--version").output();
     assert!(
         node.is_ok_and(|o| o.status.success()),
@@ -23,7 +35,12 @@ async fn the_node_example_runs_a_tool_using_turn() {
             && example.join("node_modules/@grpc/proto-loader").is_dir(),
         "this test needs the Node example's packages: run `npm ci --prefix examples/node`"
     );
-    let stdout = run_example_client("node", &example.join("run_agent.js")).await;
+    example.join("run_agent.js")
+}
+
+#[tokio::test]
+async fn the_node_example_runs_a_tool_using_turn() {
+    let stdout = run_example_client("node", &script()).await;
     for line in [
         r#"[tool call] calculator({"expression":"6 * 7"})"#,
         "[tool result] calculator -> 42",
@@ -32,4 +49,117 @@ async fn the_node_example_runs_a_tool_using_turn() {
     ] {
         assert!(stdout.contains(line), "{line} missing from:\n{stdout}");
     }
+}
+
+/// Runs the example against `stack` with `args` and `stdin` piped in; panics with both of
+/// its outputs unless it exits 0. Returns what it printed.
+async fn run_example(stack: &Stack, args: &[&str], stdin: &str) -> String {
+    let mut child = tokio::process::Command::new("node")
+        .arg(script())
+        .args(["--target", &stack.agents.addr.to_string()])
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("cannot run node");
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.as_bytes()).await.unwrap();
+    drop(input);
+    let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("the example with {args:?} did not end within 60 s"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the example with {args:?} failed ({})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    stdout
+}
+
+/// The `answer: ` line the example printed.
+fn answer(stdout: &str) -> &str {
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("answer: "))
+        .unwrap_or_else(|| panic!("no answer line in:\n{stdout}"))
+}
+
+#[tokio::test]
+async fn the_node_example_runs_its_client_tool_and_asks_for_approval() {
+    let stack = Stack::up(SHOP, &[]).await;
+    let waiting = [
+        "--model",
+        "shop",
+        "--query",
+        "Where is order A-17, and what is 6 * 7?",
+        "--approve-tool",
+        "calculator",
+    ];
+    let order = "order A-17: shipped on 2026-11-20, arriving Friday";
+
+    // Approved by flag: the calculator runs after the approval, beside the client tool.
+    let stdout = run_example(
+        &stack,
+        &[&waiting[..], &["--auto-approve", "yes"]].concat(),
+        "",
+    )
+    .await;
+    for line in [
+        r#"[tool call] lookup_order({"order_id":"A-17"})"#,
+        "[action required] 2 tool call(s) wait for an answer",
+        &format!(r#"[client tool] lookup_order({{"order_id":"A-17"}}) -> {order}"#),
+        r#"[approved] calculator({"expression":"6 * 7"})"#,
+        &format!("[tool result] lookup_order -> {order}"),
+        "[tool result] calculator -> 42",
+        &format!("answer: results: {order}, 42"),
+        "done: EVENT_TYPE_FINAL_ANSWER stop_reason=final_answer",
+    ] {
+        assert!(stdout.contains(line), "{line} missing from:\n{stdout}");
+    }
+
+    // Denied by flag: the model reads the reason instead of a result.
+    let denied = [
+        &waiting[..],
+        &[
+            "--auto-approve",
+            "no",
+            "--deny-reason",
+            "no arithmetic today",
+        ],
+    ]
+    .concat();
+    let stdout = run_example(&stack, &denied, "").await;
+    assert!(
+        stdout.contains(r#"[denied] calculator({"expression":"6 * 7"}): no arithmetic today"#),
+        "{stdout}"
+    );
+    let said = answer(&stdout);
+    assert!(said.starts_with(&format!("results: {order}, ")), "{said}");
+    assert!(
+        said.contains("denied") && said.contains("no arithmetic today"),
+        "{said}"
+    );
+    assert!(!said.contains("42"), "{said}");
+    assert!(stdout.contains("stop_reason=final_answer"), "{stdout}");
+
+    // Asked on the terminal: "n", then the reason.
+    let stdout = run_example(&stack, &waiting, "n\nask me tomorrow\n").await;
+    assert!(
+        stdout.contains(r#"approve calculator({"expression":"6 * 7"})? [y/N] "#),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(r#"[denied] calculator({"expression":"6 * 7"}): ask me tomorrow"#),
+        "{stdout}"
+    );
+    let said = answer(&stdout);
+    assert!(
+        said.contains("ask me tomorrow") && !said.contains("42"),
+        "{said}"
+    );
 }
