@@ -94,6 +94,9 @@ pub struct RunControl {
     abandoned: AtomicBool,
     /// Set when the run goes on on another replica: it stops here without ending.
     let_go: AtomicBool,
+    /// Set when the run is about to wait for answers: its client going away no longer
+    /// cancels it.
+    waiting: AtomicBool,
 }
 
 impl RunControl {
@@ -108,6 +111,10 @@ impl RunControl {
     /// Stops the run because the client of its `Execute` went away: a retry with the
     /// same message id starts a new run.
     pub fn abandon(&self) {
+        // A run that waits (or is about to) goes on without its client.
+        if self.waiting.load(Ordering::Acquire) {
+            return;
+        }
         self.abandoned.store(true, Ordering::Release);
         self.stop(StopReason::Cancelled);
     }
@@ -517,7 +524,7 @@ impl StartedRun {
         );
         let outcome = {
             let drive = engine
-                .drive(&spec, &mut emitter, &control.cancel, resume)
+                .drive(&spec, &mut emitter, &control, resume)
                 .instrument(span.clone());
             tokio::select! {
                 biased;
@@ -582,9 +589,10 @@ impl Engine {
         &self,
         spec: &RunSpec,
         em: &mut Emitter,
-        cancel: &CancellationToken,
+        control: &RunControl,
         resume: Option<Resume>,
     ) -> Result<Outcome, Outcome> {
+        let cancel = &control.cancel;
         let config = &spec.config;
         let Some(model) = self.models.get(&config.model.provider) else {
             return Err(Outcome::Failed(
@@ -731,6 +739,8 @@ impl Engine {
                                 progress(&mut state, &mut 0, Some(spec))?
                             };
                             progress.wait = Some(config.timeouts.action);
+                            // From the ACTION_REQUIRED event on, the client may go away.
+                            control.waiting.store(true, Ordering::Release);
                             em.wait(pending, progress).await?;
                             return Ok(Outcome::Waiting);
                         }

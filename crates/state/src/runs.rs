@@ -218,12 +218,74 @@ struct Inner {
     keys: HashMap<(String, String), String>,
     /// Ended runs in the order they ended.
     ended: VecDeque<(Instant, String)>,
-    /// The leases of running runs: token, when it lapses, whether it was let go.
-    leases: HashMap<String, (String, Instant, bool)>,
+    /// The leases of running and waiting runs.
+    leases: Leases,
     /// What continuing each running run needs: spec, state, messages.
     progress: HashMap<String, (String, String, Vec<String>)>,
     /// The waits of runs that wait or waited, until their record expires.
     waits: HashMap<String, Wait>,
+}
+
+/// Leases by run, and in the order they lapse: looking for lapsed ones costs what they
+/// number, not what all leases number (100,000 waiting runs are 100,000 leases).
+#[derive(Default)]
+struct Leases {
+    /// Token (empty while the run waits), when it lapses, whether it was let go.
+    by_run: HashMap<String, (String, Instant, bool)>,
+    by_time: std::collections::BTreeSet<(Instant, String)>,
+}
+
+impl Leases {
+    fn token(&self, run_id: &str) -> Option<&str> {
+        self.by_run.get(run_id).map(|(token, ..)| token.as_str())
+    }
+
+    fn set(&mut self, run_id: &str, token: String, at: Instant, released: bool) {
+        if let Some((_, old, _)) = self.by_run.insert(run_id.to_owned(), (token, at, released)) {
+            self.by_time.remove(&(old, run_id.to_owned()));
+        }
+        self.by_time.insert((at, run_id.to_owned()));
+    }
+
+    fn remove(&mut self, run_id: &str) {
+        if let Some((_, at, _)) = self.by_run.remove(run_id) {
+            self.by_time.remove(&(at, run_id.to_owned()));
+        }
+    }
+
+    /// Moves the lease of `run_id` (held by `token`, when given) to lapse at `at`; false
+    /// when there is no such lease.
+    /// `released` says whether it was let go (`None`: as it was).
+    fn moved(
+        &mut self,
+        run_id: &str,
+        token: Option<&str>,
+        at: Instant,
+        released: Option<bool>,
+    ) -> bool {
+        let Some((held, old, was)) = self.by_run.get_mut(run_id) else {
+            return false;
+        };
+        if token.is_some_and(|token| token != held) {
+            return false;
+        }
+        let previous = std::mem::replace(old, at);
+        if let Some(released) = released {
+            *was = released;
+        }
+        self.by_time.remove(&(previous, run_id.to_owned()));
+        self.by_time.insert((at, run_id.to_owned()));
+        true
+    }
+
+    fn lapsed(&self, now: Instant, limit: usize) -> Vec<String> {
+        self.by_time
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(limit)
+            .map(|(_, run_id)| run_id.clone())
+            .collect()
+    }
 }
 
 /// What a waiting run was told.
@@ -302,8 +364,8 @@ impl RunStore for MemoryRunStore {
         let mut inner = self.lock();
         inner.expire(self.retention.ended);
         if !record.owner.is_empty() {
-            match inner.leases.get(&record.run_id) {
-                Some((token, ..)) if *token != record.owner => {
+            match inner.leases.token(&record.run_id) {
+                Some(token) if token != record.owner => {
                     return Err(StateError::Fenced(record.run_id.clone()));
                 }
                 Some(_) => {}
@@ -314,7 +376,7 @@ impl RunStore for MemoryRunStore {
                     let lapses = Instant::now() + self.retention.lease;
                     inner
                         .leases
-                        .insert(record.run_id.clone(), (record.owner.clone(), lapses, false));
+                        .set(&record.run_id, record.owner.clone(), lapses, false);
                 }
             }
         }
@@ -337,7 +399,7 @@ impl RunStore for MemoryRunStore {
                 let lapses = Instant::now() + progress.wait.unwrap_or(self.retention.lease);
                 inner
                     .leases
-                    .insert(record.run_id.clone(), (String::new(), lapses, false));
+                    .set(&record.run_id, String::new(), lapses, false);
                 let wait = Wait {
                     answers: record
                         .pending
@@ -449,9 +511,8 @@ impl RunStore for MemoryRunStore {
             .map(|(id, _)| id.clone())
             .collect();
         let completed = left.is_empty();
-        if completed && let Some((_, at, released)) = inner.leases.get_mut(run_id) {
-            *at = Instant::now();
-            *released = true;
+        if completed {
+            inner.leases.moved(run_id, None, Instant::now(), Some(true));
         }
         Ok(Answered::Accepted { left, completed })
     }
@@ -465,10 +526,7 @@ impl RunStore for MemoryRunStore {
             return Ok(false);
         }
         wait.cancelled = true;
-        if let Some((_, at, released)) = inner.leases.get_mut(run_id) {
-            *at = Instant::now();
-            *released = true;
-        }
+        inner.leases.moved(run_id, None, Instant::now(), Some(true));
         Ok(true)
     }
 
@@ -477,9 +535,11 @@ impl RunStore for MemoryRunStore {
         let lapses = Instant::now() + self.retention.lease;
         let mut lost = Vec::new();
         for lease in leases {
-            match inner.leases.get_mut(&lease.run_id) {
-                Some((token, at, _)) if *token == lease.token => *at = lapses,
-                _ => lost.push(lease.run_id.clone()),
+            if !inner
+                .leases
+                .moved(&lease.run_id, Some(&lease.token), lapses, None)
+            {
+                lost.push(lease.run_id.clone());
             }
         }
         Ok(lost)
@@ -489,31 +549,15 @@ impl RunStore for MemoryRunStore {
         let mut inner = self.lock();
         let now = Instant::now();
         for lease in leases {
-            if let Some((token, at, released)) = inner.leases.get_mut(&lease.run_id)
-                && *token == lease.token
-            {
-                *at = now;
-                *released = true;
-            }
+            inner
+                .leases
+                .moved(&lease.run_id, Some(&lease.token), now, Some(true));
         }
         Ok(())
     }
 
     async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>> {
-        let inner = self.lock();
-        let now = Instant::now();
-        let mut lapsed: Vec<(Instant, &String)> = inner
-            .leases
-            .iter()
-            .filter(|(_, (_, at, _))| *at <= now)
-            .map(|(run_id, (_, at, _))| (*at, run_id))
-            .collect();
-        lapsed.sort();
-        Ok(lapsed
-            .into_iter()
-            .take(limit)
-            .map(|(_, run_id)| run_id.clone())
-            .collect())
+        Ok(self.lock().leases.lapsed(Instant::now(), limit))
     }
 
     async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {
@@ -522,14 +566,13 @@ impl RunStore for MemoryRunStore {
         if !inner.progress.contains_key(run_id) || !inner.records.contains_key(run_id) {
             return Ok(None);
         }
-        let (previous_owner, handed_over) = match inner.leases.get_mut(run_id) {
-            Some((owner, at, released)) if *at <= now => {
-                let previous = std::mem::replace(owner, token.to_owned());
-                *at = now + self.retention.lease;
-                (previous, std::mem::take(released))
-            }
+        let (previous_owner, handed_over) = match inner.leases.by_run.get(run_id) {
+            Some((owner, at, released)) if *at <= now => (owner.clone(), *released),
             _ => return Ok(None),
         };
+        inner
+            .leases
+            .set(run_id, token.to_owned(), now + self.retention.lease, false);
         let (Some(record), Some((spec, state, messages))) =
             (inner.records.get(run_id), inner.progress.get(run_id))
         else {

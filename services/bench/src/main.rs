@@ -30,6 +30,7 @@ use tonic::transport::{Channel, Endpoint};
 
 mod durability;
 mod tool_sources;
+mod waiting;
 
 /// mimalloc, as in the servers: the bench client shares the cores with the stack it
 /// measures, so its own allocation costs should stay small.
@@ -89,6 +90,13 @@ struct Cli {
     /// The replicas' `runs.takeover_after` in `--durability`, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     takeover_after_ms: u64,
+    /// Measure what runs waiting for their client cost (memory while they wait, CPU to
+    /// resume them) instead: see `waiting.rs`.
+    #[arg(long)]
+    waiting: bool,
+    /// Runs waiting at once in `--waiting`.
+    #[arg(long, default_value_t = 100_000)]
+    waiting_runs: usize,
 }
 
 /// Characters, streamed one per delta, of the `long_answer` scenario.
@@ -472,6 +480,9 @@ async fn main() -> anyhow::Result<()> {
         .to_path_buf();
     if cli.tool_sources {
         return tool_sources::run(&dir, &cli.mcp_server_js).await;
+    }
+    if cli.waiting {
+        return waiting::run(&dir, &cli.state, cli.waiting_runs).await;
     }
     if cli.durability {
         return durability::run(
