@@ -398,7 +398,12 @@ fn claim_script() -> &'static redis::Script {
 /// nobody does and the record (`KEYS[1]`) is not written yet (a new run). Then the save:
 /// record fields, progress fields (`KEYS[6]`), times to live, and the lease taken with
 /// the first record (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped
-/// with the last.
+/// with the last. `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e`
+/// ended), record field count, wait (ms, or empty when the run does not wait), the number
+/// of pending call ids, the ids, then record fields and progress fields. A run that waits
+/// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
+/// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
+/// and `!taken` marks).
 const FENCE: &str = r"
 local function may_write(record, owner_key, owner)
   if owner == '' then return true end
