@@ -21,7 +21,7 @@ use agentrt_test_support::{
     conformance::{redis_prefix, redis_url},
     connect,
 };
-use common::{Stack, assert_well_formed, collect, create_engine, data, done, kind, of_kind, rest};
+use common::{Stack, assert_well_formed, create_engine, data, done, kind, of_kind, rest};
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 use tonic::{Code, Streaming, transport::Channel};
@@ -544,21 +544,33 @@ async fn a_disconnect_while_waiting_does_not_cancel_and_subscribe_follows_it() {
     let state = get_run(&mut stack.engine, &run_id).await;
     assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
 
-    let mut follower = stack
-        .engine
+    let mut answering = stack.engine.clone();
+    follow_and_answer(&mut stack.engine, &mut answering, &run_id, before.len()).await;
+}
+
+/// Follows waiting run `run_id` from its start with `Subscribe` on `follower` (`waited`
+/// events up to its ACTION_REQUIRED), answers its `lookup_order` call through
+/// `answering`, and checks that it ends with the answer.
+async fn follow_and_answer(
+    follower: &mut AgentEngineClient<Channel>,
+    answering: &mut AgentEngineClient<Channel>,
+    run_id: &str,
+    waited: usize,
+) {
+    let mut stream = follower
         .subscribe(v1::SubscribeRequest {
-            run_id: run_id.clone(),
+            run_id: run_id.into(),
             after_sequence: 0,
         })
         .await
         .unwrap()
         .into_inner();
-    let (replayed, _) = until_action(&mut follower).await;
-    assert_eq!(replayed.len(), before.len());
-    submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+    let (replayed, _) = until_action(&mut stream).await;
+    assert_eq!(replayed.len(), waited);
+    submit(answering, run_id, &[("k1", "shipped")])
         .await
         .unwrap();
-    let events: Vec<Event> = replayed.into_iter().chain(rest(follower).await).collect();
+    let events: Vec<Event> = replayed.into_iter().chain(rest(stream).await).collect();
     assert_well_formed(&events);
     assert_eq!(answer(&events), "results: shipped");
     assert_eq!(done(&events)["stop_reason"], "final_answer");
@@ -716,23 +728,5 @@ async fn with_redis_a_waiting_run_outlives_a_restart_of_every_replica() {
     let mut d = replica(&stack, &args).await;
     let state = get_run(&mut c.engine, &run_id).await;
     assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
-    let mut follower = c
-        .engine
-        .subscribe(v1::SubscribeRequest {
-            run_id: run_id.clone(),
-            after_sequence: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let (replayed, _) = until_action(&mut follower).await;
-    assert_eq!(replayed.len(), before.len());
-    submit(&mut d.engine, &run_id, &[("k1", "shipped")])
-        .await
-        .unwrap();
-    let events: Vec<Event> = replayed.into_iter().chain(rest(follower).await).collect();
-    assert_well_formed(&events);
-    assert_eq!(answer(&events), "results: shipped");
-    assert_eq!(done(&events)["stop_reason"], "final_answer");
-    let _ = collect;
+    follow_and_answer(&mut c.engine, &mut d.engine, &run_id, before.len()).await;
 }

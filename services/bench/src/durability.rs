@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{cpu_time, percentile};
+use crate::{Backends, cpu_time, percentile};
 
 const ANSWER: &str = "a durable answer, streamed slowly, one character at a time, to the end";
 
@@ -40,9 +40,7 @@ struct Cluster<'a> {
     state: &'a str,
     prefix: String,
     takeover_after: Duration,
-    tools: Server,
-    config_file: std::path::PathBuf,
-    _model: Server,
+    backends: Backends,
 }
 
 impl Cluster<'_> {
@@ -53,9 +51,9 @@ impl Cluster<'_> {
                 "--listen",
                 "127.0.0.1:0",
                 "--tool-executor",
-                &self.tools.url(),
+                &self.backends.tools.url(),
                 "--config",
-                &self.config_file.to_string_lossy(),
+                &self.backends.config_file.to_string_lossy(),
                 "--state",
                 self.state,
                 "--state-key-prefix",
@@ -263,43 +261,13 @@ pub async fn run(
     if state == "memory" {
         bail!("--durability needs a shared state: --state redis://...");
     }
-    let scenarios_file =
-        std::env::temp_dir().join(format!("agentrt-bench-durable-{}.json", std::process::id()));
-    std::fs::write(&scenarios_file, scenarios())?;
-    let config_file =
-        std::env::temp_dir().join(format!("agentrt-bench-durable-{}.toml", std::process::id()));
-    let model = Server::start_at(
-        &dir.join("model-simulator"),
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--scenarios",
-            &scenarios_file.to_string_lossy(),
-        ],
-        &[],
-    )
-    .await;
-    std::fs::write(
-        &config_file,
-        format!(
-            "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = true\n",
-            model.url()
-        ),
-    )?;
-    let tools = Server::start_at(
-        &dir.join("tool-executor"),
-        &["--listen", "127.0.0.1:0"],
-        &[],
-    )
-    .await;
+    let backends = Backends::start(dir, "durable", &scenarios()).await?;
     let cluster = Cluster {
         dir,
         state,
         prefix: format!("agentrt-bench-durable-{}", std::process::id()),
         takeover_after,
-        tools,
-        config_file: config_file.clone(),
-        _model: model,
+        backends,
     };
     println!(
         "agentrt-bench --durability: {runs} runs of {} deltas (40 ms apart) per figure, runs.takeover_after {takeover_after:?}",
@@ -406,7 +374,5 @@ pub async fn run(
         wall.as_secs_f64() * 1e3,
         share * 100.0,
     );
-    let _ = std::fs::remove_file(&scenarios_file);
-    let _ = std::fs::remove_file(&config_file);
     Ok(())
 }

@@ -150,6 +150,65 @@ fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
     Ok(Duration::from_nanos(total))
 }
 
+/// The simulator on some scenarios and a tool executor, for a figure that starts its own
+/// agent-servers; the files they read are removed when dropped.
+pub(crate) struct Backends {
+    /// The model simulator (kept running while this lives).
+    _model: Server,
+    /// The tool executor.
+    pub tools: Server,
+    /// An agent-server config naming the simulator as provider `simulator` (over h2c).
+    pub config_file: PathBuf,
+    scenarios_file: PathBuf,
+}
+
+impl Backends {
+    /// Starts them; `name` tells the files of this figure apart.
+    pub async fn start(dir: &Path, name: &str, scenarios: &str) -> anyhow::Result<Self> {
+        let tag = format!("agentrt-bench-{name}-{}", std::process::id());
+        let scenarios_file = std::env::temp_dir().join(format!("{tag}.json"));
+        std::fs::write(&scenarios_file, scenarios)?;
+        let config_file = std::env::temp_dir().join(format!("{tag}.toml"));
+        let model = Server::start_at(
+            &dir.join("model-simulator"),
+            &[
+                "--listen",
+                "127.0.0.1:0",
+                "--scenarios",
+                &scenarios_file.to_string_lossy(),
+            ],
+            &[],
+        )
+        .await;
+        std::fs::write(
+            &config_file,
+            format!(
+                "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = true\n",
+                model.url()
+            ),
+        )?;
+        let tools = Server::start_at(
+            &dir.join("tool-executor"),
+            &["--listen", "127.0.0.1:0"],
+            &[],
+        )
+        .await;
+        Ok(Self {
+            _model: model,
+            tools,
+            config_file,
+            scenarios_file,
+        })
+    }
+}
+
+impl Drop for Backends {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.scenarios_file);
+        let _ = std::fs::remove_file(&self.config_file);
+    }
+}
+
 /// Resident memory of a process, in KiB.
 fn rss_kib(pid: u32) -> anyhow::Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;

@@ -27,7 +27,7 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{RedisStats, cpu_time, rss_kib};
+use crate::{Backends, RedisStats, cpu_time, rss_kib};
 
 /// Runs started (or answered) at once.
 const CONCURRENCY: usize = 256;
@@ -137,36 +137,10 @@ async fn start_waiting(channel: &Channel, engine_ids: Vec<String>) -> anyhow::Re
 
 pub async fn run(dir: &Path, state: &str, runs: usize) -> anyhow::Result<()> {
     let tag = std::process::id();
-    let scenarios_file = std::env::temp_dir().join(format!("agentrt-bench-wait-{tag}.json"));
-    std::fs::write(&scenarios_file, scenarios())?;
-    let config_file = std::env::temp_dir().join(format!("agentrt-bench-wait-{tag}.toml"));
-    let model = Server::start_at(
-        &dir.join("model-simulator"),
-        &[
-            "--listen",
-            "127.0.0.1:0",
-            "--scenarios",
-            &scenarios_file.to_string_lossy(),
-        ],
-        &[],
-    )
-    .await;
-    std::fs::write(
-        &config_file,
-        format!(
-            "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = true\n",
-            model.url()
-        ),
-    )?;
-    let tools = Server::start_at(
-        &dir.join("tool-executor"),
-        &["--listen", "127.0.0.1:0"],
-        &[],
-    )
-    .await;
+    let backends = Backends::start(dir, "wait", &scenarios()).await?;
     let prefix = format!("agentrt-bench-wait-{tag}");
-    let config_path = config_file.to_string_lossy().into_owned();
-    let tools_url = tools.url();
+    let config_path = backends.config_file.to_string_lossy().into_owned();
+    let tools_url = backends.tools.url();
     let mut args = vec![
         "--listen",
         "127.0.0.1:0",
@@ -289,8 +263,6 @@ pub async fn run(dir: &Path, state: &str, runs: usize) -> anyhow::Result<()> {
         cpu_resuming.as_secs_f64() * 1e6 / runs as f64
     );
     drop(server);
-    let _ = std::fs::remove_file(scenarios_file);
-    let _ = std::fs::remove_file(config_file);
     Ok(())
 }
 
