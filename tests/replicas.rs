@@ -17,7 +17,7 @@ use agentrt_test_support::{
     conformance::{redis_prefix, redis_url},
     connect,
 };
-use common::{Stack, agent, assert_well_formed, collect, data, done, kind, text};
+use common::{Stack, agent, assert_well_formed, collect, data, done, get_run, kind, text};
 use tonic::transport::Channel;
 
 const SCENARIOS: &str = r#"{"scenarios": {
@@ -56,16 +56,6 @@ async fn replicas(test: &str) -> (Stack, Replica) {
     (a, b)
 }
 
-async fn state(engine: &mut AgentEngineClient<Channel>, run_id: &str) -> v1::AgentState {
-    engine
-        .get_run(v1::GetRunRequest {
-            run_id: run_id.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 #[tokio::test]
 async fn an_engine_made_on_one_replica_runs_on_another_and_both_agree_on_the_run() {
     let (mut a, mut b) = replicas("engine").await;
@@ -100,7 +90,7 @@ async fn an_engine_made_on_one_replica_runs_on_another_and_both_agree_on_the_run
     let run_id = events[0].run_id.clone();
     // GetRun agrees everywhere, and so does a replay from either replica.
     let on_a = a.state(&run_id).await;
-    let on_b = state(&mut b.engine, &run_id).await;
+    let on_b = get_run(&mut b.engine, &run_id).await;
     assert_eq!(on_a, on_b);
     assert_eq!(on_a.status, v1::RunStatus::Succeeded as i32);
     assert_eq!(on_a.final_answer, "the answer is 42");
@@ -168,7 +158,7 @@ async fn subscribe_and_cancel_on_another_replica_reach_the_run() {
         "every event exactly once, on the other replica too"
     );
     let on_a = a.state(&run_id).await;
-    assert_eq!(on_a, state(&mut b.engine, &run_id).await);
+    assert_eq!(on_a, get_run(&mut b.engine, &run_id).await);
     assert_eq!(on_a.status, v1::RunStatus::Cancelled as i32);
 }
 

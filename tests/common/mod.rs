@@ -152,14 +152,19 @@ impl Stack {
     }
 
     pub async fn state(&mut self, run_id: &str) -> v1::AgentState {
-        self.engine
-            .get_run(v1::GetRunRequest {
-                run_id: run_id.into(),
-            })
-            .await
-            .unwrap()
-            .into_inner()
+        get_run(&mut self.engine, run_id).await
     }
+}
+
+/// `GetRun` of `run_id` through `engine`.
+pub async fn get_run(engine: &mut AgentEngineClient<Channel>, run_id: &str) -> v1::AgentState {
+    engine
+        .get_run(v1::GetRunRequest {
+            run_id: run_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
 }
 
 /// A whole run's events, checked for well-formedness.
