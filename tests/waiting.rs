@@ -21,7 +21,7 @@ use agentrt_test_support::{
     conformance::{redis_prefix, redis_url},
     connect,
 };
-use common::{Stack, assert_well_formed, create_engine, data, done, kind, of_kind, rest};
+use common::{Stack, assert_well_formed, create_engine, data, done, get_run, kind, of_kind, rest};
 use serde_json::{Value, json};
 use tokio_stream::StreamExt;
 use tonic::{Code, Streaming, transport::Channel};
@@ -86,6 +86,20 @@ fn waiting_agent(model: &str, approve_calculator: bool) -> v1::AgentConfig {
         parallel_tool_calls: true,
         ..Default::default()
     }
+}
+
+/// Starts a run of `config` on `stack` and reads its `Execute` stream up to its
+/// EVENT_TYPE_ACTION_REQUIRED event: the stream, the events read, that event's data, the
+/// run's id.
+async fn waiting_run(
+    stack: &mut Stack,
+    config: v1::AgentConfig,
+) -> (Streaming<Event>, Vec<Event>, Value, String) {
+    let engine_id = stack.engine_for(config).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let (before, action) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    (stream, before, action, run_id)
 }
 
 /// Reads `stream` until its EVENT_TYPE_ACTION_REQUIRED event: the events read, that
@@ -162,16 +176,6 @@ async fn submit(
         .map(tonic::Response::into_inner)
 }
 
-async fn get_run(engine: &mut AgentEngineClient<Channel>, run_id: &str) -> v1::AgentState {
-    engine
-        .get_run(v1::GetRunRequest {
-            run_id: run_id.into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-}
-
 /// The answer text of a run's events.
 fn answer(events: &[Event]) -> String {
     events
@@ -206,10 +210,8 @@ fn status_reason(status: &tonic::Status) -> String {
 #[tokio::test]
 async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let engine_id = stack.engine_for(waiting_agent("one", true)).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, action) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, action, run_id) =
+        waiting_run(&mut stack, waiting_agent("one", true)).await;
     assert_eq!(
         pending(&action),
         [(
@@ -264,6 +266,11 @@ async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
         .await
         .unwrap();
     assert!(again.pending_tool_call_ids.is_empty());
+    assert_eq!(
+        again.status,
+        v1::RunStatus::Succeeded as i32,
+        "where the run is now"
+    );
     // Another answer once it went on: FAILED_PRECONDITION, the first answer stands.
     let late = approve(&mut stack.engine, &run_id, &[("c1", false, "no")])
         .await
@@ -275,10 +282,7 @@ async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
 #[tokio::test]
 async fn a_denied_call_goes_back_to_the_model_with_the_reason() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let engine_id = stack.engine_for(waiting_agent("one", true)).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("one", true)).await;
     approve(
         &mut stack.engine,
         &run_id,
@@ -310,10 +314,8 @@ async fn a_denied_call_goes_back_to_the_model_with_the_reason() {
 #[tokio::test]
 async fn a_mixed_round_answered_in_any_order_with_repeats_and_mistakes() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let engine_id = stack.engine_for(waiting_agent("mix", false)).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, action) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, action, run_id) =
+        waiting_run(&mut stack, waiting_agent("mix", false)).await;
     assert_eq!(
         pending(&action),
         [
@@ -494,10 +496,7 @@ async fn the_action_timeout_ends_a_wait_and_the_run_timeout_is_paused() {
         tool_call: secs(2),
         action: secs(60),
     });
-    let engine_id = stack.engine_for(patient).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut stack, patient).await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
     submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
         .await
@@ -512,10 +511,7 @@ async fn the_action_timeout_ends_a_wait_and_the_run_timeout_is_paused() {
         action: secs(1),
         ..Default::default()
     });
-    let engine_id = stack.engine_for(hasty).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut stack, hasty).await;
     let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
     assert_well_formed(&events);
     let end = done(&events);
@@ -535,10 +531,7 @@ async fn the_action_timeout_ends_a_wait_and_the_run_timeout_is_paused() {
 #[tokio::test]
 async fn a_disconnect_while_waiting_does_not_cancel_and_subscribe_follows_it() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let engine_id = stack.engine_for(waiting_agent("client", false)).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
     drop(stream);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let state = get_run(&mut stack.engine, &run_id).await;
@@ -579,10 +572,7 @@ async fn follow_and_answer(
 #[tokio::test]
 async fn cancel_ends_a_waiting_run() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let engine_id = stack.engine_for(waiting_agent("client", false)).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
     let cancelled = stack
         .engine
         .cancel(v1::CancelRequest {
@@ -609,10 +599,7 @@ async fn react_waits_for_a_client_tool_too() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
     let mut config = waiting_agent("react", false);
     config.strategy = v1::Strategy::React as i32;
-    let engine_id = stack.engine_for(config).await;
-    let mut stream = execute(&mut stack.engine, &engine_id).await;
-    let (before, action) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, action, run_id) = waiting_run(&mut stack, config).await;
     let calls = pending(&action);
     assert_eq!(calls.len(), 1, "{action}");
     assert_eq!(calls[0].1, "lookup_order");
@@ -668,10 +655,7 @@ async fn with_redis_an_answer_through_another_replica_continues_the_run() {
     ];
     let mut a = Stack::up(SCENARIOS, &args).await;
     let mut b = replica(&a, &args).await;
-    let engine_id = a.engine_for(waiting_agent("mix", false)).await;
-    let mut stream = execute(&mut a.engine, &engine_id).await;
-    let (before, _) = until_action(&mut stream).await;
-    let run_id = before[0].run_id.clone();
+    let (stream, before, _, run_id) = waiting_run(&mut a, waiting_agent("mix", false)).await;
     let state = get_run(&mut b.engine, &run_id).await;
     assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
     assert_eq!(state.pending_tool_calls.len(), 3);

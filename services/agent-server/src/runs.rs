@@ -573,10 +573,11 @@ impl RunManager {
                         }
                     }
                 }
-                let status = if left.is_empty() {
-                    RunStatus::Running
-                } else {
-                    RunStatus::RequiresAction
+                // A repeat after the run went on says where it is now.
+                let status = match (left.is_empty(), record.waiting()) {
+                    (false, _) => RunStatus::RequiresAction,
+                    (true, true) => RunStatus::Running,
+                    (true, false) => record.status,
                 };
                 Ok(AnswerOutcome { status, left })
             }
