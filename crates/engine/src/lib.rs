@@ -59,7 +59,7 @@ pub struct Engine {
 pub const DEFAULT_MAX_TOOL_OUTPUT_BYTES: usize = 64 * 1024;
 
 /// One run to make.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone)]
 pub struct RunSpec {
     /// The run's id.
     pub run_id: String,
@@ -77,6 +77,85 @@ pub struct RunSpec {
     pub config: Arc<AgentConfig>,
     /// Specs of the agent's tools.
     pub tools: Arc<[ToolSpec]>,
+}
+
+/// A run's own part of its spec, as saved for another replica to continue it; the agent's
+/// part ([`AgentPart`]) is saved once per engine, whatever its number of runs.
+#[derive(serde::Serialize)]
+struct RunPart<'a> {
+    run_id: &'a str,
+    engine_id: &'a str,
+    session_id: &'a str,
+    message_id: &'a str,
+    query: &'a str,
+    llm_context: Option<&'a [ChatMessage]>,
+}
+
+/// What every run of an engine shares, as saved.
+#[derive(serde::Serialize)]
+struct AgentPart<'a> {
+    config: &'a AgentConfig,
+    tools: &'a [ToolSpec],
+}
+
+/// A run's saved spec, read back: its agent comes apart ([`SavedAgent`]), except in the
+/// specs of runs saved before agents were saved once per engine.
+#[derive(serde::Deserialize)]
+struct SavedSpec {
+    run_id: String,
+    engine_id: String,
+    session_id: String,
+    message_id: String,
+    query: String,
+    llm_context: Option<Vec<ChatMessage>>,
+    #[serde(flatten)]
+    agent: Option<SavedAgent>,
+}
+
+/// An engine's agent, read back.
+#[derive(serde::Deserialize)]
+struct SavedAgent {
+    config: Arc<AgentConfig>,
+    tools: Arc<[ToolSpec]>,
+}
+
+impl RunSpec {
+    /// The run's part of the spec and its agent's part, as saved.
+    fn saved(&self) -> serde_json::Result<(String, String)> {
+        let run = serde_json::to_string(&RunPart {
+            run_id: &self.run_id,
+            engine_id: &self.engine_id,
+            session_id: &self.session_id,
+            message_id: &self.message_id,
+            query: &self.query,
+            llm_context: self.llm_context.as_deref(),
+        })?;
+        let agent = serde_json::to_string(&AgentPart {
+            config: &self.config,
+            tools: &self.tools,
+        })?;
+        Ok((run, agent))
+    }
+
+    /// The spec saved as `spec` (the run's part) and `agent` (its engine's part).
+    fn read(spec: &str, agent: &str) -> Result<Self, String> {
+        let saved: SavedSpec = serde_json::from_str(spec).map_err(|e| format!("spec: {e}"))?;
+        let agent = match saved.agent {
+            Some(agent) => agent,
+            None if agent.is_empty() => return Err("agent: none is saved".into()),
+            None => serde_json::from_str(agent).map_err(|e| format!("agent: {e}"))?,
+        };
+        Ok(Self {
+            run_id: saved.run_id,
+            engine_id: saved.engine_id,
+            session_id: saved.session_id,
+            message_id: saved.message_id,
+            query: saved.query,
+            llm_context: saved.llm_context,
+            config: agent.config,
+            tools: agent.tools,
+        })
+    }
 }
 
 /// How a run is stopped from outside.
@@ -257,11 +336,14 @@ fn progress(
         .collect::<Result<Vec<_>, _>>()
         .map_err(encode_failed)?;
     *saved = state.messages.len();
+    let (spec, agent) = spec
+        .map(RunSpec::saved)
+        .transpose()
+        .map_err(encode_failed)?
+        .unzip();
     Ok(Progress {
-        spec: spec
-            .map(serde_json::to_string)
-            .transpose()
-            .map_err(encode_failed)?,
+        spec,
+        agent,
         state: encoded.map_err(encode_failed)?,
         messages: new,
         first_message: first,
@@ -383,7 +465,7 @@ impl Engine {
             category: "internal",
             retryable: false,
         };
-        let spec: RunSpec = serde_json::from_str(&taken.spec).map_err(|e| corrupt("spec", &e))?;
+        let spec = RunSpec::read(&taken.spec, &taken.agent).map_err(|e| corrupt("spec", &e))?;
         let mut state: RunState =
             serde_json::from_str(&taken.state).map_err(|e| corrupt("state", &e))?;
         state.messages = taken
@@ -1669,6 +1751,64 @@ fn stopped_error(reason: StopReason) -> RunError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_spec_reads_back_with_its_agent_apart_or_inside_as_saved_before() {
+        let spec = RunSpec {
+            run_id: "r".into(),
+            engine_id: "e".into(),
+            session_id: "s".into(),
+            message_id: "m".into(),
+            query: "q".into(),
+            llm_context: Some(vec![ChatMessage::User("before".into())]),
+            config: Arc::new(AgentConfig {
+                name: "agent".into(),
+                system_prompt: String::new(),
+                model: agentrt_core::ModelSelection {
+                    provider: "p".into(),
+                    name: "m".into(),
+                    temperature: None,
+                    max_tokens: None,
+                },
+                rerank_model: None,
+                strategy: agentrt_core::Strategy::FunctionCall,
+                max_iterations: 4,
+                tools: Vec::new(),
+                approval: Vec::new(),
+                client_tools: Vec::new(),
+                parallel_tool_calls: true,
+                max_parallel_tool_calls: 2,
+                context: agentrt_core::ContextBudget {
+                    max_prompt_tokens: 8192,
+                },
+                timeouts: agentrt_core::Timeouts::default(),
+            }),
+            tools: Arc::from(Vec::new()),
+        };
+        let (run, agent) = spec.saved().unwrap();
+        assert!(
+            !run.contains("\"agent\""),
+            "the run's part leaves the agent out: {run}"
+        );
+        let read = RunSpec::read(&run, &agent).unwrap();
+        assert_eq!(
+            (
+                read.run_id.as_str(),
+                read.query.as_str(),
+                read.config.name.as_str()
+            ),
+            ("r", "q", "agent")
+        );
+        assert_eq!(read.llm_context.map(|c| c.len()), Some(1));
+        // A spec saved whole, before agents were saved apart, carries its agent.
+        let mut whole: serde_json::Value = serde_json::from_str(&run).unwrap();
+        let agent_value: serde_json::Value = serde_json::from_str(&agent).unwrap();
+        whole["config"] = agent_value["config"].clone();
+        whole["tools"] = agent_value["tools"].clone();
+        let read = RunSpec::read(&whole.to_string(), "").unwrap();
+        assert_eq!(read.config.name, "agent");
+        assert!(RunSpec::read(&run, "").unwrap_err().contains("agent"));
+    }
 
     #[tokio::test]
     async fn a_stop_wakes_the_waiting_run_and_an_earlier_stop_is_seen_at_once() {

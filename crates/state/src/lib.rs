@@ -21,5 +21,5 @@ pub use record::{
 };
 pub use runs::{
     Answered, Answers, Claim, Lease, MemoryRunStore, Progress, Resumable, RunRetention, RunStore,
-    StopRequest, StopRequests,
+    StopRequest, StopRequests, agent_id,
 };

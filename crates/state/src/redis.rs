@@ -20,7 +20,10 @@
 //!   record, so that a replica that lost the run cannot write it, even after it ended);
 //!   `P:leases:all`: the running runs, scored by when their lease lapses (0: let go);
 //!   `P:resume:ID`: what another replica needs to continue the run (its spec, its step
-//!   machine's state, the turn's messages), dropped when it ends.
+//!   machine's state, the turn's messages), dropped when it ends;
+//! - `P:agent:DIGEST`: an agent's config and tools (JSON), one copy for all the runs of
+//!   every engine that runs it (named by a digest of the JSON, the `a` field of their
+//!   `P:resume:ID`), kept as long as the longest-lived of them may be continued.
 //!
 //! Every write of a run's events and record is a script that first checks the writer's
 //! token against the run's owner (a fence): a replica paused past its lease writes
@@ -47,6 +50,7 @@ use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
     runs::{
         Answered, Answers, Claim, Lease, Progress, Resumable, RunStore, StopRequest, StopRequests,
+        agent_id,
     },
 };
 
@@ -400,10 +404,13 @@ fn claim_script() -> &'static redis::Script {
 /// the first record (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped
 /// with the last. `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e`
 /// ended), record field count, wait (ms, or empty when the run does not wait), the number
-/// of pending call ids, the ids, then record fields and progress fields. A run that waits
-/// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
-/// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
-/// and `!taken` marks).
+/// of pending call ids, the ids, then record fields and progress fields, and with flag `a`
+/// last the agent of the run's engine. A run that waits has no owner (`KEYS[2]` empty),
+/// its lease lapses when the wait ends, and its answers are kept in `KEYS[7]`
+/// (`c:<call id>` fields, empty until answered; `!done`, `!cancel` and `!taken` marks).
+/// The agent is one key for all its runs (`KEYS[8]`, given with it; else `KEYS[8]` is the
+/// agent keys' prefix and its id is the run's `a` progress field), kept as long as the
+/// longest-lived run that uses it.
 const FENCE: &str = r"
 local function may_write(record, owner_key, owner)
   if owner == '' then return true end
@@ -424,17 +431,35 @@ local waits = tonumber(ARGV[8])
 local base = 8 + waits
 local first = string.find(ARGV[5], 'f', 1, true)
 local ended = string.find(ARGV[5], 'e', 1, true)
+local last = #ARGV
+local agent = nil
+if string.find(ARGV[5], 'a', 1, true) then
+  last = last - 1
+  agent = KEYS[8]
+  redis.call('SET', agent, ARGV[#ARGV], 'NX', 'PX', ARGV[3])
+end
 local record = {}
 for i = base + 1, base + 2 * fields do record[#record + 1] = ARGV[i] end
 redis.call('HSET', KEYS[1], unpack(record))
-if not ended and #ARGV > base + 2 * fields then
+if not ended and last > base + 2 * fields then
   local progress = {}
-  for i = base + 1 + 2 * fields, #ARGV do progress[#progress + 1] = ARGV[i] end
+  for i = base + 1 + 2 * fields, last do progress[#progress + 1] = ARGV[i] end
   redis.call('HSET', KEYS[6], unpack(progress))
+end
+local function keep_agent()
+  if not agent then
+    local id = redis.call('HGET', KEYS[6], 'a')
+    if not id then return end
+    agent = KEYS[8] .. id
+  end
+  if redis.call('PTTL', agent) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', agent, ARGV[3])
+  end
 end
 if first then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   redis.call('PEXPIRE', KEYS[6], ARGV[3])
+  keep_agent()
   if ARGV[2] ~= '' then
     redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
     redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[4]), ARGV[1])
@@ -453,6 +478,7 @@ if ARGV[7] ~= '' then
   end
   redis.call('HSET', KEYS[7], unpack(pending))
   for _, i in ipairs({1, 4, 5, 6, 7}) do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
+  keep_agent()
 end
 if ended then
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
@@ -678,11 +704,20 @@ impl RunStore for RedisRuns {
         }
         // Times to live: set when the record is made (the run's other keys have theirs
         // already) and when it ends; a run cannot outlive the first.
-        let flags = match (record.steps.is_empty(), record.ended()) {
+        let mut flags = match (record.steps.is_empty(), record.ended()) {
             (_, true) => "e",
             (true, false) => "f",
             (false, false) => "",
-        };
+        }
+        .to_owned();
+        let agent = progress
+            .filter(|_| !record.ended())
+            .and_then(|p| p.agent.as_ref())
+            .map(|json| (agent_id(json), json));
+        if let Some((id, json)) = &agent {
+            flags.push('a');
+            fields.extend(["a".to_owned(), id.clone(), (*json).clone()]);
+        }
         let wait = progress
             .and_then(|p| p.wait)
             .filter(|_| record.waiting() && !record.pending.is_empty());
@@ -694,6 +729,7 @@ impl RunStore for RedisRuns {
             .key(self.message_key(&record.session_id, &record.message_id))
             .key(self.0.key("resume", &record.run_id))
             .key(self.0.key("wait", &record.run_id))
+            .key(self.0.key("agent", agent.as_ref().map_or("", |(id, _)| id)))
             .arg(&record.run_id)
             .arg(&record.owner)
             .arg(millis(self.ttl(record, wait)))
@@ -869,6 +905,15 @@ impl RunStore for RedisRuns {
             return Ok(None);
         };
         token.clone_into(&mut record.owner);
+        let agent: Option<String> = match fields.get("a") {
+            Some(id) => self
+                .0
+                .connection()
+                .get(self.0.key("agent", id))
+                .await
+                .map_err(|e| self.0.unavailable(&e))?,
+            None => None,
+        };
         let (Some(spec), Some(state)) = (fields.get("spec"), fields.get("st")) else {
             return Err(corrupt("run progress", &"the spec or the state is missing"));
         };
@@ -883,6 +928,7 @@ impl RunStore for RedisRuns {
         Ok(Some(Resumable {
             record,
             spec: spec.clone(),
+            agent: agent.unwrap_or_default(),
             state: state.clone(),
             messages: messages.into_iter().map(|(_, m)| m.clone()).collect(),
             previous_owner: previous_owner.clone(),

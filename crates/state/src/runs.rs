@@ -47,8 +47,12 @@ pub struct Lease {
 /// at its checkpoints, opaque to the store (JSON the engine reads back).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Progress {
-    /// What the run is (its agent, tools and query); written with the first record.
+    /// What the run is (its ids, query and context); written with the first record.
     pub spec: Option<String>,
+    /// The agent's config and tools, written with the first record: what the runs of one
+    /// agent share, however many engines and sessions run it. Stores keep one copy of each
+    /// (by [`agent_id`]) as long as one of its runs may be continued.
+    pub agent: Option<String>,
     /// The step machine's state, without the turn's messages.
     pub state: String,
     /// The turn's messages from `first_message` on (those before are as last saved).
@@ -98,6 +102,9 @@ pub struct Resumable {
     pub record: RunRecord,
     /// [`Progress::spec`].
     pub spec: String,
+    /// [`Progress::agent`] (empty when the store has none: the spec of a run saved
+    /// before agents were kept apart carries it).
+    pub agent: String,
     /// [`Progress::state`] as last saved.
     pub state: String,
     /// Every message of the turn saved so far.
@@ -109,6 +116,19 @@ pub struct Resumable {
     /// For a run that waited ([`RunStatus::RequiresAction`](crate::RunStatus)): what it
     /// was told meanwhile.
     pub waited: Option<Answers>,
+}
+
+/// The name stores keep an agent ([`Progress::agent`]) under: a digest of its text
+/// (128 bits of SHA-256, in hex), the same on every replica.
+pub fn agent_id(agent: &str) -> String {
+    use std::fmt::Write;
+    let digest = ring::digest::digest(&ring::digest::SHA256, agent.as_bytes());
+    digest.as_ref()[..16]
+        .iter()
+        .fold(String::with_capacity(32), |mut hex, byte| {
+            let _ = write!(hex, "{byte:02x}");
+            hex
+        })
 }
 
 /// Stop requests as they are made.
@@ -220,8 +240,10 @@ struct Inner {
     ended: VecDeque<(Instant, String)>,
     /// The leases of running and waiting runs.
     leases: Leases,
-    /// What continuing each running run needs: spec, state, messages.
-    progress: HashMap<String, (String, String, Vec<String>)>,
+    /// What continuing each running run needs.
+    progress: HashMap<String, Continuation>,
+    /// The agents of the runs in `progress`, by [`agent_id`], with how many runs use each.
+    agents: HashMap<String, (String, usize)>,
     /// The waits of runs that wait or waited, until their record expires.
     waits: HashMap<String, Wait>,
 }
@@ -286,6 +308,16 @@ impl Leases {
             .map(|(_, run_id)| run_id.clone())
             .collect()
     }
+}
+
+/// What continuing a run needs ([`Progress`], as kept).
+#[derive(Default)]
+struct Continuation {
+    spec: String,
+    /// The [`agent_id`] of its agent (empty when it was saved without one).
+    agent: String,
+    state: String,
+    messages: Vec<String>,
 }
 
 /// What a waiting run was told.
@@ -382,18 +414,40 @@ impl RunStore for MemoryRunStore {
         }
         if record.ended() {
             inner.leases.remove(&record.run_id);
-            inner.progress.remove(&record.run_id);
+            if let Some(continuation) = inner.progress.remove(&record.run_id)
+                && let Some((_, users)) = inner.agents.get_mut(&continuation.agent)
+            {
+                *users -= 1;
+                if *users == 0 {
+                    inner.agents.remove(&continuation.agent);
+                }
+            }
             if let Some(wait) = inner.waits.get_mut(&record.run_id) {
                 wait.taken = true;
             }
         } else if let Some(progress) = progress {
+            let new_agent = match &progress.agent {
+                Some(json) if !inner.progress.contains_key(&record.run_id) => {
+                    let id = agent_id(json);
+                    let (_, users) = inner
+                        .agents
+                        .entry(id.clone())
+                        .or_insert_with(|| (json.clone(), 0));
+                    *users += 1;
+                    Some(id)
+                }
+                _ => None,
+            };
             let entry = inner.progress.entry(record.run_id.clone()).or_default();
-            if let Some(spec) = &progress.spec {
-                entry.0.clone_from(spec);
+            if let Some(id) = new_agent {
+                entry.agent = id;
             }
-            entry.1.clone_from(&progress.state);
-            entry.2.truncate(progress.first_message);
-            entry.2.extend(progress.messages.iter().cloned());
+            if let Some(spec) = &progress.spec {
+                entry.spec.clone_from(spec);
+            }
+            entry.state.clone_from(&progress.state);
+            entry.messages.truncate(progress.first_message);
+            entry.messages.extend(progress.messages.iter().cloned());
             if record.waiting() {
                 // Nobody executes the run until it is answered, cancelled or out of time.
                 let lapses = Instant::now() + progress.wait.unwrap_or(self.retention.lease);
@@ -573,18 +627,24 @@ impl RunStore for MemoryRunStore {
         inner
             .leases
             .set(run_id, token.to_owned(), now + self.retention.lease, false);
-        let (Some(record), Some((spec, state, messages))) =
+        let (Some(record), Some(continuation)) =
             (inner.records.get(run_id), inner.progress.get(run_id))
         else {
             return Ok(None);
         };
         let mut record = record.clone();
         token.clone_into(&mut record.owner);
+        let agent = inner
+            .agents
+            .get(&continuation.agent)
+            .map(|(json, _)| json.clone())
+            .unwrap_or_default();
         let mut resumable = Resumable {
             record,
-            spec: spec.clone(),
-            state: state.clone(),
-            messages: messages.clone(),
+            spec: continuation.spec.clone(),
+            agent,
+            state: continuation.state.clone(),
+            messages: continuation.messages.clone(),
             previous_owner,
             handed_over,
             waited: None,

@@ -394,6 +394,7 @@ where
     };
     let progress = |first: usize, messages: &[&str]| Progress {
         spec: (first == 0).then(|| "{\"spec\":1}".to_owned()),
+        agent: (first == 0).then(|| "{\"agent\":\"e\"}".to_owned()),
         state: format!("state-{first}"),
         messages: messages.iter().map(|m| (*m).to_owned()).collect(),
         first_message: first,
@@ -456,6 +457,7 @@ where
     assert_eq!(taken.previous_owner, "a.1");
     assert!(!taken.handed_over);
     assert_eq!(taken.spec, "{\"spec\":1}");
+    assert_eq!(taken.agent, "{\"agent\":\"e\"}");
     assert_eq!(taken.state, "state-1");
     assert_eq!(taken.messages, ["m0", "m1", "m2"]);
     assert_eq!(taken.record.steps.len(), 1);
@@ -508,6 +510,43 @@ where
         Err(StateError::Fenced("lr".into()))
     );
     assert_eq!(other.load("lr").await.unwrap().unwrap().owner, "c.1");
+
+    // Runs of one agent share one copy of it, kept while one of them may go on, whatever
+    // their engines: a run taken over after another of its agent ended reads it still;
+    // another agent's runs read theirs.
+    let started = |agent: &str| Progress {
+        spec: Some("{\"spec\":2}".to_owned()),
+        agent: Some(format!("{{\"agent\":\"{agent}\"}}")),
+        state: "state".into(),
+        messages: Vec::new(),
+        first_message: 0,
+        wait: None,
+    };
+    let mut runs = Vec::new();
+    for (run, engine, agent) in [
+        ("sa", "e1", "shared"),
+        ("sb", "e2", "shared"),
+        ("sc", "e3", "apart"),
+    ] {
+        let mut record = RunRecord::new(run, engine, "s", &format!("m-{run}"), "q");
+        record.owner = format!("{run}.a");
+        store.save(&record, 0, Some(&started(agent))).await.unwrap();
+        runs.push(record);
+    }
+    runs[0].status = RunStatus::Succeeded;
+    runs[0].stop_reason = Some(StopReason::FinalAnswer);
+    store.save(&runs[0], 0, None).await.unwrap();
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    let sb = other.take_over("sb", "sb.b").await.unwrap().unwrap();
+    assert_eq!(sb.agent, "{\"agent\":\"shared\"}");
+    assert_eq!(sb.spec, "{\"spec\":2}");
+    let sc = other.take_over("sc", "sc.b").await.unwrap().unwrap();
+    assert_eq!(sc.agent, "{\"agent\":\"apart\"}");
+    for mut record in [sb.record, sc.record] {
+        record.status = RunStatus::Succeeded;
+        record.stop_reason = Some(StopReason::FinalAnswer);
+        other.save(&record, 0, None).await.unwrap();
+    }
 
     // A run without an owner has no lease (a store used by one process).
     let free = RunRecord::new("free", "e", "s", "m2", "q");
@@ -574,6 +613,7 @@ async fn start_waiting(
     record.owner = format!("{run_id}.a");
     let started = Progress {
         spec: Some("{\"spec\":1}".into()),
+        agent: Some("{\"agent\":1}".into()),
         state: "running".into(),
         messages: vec!["m0".into()],
         first_message: 0,
@@ -589,6 +629,7 @@ async fn start_waiting(
     record.pending = calls;
     let waiting = Progress {
         spec: None,
+        agent: None,
         state: "waiting".into(),
         messages: vec!["m1".into()],
         first_message: 1,
@@ -640,6 +681,7 @@ where
     };
     let running = |state: &str, first: usize, messages: &[&str]| Progress {
         spec: None,
+        agent: None,
         state: state.into(),
         messages: messages.iter().map(|m| (*m).to_owned()).collect(),
         first_message: first,
