@@ -275,8 +275,9 @@ async fn bearer_tokens_tell_unauthenticated_from_permission_denied() {
     let tokens_file = pki.dir.join("tokens");
     std::fs::write(
         &tokens_file,
-        "# operators\nadmin-token-0123456789\n\
-         runner-token-0123456789 agent.v1.AgentEngine\n",
+        "# one client, two tokens: one makes engines, the other only runs them\n\
+         admin-token-0123456789 principal=svc\n\
+         runner-token-0123456789 agent.v1.AgentEngine principal=svc\n",
     )
     .unwrap();
     let model = simulator(SCENARIOS, &[]).await;
@@ -369,7 +370,8 @@ async fn bearer_tokens_tell_unauthenticated_from_permission_denied() {
     );
 
     // The admin token creates the engine (agent-server lists tools with its own token),
-    // the runner token runs it, and the tool call reaches the tool executor.
+    // the runner token of the same principal runs it, and the tool call reaches the tool
+    // executor.
     let engine_id = service
         .create_agent_engine(create(Some("Bearer admin-token-0123456789")))
         .await

@@ -199,43 +199,120 @@ fn parse_entries(field: &'static str, text: &str) -> Result<Vec<TokenEntry>, Con
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
+        let invalid = |message: String| ConfigError::Invalid {
+            field,
+            message: format!("entry {}: {message}", index + 1),
+        };
         let mut parts = line.split_whitespace();
         let token = parts.next().unwrap_or_default();
         if token.chars().count() < MIN_TOKEN_CHARS {
             // Never echo the token itself.
-            return Err(ConfigError::Invalid {
-                field,
-                message: format!(
-                    "entry {}: tokens must be at least {MIN_TOKEN_CHARS} characters",
-                    index + 1
-                ),
-            });
+            return Err(invalid(format!(
+                "tokens must be at least {MIN_TOKEN_CHARS} characters"
+            )));
         }
-        let services = match parts.next() {
-            None | Some("*") => None,
-            Some(list) => Some(
-                list.split(',')
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned)
-                    .collect(),
-            ),
-        };
-        if parts.next().is_some() {
-            return Err(ConfigError::Invalid {
-                field,
-                message: format!(
-                    "entry {}: write `TOKEN` or `TOKEN SERVICE,SERVICE`, services separated by \
-                     commas without spaces",
-                    index + 1
-                ),
-            });
+        let digest = sha256(token.as_bytes());
+        let mut services = None;
+        let mut principal = None;
+        let mut operator = false;
+        for (position, part) in parts.enumerate() {
+            match part.split_once('=') {
+                Some(("principal", name)) => {
+                    check_principal(name).map_err(invalid)?;
+                    principal = Some(name);
+                }
+                Some(("scope", "operator")) => operator = true,
+                Some(("scope", other)) => {
+                    return Err(invalid(format!(
+                        "unknown scope {other:?}: the one scope is `scope=operator`"
+                    )));
+                }
+                Some((option, _)) => {
+                    return Err(invalid(format!(
+                        "unknown option {option:?}: write `TOKEN [SERVICE,...] \
+                         [principal=NAME] [scope=operator]`"
+                    )));
+                }
+                None if position == 0 => {
+                    services = (part != "*").then(|| {
+                        part.split(',')
+                            .filter(|s| !s.is_empty())
+                            .map(str::to_owned)
+                            .collect()
+                    });
+                }
+                None => {
+                    return Err(invalid(
+                        "write `TOKEN [SERVICE,...] [principal=NAME] [scope=operator]`, \
+                         services separated by commas without spaces"
+                            .into(),
+                    ));
+                }
+            }
         }
+        // A token without a name is a principal of its own, named after its digest.
+        let name = principal.map_or_else(|| format!("token-{}", hex(&digest[..6])), str::to_owned);
         entries.push(TokenEntry {
-            digest: sha256(token.as_bytes()),
+            digest,
             services,
+            principal: Principal {
+                name: name.into(),
+                operator,
+            },
         });
     }
     Ok(entries)
+}
+
+/// Longest principal name.
+pub const MAX_PRINCIPAL_CHARS: usize = 64;
+
+fn check_principal(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_PRINCIPAL_CHARS
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "principal names are 1 to {MAX_PRINCIPAL_CHARS} letters, digits, '_', '-' or '.'"
+        ))
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Who makes a call: the principal of its token. [`Auth`] puts it in the extensions of
+/// every request it lets through; without authentication there is none, and every call is
+/// the anonymous principal's. Engines, sessions and runs belong to the principal that made
+/// them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Principal {
+    /// Its name (`principal=NAME` in the tokens file, else `token-` and 12 hex digits of
+    /// the token's SHA-256); empty for the anonymous principal.
+    pub name: Arc<str>,
+    /// Whether it may act on every principal's objects (`scope=operator`).
+    pub operator: bool,
+}
+
+impl Principal {
+    /// The principal of `request` (the anonymous one when it carries none).
+    pub fn of<T>(request: &tonic::Request<T>) -> Self {
+        request
+            .extensions()
+            .get::<Self>()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Whether it may act on an object that belongs to `owner`.
+    pub fn may_act_on(&self, owner: &str) -> bool {
+        self.operator || *self.name == *owner
+    }
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -267,13 +344,14 @@ struct TokenEntry {
     digest: [u8; 32],
     /// `None`: every service.
     services: Option<Vec<String>>,
+    principal: Principal,
 }
 
 /// What a token may do.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Access {
-    /// The token is valid and grants the service.
-    Granted,
+    /// The token is valid and grants the service, to this principal.
+    Granted(Principal),
     /// The token is valid but does not grant the service.
     Denied,
     /// No entry has this token.
@@ -298,10 +376,9 @@ impl TokenSet {
         match found {
             None => Access::Unknown,
             Some(entry) => match &entry.services {
-                None => Access::Granted,
-                Some(_) if is_reflection(service) => Access::Granted,
-                Some(services) if services.iter().any(|s| s == service) => Access::Granted,
-                Some(_) => Access::Denied,
+                Some(_) if is_reflection(service) => Access::Granted(entry.principal.clone()),
+                Some(services) if !services.iter().any(|s| s == service) => Access::Denied,
+                _ => Access::Granted(entry.principal.clone()),
             },
         }
     }
@@ -375,20 +452,25 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        if let Some(tokens) = &self.tokens
-            && let Err(status) = authorize(tokens, &request)
-        {
-            return Box::pin(std::future::ready(Ok(status.into_http())));
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        if let Some(tokens) = &self.tokens {
+            match authorize(tokens, &request) {
+                Ok(Some(principal)) => {
+                    request.extensions_mut().insert(principal);
+                }
+                Ok(None) => {}
+                Err(status) => return Box::pin(std::future::ready(Ok(status.into_http()))),
+            }
         }
         Box::pin(self.inner.call(request))
     }
 }
 
-fn authorize<B>(tokens: &TokenSet, request: &Request<B>) -> Result<(), Status> {
+/// The principal of an authorized call (`None` for health, which needs no token).
+fn authorize<B>(tokens: &TokenSet, request: &Request<B>) -> Result<Option<Principal>, Status> {
     let service = crate::grpc_route(request.uri().path()).map_or("", |(service, _)| service);
     if service == HEALTH_SERVICE {
-        return Ok(());
+        return Ok(None);
     }
     let mut values = request
         .headers()
@@ -416,7 +498,7 @@ fn authorize<B>(tokens: &TokenSet, request: &Request<B>) -> Result<(), Status> {
             Status::unauthenticated("malformed `authorization` metadata: expected `Bearer <token>`")
         })?;
     match tokens.check(token, service) {
-        Access::Granted => Ok(()),
+        Access::Granted(principal) => Ok(Some(principal)),
         Access::Unknown => Err(Status::unauthenticated("invalid bearer token")),
         Access::Denied => Err(Status::permission_denied(format!(
             "this token does not grant access to {service}"
@@ -434,33 +516,33 @@ mod tests {
         }
     }
 
+    /// The principal `token` acts as on `service`: `Err` with the access otherwise.
+    fn principal(tokens: &TokenSet, token: &str, service: &str) -> Result<Principal, Access> {
+        match tokens.check(token, service) {
+            Access::Granted(principal) => Ok(principal),
+            other => Err(other),
+        }
+    }
+
     #[test]
     fn tokens_grant_all_or_the_services_they_name() {
         let tokens = set("# admins\nadmin-token-0123456789\n\
              runner-token-0123456789 agent.v1.AgentEngine;star-token-0123456789 *");
-        assert_eq!(
-            tokens.check("admin-token-0123456789", "agent.v1.AgentService"),
-            Access::Granted
-        );
-        assert_eq!(
-            tokens.check("runner-token-0123456789", "agent.v1.AgentEngine"),
-            Access::Granted
-        );
+        assert!(principal(&tokens, "admin-token-0123456789", "agent.v1.AgentService").is_ok());
+        assert!(principal(&tokens, "runner-token-0123456789", "agent.v1.AgentEngine").is_ok());
         assert_eq!(
             tokens.check("runner-token-0123456789", "agent.v1.AgentService"),
             Access::Denied
         );
-        assert_eq!(
-            tokens.check(
+        assert!(
+            principal(
+                &tokens,
                 "runner-token-0123456789",
                 "grpc.reflection.v1.ServerReflection"
-            ),
-            Access::Granted
+            )
+            .is_ok()
         );
-        assert_eq!(
-            tokens.check("star-token-0123456789", "agent.v1.ToolExecutor"),
-            Access::Granted
-        );
+        assert!(principal(&tokens, "star-token-0123456789", "agent.v1.ToolExecutor").is_ok());
         assert_eq!(
             tokens.check("admin-token-012345678", "agent.v1.AgentService"),
             Access::Unknown
@@ -469,6 +551,47 @@ mod tests {
             tokens.unknown_services(&["agent.v1.AgentService"]),
             ["agent.v1.AgentEngine"]
         );
+    }
+
+    #[test]
+    fn each_token_acts_as_its_principal() {
+        let tokens = set("alice-token-0123456789 principal=alice\n\
+             alice-rotated-0123456789 * principal=alice\n\
+             ops-token-0123456789 agent.v1.AgentEngine principal=ops scope=operator\n\
+             nameless-token-0123456789");
+        let service = "agent.v1.AgentEngine";
+        let alice = principal(&tokens, "alice-token-0123456789", service).unwrap();
+        assert_eq!((&*alice.name, alice.operator), ("alice", false));
+        assert_eq!(
+            principal(&tokens, "alice-rotated-0123456789", service).unwrap(),
+            alice,
+            "two tokens of one principal"
+        );
+        let ops = principal(&tokens, "ops-token-0123456789", service).unwrap();
+        assert_eq!((&*ops.name, ops.operator), ("ops", true));
+        assert!(ops.may_act_on("alice") && alice.may_act_on("alice"));
+        assert!(!alice.may_act_on("ops") && !alice.may_act_on(""));
+        // A token without a name is its own principal, named after its digest, never
+        // after the token itself.
+        let nameless = principal(&tokens, "nameless-token-0123456789", service).unwrap();
+        assert!(nameless.name.starts_with("token-") && nameless.name.len() == 18);
+        assert!(!nameless.name.contains("nameless"));
+        assert_eq!(Principal::default().name.as_ref(), "");
+    }
+
+    #[test]
+    fn bad_principal_options_are_refused() {
+        for (entry, says) in [
+            ("ok-token-0123456789 principal=", "principal names"),
+            ("ok-token-0123456789 principal=a/b", "principal names"),
+            ("ok-token-0123456789 scope=admin", "unknown scope"),
+            ("ok-token-0123456789 role=x", "unknown option"),
+            ("ok-token-0123456789 principal=a extra", "write `TOKEN"),
+        ] {
+            let err = parse_entries("t", entry).unwrap_err().to_string();
+            assert!(err.contains(says), "{entry}: {err}");
+            assert!(!err.contains("ok-token"), "{err}");
+        }
     }
 
     #[test]

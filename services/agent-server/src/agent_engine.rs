@@ -6,6 +6,7 @@ use agentrt::v1::{self, agent_engine_server::AgentEngine};
 use agentrt_core::Violation;
 use agentrt_engine::{RunSpec, ToolAnswer};
 use agentrt_events::{BusError, EventStream};
+use agentrt_grpc::security::Principal;
 use agentrt_models::ChatMessage;
 use agentrt_state::{EngineStore, RunRecord};
 use futures_util::{Stream, StreamExt};
@@ -15,6 +16,7 @@ use crate::{
     convert,
     error::Error,
     runs::{RunManager, Started},
+    tenancy,
 };
 
 /// Longest client-chosen message id.
@@ -81,24 +83,31 @@ impl AgentEngineImpl {
             })
     }
 
-    async fn run(&self, run_id: &str) -> Result<RunRecord, Status> {
+    /// Run `run_id`'s record, when `caller` may see it.
+    async fn run(&self, caller: &Principal, run_id: &str) -> Result<RunRecord, Status> {
         if run_id.is_empty() {
             return Err(Error::InvalidRequest(vec![Violation::new("run_id", "required")]).into());
         }
-        self.runs
+        let unknown = || Error::RunNotFound(run_id.to_owned());
+        let record = self
+            .runs
             .record(run_id)
             .await
             .map_err(Error::from)?
-            .ok_or_else(|| Error::RunNotFound(run_id.to_owned()).into())
+            .ok_or_else(unknown)?;
+        let key = record.session_id.clone();
+        Ok(tenancy::visible(caller, &key, record, unknown)?)
     }
 }
 
 impl AgentEngineImpl {
     async fn answer(
         &self,
+        caller: &Principal,
         run_id: &str,
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        self.run(caller, run_id).await?;
         let outcome = self.runs.answer(run_id, answers).await?;
         Ok(Response::new(v1::ToolAnswersResponse {
             status: convert::run_status_to_wire(outcome.status) as i32,
@@ -193,7 +202,7 @@ fn stream_events(
 ) -> EventResponseStream {
     let ids = Arc::new((
         run.run_id.clone(),
-        run.session_id.clone(),
+        tenancy::client_session(&run.session_id).to_owned(),
         run.message_id.clone(),
     ));
     let events = events.map(move |event| match event {
@@ -314,20 +323,24 @@ impl AgentEngine for AgentEngineImpl {
         &self,
         request: Request<v1::ExecuteRequest>,
     ) -> Result<Response<Self::ExecuteStream>, Status> {
+        let caller = Principal::of(&request);
         let request = request.into_inner();
         let llm_context = check_execute(&request, self.limits).map_err(Error::InvalidRequest)?;
+        let unknown = || Error::EngineNotFound(request.engine_id.clone());
         let engine = self
             .engines
             .get(&request.engine_id)
             .await
             .map_err(Error::from)?
-            .ok_or_else(|| Error::EngineNotFound(request.engine_id.clone()))?;
-        if !request.session_id.is_empty() && request.session_id != engine.session_id {
+            .filter(|engine| tenancy::may_act(&caller, &engine.session_id))
+            .ok_or_else(unknown)?;
+        let session = tenancy::client_session(&engine.session_id);
+        if !request.session_id.is_empty() && request.session_id != session {
             return Err(Error::InvalidRequest(vec![Violation::new(
                 "session_id",
                 format!(
-                    "engine {:?} belongs to session {:?}; leave it empty or send that one",
-                    engine.id, engine.session_id
+                    "engine {:?} belongs to session {session:?}; leave it empty or send that one",
+                    engine.id
                 ),
             )])
             .into());
@@ -356,7 +369,7 @@ impl AgentEngine for AgentEngineImpl {
             run_id: run_id.clone(),
             armed: true,
         });
-        let record = self.run(&run_id).await?;
+        let record = self.run(&caller, &run_id).await?;
         let events = self.events(&record, 0).await?;
         Ok(Response::new(stream_events(
             events,
@@ -370,8 +383,9 @@ impl AgentEngine for AgentEngineImpl {
         &self,
         request: Request<v1::SubscribeRequest>,
     ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let caller = Principal::of(&request);
         let request = request.into_inner();
-        let record = self.run(&request.run_id).await?;
+        let record = self.run(&caller, &request.run_id).await?;
         let events = self.events(&record, request.after_sequence).await?;
         Ok(Response::new(stream_events(
             events,
@@ -385,8 +399,9 @@ impl AgentEngine for AgentEngineImpl {
         &self,
         request: Request<v1::CancelRequest>,
     ) -> Result<Response<v1::CancelResponse>, Status> {
+        let caller = Principal::of(&request);
         let run_id = request.into_inner().run_id;
-        self.run(&run_id).await?;
+        self.run(&caller, &run_id).await?;
         let record = self
             .runs
             .cancel(&run_id, CANCEL_WAIT)
@@ -403,6 +418,7 @@ impl AgentEngine for AgentEngineImpl {
         &self,
         request: Request<v1::SubmitToolOutputsRequest>,
     ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        let caller = Principal::of(&request);
         let request = request.into_inner();
         let answers = check_answers(
             &request.run_id,
@@ -417,13 +433,14 @@ impl AgentEngine for AgentEngineImpl {
                 )
             }),
         )?;
-        self.answer(&request.run_id, answers).await
+        self.answer(&caller, &request.run_id, answers).await
     }
 
     async fn approve_tool_calls(
         &self,
         request: Request<v1::ApproveToolCallsRequest>,
     ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
+        let caller = Principal::of(&request);
         let request = request.into_inner();
         let answers = check_answers(
             &request.run_id,
@@ -438,14 +455,15 @@ impl AgentEngine for AgentEngineImpl {
                 )
             }),
         )?;
-        self.answer(&request.run_id, answers).await
+        self.answer(&caller, &request.run_id, answers).await
     }
 
     async fn get_run(
         &self,
         request: Request<v1::GetRunRequest>,
     ) -> Result<Response<v1::AgentState>, Status> {
-        let record = self.run(&request.into_inner().run_id).await?;
+        let caller = Principal::of(&request);
+        let record = self.run(&caller, &request.into_inner().run_id).await?;
         Ok(Response::new(convert::record_to_wire(
             &record,
             self.limits.max_message_bytes,

@@ -4,6 +4,7 @@ use std::{sync::Arc, time::SystemTime};
 
 use agentrt::v1::{self, agent_service_server::AgentService};
 use agentrt_core::Violation;
+use agentrt_grpc::security::Principal;
 use agentrt_state::{EngineStore, StoredEngine};
 use tonic::{Request, Response, Status};
 use tracing::info;
@@ -11,6 +12,7 @@ use tracing::info;
 use crate::{
     convert,
     error::{Error, Result},
+    tenancy,
     validate::ConfigValidator,
 };
 
@@ -28,7 +30,11 @@ impl AgentServiceImpl {
         Self { validator, engines }
     }
 
-    async fn create(&self, request: v1::CreateAgentEngineRequest) -> Result<StoredEngine> {
+    async fn create(
+        &self,
+        caller: &Principal,
+        request: v1::CreateAgentEngineRequest,
+    ) -> Result<StoredEngine> {
         let checked = self.validator.check(request.config.as_ref()).await?;
         let mut violations = checked.violations;
         let session_id = if request.session_id.is_empty() {
@@ -48,7 +54,7 @@ impl AgentServiceImpl {
             .engines
             .insert(StoredEngine {
                 id: uuid::Uuid::new_v4().to_string(),
-                session_id,
+                session_id: tenancy::session_key(&caller.name, &session_id),
                 config: Arc::new(config),
                 tools: checked.tools.into(),
                 create_time: now,
@@ -59,17 +65,18 @@ impl AgentServiceImpl {
         Ok(engine)
     }
 
-    async fn engine(&self, engine_id: &str) -> Result<StoredEngine> {
+    /// Engine `engine_id`, when `caller` may see it.
+    async fn engine(&self, caller: &Principal, engine_id: &str) -> Result<StoredEngine> {
         if engine_id.is_empty() {
             return Err(Error::InvalidRequest(vec![Violation::new(
                 "engine_id",
                 "required",
             )]));
         }
-        self.engines
-            .get(engine_id)
-            .await?
-            .ok_or_else(|| Error::EngineNotFound(engine_id.to_owned()))
+        let unknown = || Error::EngineNotFound(engine_id.to_owned());
+        let engine = self.engines.get(engine_id).await?.ok_or_else(unknown)?;
+        let key = engine.session_id.clone();
+        tenancy::visible(caller, &key, engine, unknown)
     }
 }
 
@@ -118,10 +125,11 @@ impl AgentService for AgentServiceImpl {
         &self,
         request: Request<v1::CreateAgentEngineRequest>,
     ) -> std::result::Result<Response<v1::CreateAgentEngineResponse>, Status> {
-        let engine = self.create(request.into_inner()).await?;
+        let caller = Principal::of(&request);
+        let engine = self.create(&caller, request.into_inner()).await?;
         Ok(Response::new(v1::CreateAgentEngineResponse {
+            session_id: tenancy::client_session(&engine.session_id).to_owned(),
             engine_id: engine.id,
-            session_id: engine.session_id,
             config: Some(convert::config_to_wire(&engine.config)),
             create_time: Some(convert::timestamp(engine.create_time)),
             expire_time: Some(convert::timestamp(engine.expire_time)),
@@ -132,10 +140,13 @@ impl AgentService for AgentServiceImpl {
         &self,
         request: Request<v1::GetAgentEngineRequest>,
     ) -> std::result::Result<Response<v1::GetAgentEngineResponse>, Status> {
-        let engine = self.engine(&request.into_inner().engine_id).await?;
+        let caller = Principal::of(&request);
+        let engine = self
+            .engine(&caller, &request.into_inner().engine_id)
+            .await?;
         Ok(Response::new(v1::GetAgentEngineResponse {
+            session_id: tenancy::client_session(&engine.session_id).to_owned(),
             engine_id: engine.id,
-            session_id: engine.session_id,
             config: Some(convert::config_to_wire(&engine.config)),
             create_time: Some(convert::timestamp(engine.create_time)),
             expire_time: Some(convert::timestamp(engine.expire_time)),
@@ -146,12 +157,10 @@ impl AgentService for AgentServiceImpl {
         &self,
         request: Request<v1::DeleteAgentEngineRequest>,
     ) -> std::result::Result<Response<v1::DeleteAgentEngineResponse>, Status> {
+        let caller = Principal::of(&request);
         let engine_id = request.into_inner().engine_id;
-        if engine_id.is_empty() {
-            return Err(
-                Error::InvalidRequest(vec![Violation::new("engine_id", "required")]).into(),
-            );
-        }
+        // Another principal's engine is not there for this caller.
+        self.engine(&caller, &engine_id).await?;
         if !self.engines.remove(&engine_id).await.map_err(Error::from)? {
             return Err(Error::EngineNotFound(engine_id).into());
         }

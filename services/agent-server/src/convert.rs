@@ -305,7 +305,7 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
     v1::AgentState {
         run_id: record.run_id.clone(),
         engine_id: record.engine_id.clone(),
-        session_id: record.session_id.clone(),
+        session_id: crate::tenancy::client_session(&record.session_id).to_owned(),
         message_id: record.message_id.clone(),
         query: record.query.clone(),
         status: run_status_to_wire(record.status) as i32,

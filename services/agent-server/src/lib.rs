@@ -10,6 +10,7 @@ mod convert;
 mod error;
 mod runs;
 mod settings;
+mod tenancy;
 mod tool_client;
 mod validate;
 
