@@ -7,7 +7,7 @@ use std::{
 use agentrt_core::StateResult;
 use tokio::time::Instant;
 
-use crate::Exchange;
+use crate::{ChatMessage, Exchange};
 
 /// Where sessions' histories are kept: in this process, or shared (Redis) when several
 /// replicas serve the same sessions.
@@ -30,6 +30,10 @@ pub struct SessionLimits {
     pub max_sessions: usize,
     /// Most exchanges kept per session; older ones are dropped first.
     pub max_exchanges: usize,
+    /// Most bytes of message text kept, all sessions together; beyond, the least recently
+    /// used sessions are dropped first (and a session alone past it keeps its newest
+    /// exchanges that fit, at least the last one).
+    pub max_bytes: usize,
 }
 
 impl Default for SessionLimits {
@@ -38,8 +42,36 @@ impl Default for SessionLimits {
             ttl: Duration::from_secs(3600),
             max_sessions: 100_000,
             max_exchanges: 200,
+            max_bytes: usize::MAX,
         }
     }
+}
+
+/// What an exchange weighs: the bytes of its messages' text, and a little for each
+/// message and call kept.
+fn weight(exchange: &Exchange) -> usize {
+    const PER_ITEM: usize = 64;
+    exchange
+        .messages
+        .iter()
+        .map(|message| {
+            PER_ITEM
+                + match message {
+                    ChatMessage::System(text) | ChatMessage::User(text) => text.len(),
+                    ChatMessage::Assistant {
+                        content,
+                        tool_calls,
+                    } => {
+                        content.len()
+                            + tool_calls
+                                .iter()
+                                .map(|c| PER_ITEM + c.id.len() + c.name.len() + c.arguments.len())
+                                .sum::<usize>()
+                    }
+                    ChatMessage::Tool { call_id, content } => call_id.len() + content.len(),
+                }
+        })
+        .sum()
 }
 
 /// The in-memory store, bounded in sessions, exchanges and time.
@@ -52,10 +84,13 @@ pub struct InMemorySessionStore {
 struct Inner {
     sessions: HashMap<String, Session>,
     by_expiry: BTreeSet<(Instant, String)>,
+    /// Bytes of all sessions' exchanges.
+    bytes: usize,
 }
 
 struct Session {
-    exchanges: VecDeque<Arc<Exchange>>,
+    /// Each exchange with its weight.
+    exchanges: VecDeque<(Arc<Exchange>, usize)>,
     expires_at: Instant,
 }
 
@@ -88,8 +123,16 @@ impl Inner {
                 break;
             }
             if let Some((_, id)) = self.by_expiry.pop_first() {
-                self.sessions.remove(&id);
+                self.forget(&id);
             }
+        }
+    }
+
+    /// Drops session `id` from the map and the total (not from `by_expiry`).
+    fn forget(&mut self, id: &str) {
+        if let Some(session) = self.sessions.remove(id) {
+            let bytes: usize = session.exchanges.iter().map(|(_, w)| w).sum();
+            self.bytes = self.bytes.saturating_sub(bytes);
         }
     }
 }
@@ -102,7 +145,7 @@ impl SessionStore for InMemorySessionStore {
         Ok(inner
             .sessions
             .get(session_id)
-            .map(|s| s.exchanges.iter().cloned().collect())
+            .map(|s| s.exchanges.iter().map(|(e, _)| e.clone()).collect())
             .unwrap_or_default())
     }
 
@@ -119,21 +162,45 @@ impl SessionStore for InMemorySessionStore {
                 let Some((_, oldest)) = inner.by_expiry.pop_first() else {
                     break;
                 };
-                inner.sessions.remove(&oldest);
+                inner.forget(&oldest);
             }
         }
+        let bytes = weight(&exchange);
+        // Room in bytes: the least recently used other sessions go first.
+        while inner.bytes.saturating_add(bytes) > self.limits.max_bytes {
+            let Some(oldest) = inner
+                .by_expiry
+                .iter()
+                .find(|(_, id)| id != session_id)
+                .cloned()
+            else {
+                break;
+            };
+            inner.by_expiry.remove(&oldest);
+            inner.forget(&oldest.1);
+        }
         inner.by_expiry.insert((expires_at, session_id.to_owned()));
-        let session = inner
-            .sessions
+        let Inner {
+            sessions,
+            bytes: total,
+            ..
+        } = &mut *inner;
+        let session = sessions
             .entry(session_id.to_owned())
             .or_insert_with(|| Session {
                 exchanges: VecDeque::new(),
                 expires_at,
             });
         session.expires_at = expires_at;
-        session.exchanges.push_back(Arc::new(exchange));
-        while session.exchanges.len() > self.limits.max_exchanges.max(1) {
-            session.exchanges.pop_front();
+        session.exchanges.push_back((Arc::new(exchange), bytes));
+        *total += bytes;
+        // Then its own oldest exchanges, beyond the count or the bytes (the newest stays).
+        while session.exchanges.len() > self.limits.max_exchanges.max(1)
+            || (*total > self.limits.max_bytes && session.exchanges.len() > 1)
+        {
+            if let Some((_, dropped)) = session.exchanges.pop_front() {
+                *total = total.saturating_sub(dropped);
+            }
         }
         Ok(())
     }
@@ -156,6 +223,7 @@ mod tests {
             ttl: Duration::from_secs(60),
             max_sessions: 2,
             max_exchanges: 3,
+            max_bytes: usize::MAX,
         });
         for n in 0..5 {
             store.append("a", exchange(n)).await.unwrap();
@@ -181,5 +249,49 @@ mod tests {
 
         tokio::time::advance(Duration::from_secs(61)).await;
         assert_eq!(store.sessions(), 0, "unused sessions expire");
+    }
+
+    fn said(text: &str) -> Exchange {
+        Exchange {
+            messages: vec![ChatMessage::User(text.into())],
+            tokens: 1,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sessions_are_bounded_in_bytes_least_recently_used_first() {
+        let one = weight(&said(&"x".repeat(1000)));
+        let store = InMemorySessionStore::new(SessionLimits {
+            max_bytes: one * 3,
+            ..SessionLimits::default()
+        });
+        for session in ["a", "b", "c"] {
+            store
+                .append(session, said(&"x".repeat(1000)))
+                .await
+                .unwrap();
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        store.history("a").await.unwrap();
+        store.append("d", said(&"x".repeat(1000))).await.unwrap();
+        assert!(
+            store.history("a").await.unwrap().is_empty(),
+            "the least recently written session made room"
+        );
+        for session in ["b", "c", "d"] {
+            assert_eq!(store.history(session).await.unwrap().len(), 1, "{session}");
+        }
+        // One session past the budget alone keeps its newest exchanges that fit.
+        for _ in 0..5 {
+            store.append("d", said(&"x".repeat(1000))).await.unwrap();
+        }
+        assert_eq!(store.history("d").await.unwrap().len(), 3);
+        assert_eq!(store.sessions(), 1);
+        store.append("e", said(&"y".repeat(5000))).await.unwrap();
+        assert_eq!(
+            store.history("e").await.unwrap().len(),
+            1,
+            "the newest stays"
+        );
     }
 }

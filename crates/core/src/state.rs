@@ -19,6 +19,15 @@ pub enum StateError {
     /// over. The writer stops its copy of the run.
     #[error("run {0:?} is now executed by another replica")]
     Fenced(String),
+    /// Keeping this would take the store past a budget: nothing kept is dropped to make
+    /// room, the new value is refused.
+    #[error("{message} ({budget})")]
+    OverBudget {
+        /// The setting that sets the budget (`engines.max_bytes`, ...).
+        budget: &'static str,
+        /// What is full, and what to do.
+        message: String,
+    },
 }
 
 /// A store's result.

@@ -219,6 +219,7 @@ fn harness(model: Scripted) -> Harness {
         store: Arc::new(MemoryRunStore::new(RunRetention {
             ended: Duration::from_secs(600),
             lease: Duration::from_secs(10),
+            max_bytes: usize::MAX,
         })),
     }
 }
@@ -1163,6 +1164,7 @@ async fn run_with_reranker(
         store: Arc::new(MemoryRunStore::new(RunRetention {
             ended: Duration::from_secs(600),
             lease: Duration::from_secs(10),
+            max_bytes: usize::MAX,
         })),
     };
     let mut cfg = config(Strategy::FunctionCall, &["search"]);

@@ -7,7 +7,7 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use agentrt_core::{AgentConfig, StateResult, ToolSpec};
+use agentrt_core::{AgentConfig, StateError, StateResult, ToolSpec};
 use async_trait::async_trait;
 use tokio::time::Instant;
 use tracing::debug;
@@ -47,18 +47,54 @@ pub trait EngineStore: Send + Sync {
 pub struct MemoryEngineStore {
     ttl: Duration,
     max_engines: usize,
+    budgets: EngineBudgets,
     inner: Mutex<Inner>,
+}
+
+/// What engines may take of memory: in bytes, all together, and in engines, per
+/// principal (the anonymous one is bound by the store's count alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineBudgets {
+    /// Bytes of all engines' configs and tool specs together.
+    pub max_bytes: usize,
+    /// Engines of one principal.
+    pub max_per_principal: usize,
+}
+
+impl Default for EngineBudgets {
+    fn default() -> Self {
+        Self {
+            max_bytes: usize::MAX,
+            max_per_principal: usize::MAX,
+        }
+    }
 }
 
 #[derive(Default)]
 struct Inner {
     engines: HashMap<String, Entry>,
     by_expiry: BTreeSet<(Instant, String)>,
+    /// Bytes of all engines.
+    bytes: usize,
+    /// Engines by principal (named principals only).
+    per_principal: HashMap<String, usize>,
 }
 
 struct Entry {
     engine: StoredEngine,
     expires_at: Instant,
+    bytes: usize,
+}
+
+/// The principal that owns a session kept under `session_key`: the part before its `/`
+/// (`PRINCIPAL/SESSION`); empty, the anonymous principal, for a key without one.
+pub fn principal_of(session_key: &str) -> &str {
+    session_key.split_once('/').map_or("", |(owner, _)| owner)
+}
+
+/// What an engine weighs: the bytes of its config and tool specs as stored.
+fn weight(engine: &StoredEngine) -> usize {
+    serde_json::to_vec(engine).map_or(0, |json| json.len())
 }
 
 impl MemoryEngineStore {
@@ -67,8 +103,16 @@ impl MemoryEngineStore {
         Self {
             ttl,
             max_engines: max_engines.max(1),
+            budgets: EngineBudgets::default(),
             inner: Mutex::new(Inner::default()),
         }
+    }
+
+    /// The same store, within `budgets`: an engine that would take it past one is
+    /// refused ([`StateError::OverBudget`](agentrt_core::StateError::OverBudget)).
+    pub fn with_budgets(mut self, budgets: EngineBudgets) -> Self {
+        self.budgets = budgets;
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -92,9 +136,23 @@ impl Inner {
             }
             if let Some((_, id)) = self.by_expiry.pop_first() {
                 debug!(engine_id = %id, "engine expired");
-                self.engines.remove(&id);
+                self.forget(&id);
             }
         }
+    }
+
+    /// Drops engine `id` from the map and the totals (not from `by_expiry`).
+    fn forget(&mut self, id: &str) -> Option<Entry> {
+        let entry = self.engines.remove(id)?;
+        self.bytes = self.bytes.saturating_sub(entry.bytes);
+        let principal = principal_of(&entry.engine.session_id);
+        if let Some(count) = self.per_principal.get_mut(principal) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                self.per_principal.remove(principal);
+            }
+        }
+        Some(entry)
     }
 }
 
@@ -104,24 +162,52 @@ impl EngineStore for MemoryEngineStore {
         let now = Instant::now();
         let (expires_at, expire_time) = self.expiry(now);
         engine.expire_time = expire_time;
+        let bytes = weight(&engine);
         let mut inner = self.lock();
         inner.purge_expired(now);
-        if let Some(old) = inner.engines.remove(&engine.id) {
+        if let Some(old) = inner.forget(&engine.id) {
             inner.by_expiry.remove(&(old.expires_at, engine.id.clone()));
+        }
+        // Budgets refuse the new engine; nothing kept is dropped for it.
+        if inner.bytes.saturating_add(bytes) > self.budgets.max_bytes {
+            return Err(StateError::OverBudget {
+                budget: "engines.max_bytes",
+                message: format!(
+                    "the engines kept take {} of their {} bytes and this one takes {bytes}; \
+                     delete engines, or wait for unused ones to expire",
+                    inner.bytes, self.budgets.max_bytes
+                ),
+            });
+        }
+        let principal = principal_of(&engine.session_id).to_owned();
+        let owned = inner.per_principal.get(&principal).copied().unwrap_or(0);
+        if !principal.is_empty() && owned >= self.budgets.max_per_principal {
+            return Err(StateError::OverBudget {
+                budget: "engines.max_per_principal",
+                message: format!(
+                    "this principal has {owned} engines, its most; delete engines, or wait \
+                     for unused ones to expire"
+                ),
+            });
         }
         while inner.engines.len() >= self.max_engines {
             let Some((_, id)) = inner.by_expiry.pop_first() else {
                 break;
             };
             debug!(engine_id = %id, "engine registry full, dropping the least recently used engine");
-            inner.engines.remove(&id);
+            inner.forget(&id);
         }
         inner.by_expiry.insert((expires_at, engine.id.clone()));
+        inner.bytes += bytes;
+        if !principal.is_empty() {
+            *inner.per_principal.entry(principal).or_default() += 1;
+        }
         inner.engines.insert(
             engine.id.clone(),
             Entry {
                 engine: engine.clone(),
                 expires_at,
+                bytes,
             },
         );
         Ok(engine)
@@ -146,7 +232,7 @@ impl EngineStore for MemoryEngineStore {
     async fn remove(&self, id: &str) -> StateResult<bool> {
         let mut inner = self.lock();
         inner.purge_expired(Instant::now());
-        Ok(match inner.engines.remove(id) {
+        Ok(match inner.forget(id) {
             Some(entry) => {
                 inner.by_expiry.remove(&(entry.expires_at, id.to_owned()));
                 true
@@ -234,5 +320,63 @@ mod tests {
         assert!(store.remove("a").await.unwrap());
         assert!(!store.remove("a").await.unwrap());
         assert!(store.lock().by_expiry.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn budgets_refuse_new_engines_and_keep_those_accepted() {
+        let one = weight(&engine("a"));
+        let store =
+            MemoryEngineStore::new(Duration::from_secs(60), 100).with_budgets(EngineBudgets {
+                max_bytes: one * 3 + one / 2,
+                max_per_principal: 2,
+            });
+        let owned = |id: &str, principal: &str| StoredEngine {
+            session_id: format!("{principal}/s"),
+            ..engine(id)
+        };
+        store.insert(owned("a1", "alice")).await.unwrap();
+        store.insert(owned("a2", "alice")).await.unwrap();
+        let refused = store.insert(owned("a3", "alice")).await.unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                StateError::OverBudget {
+                    budget: "engines.max_per_principal",
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        store.insert(owned("b1", "bob")).await.unwrap();
+        let refused = store.insert(owned("b2", "bob")).await.unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                StateError::OverBudget {
+                    budget: "engines.max_bytes",
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        for id in ["a1", "a2", "b1"] {
+            assert!(store.get(id).await.unwrap().is_some(), "{id} is kept");
+        }
+        // Room comes back as engines go, whichever way they go.
+        assert!(store.remove("a1").await.unwrap());
+        store.insert(owned("a3", "alice")).await.unwrap();
+        tokio::time::advance(Duration::from_secs(61)).await;
+        store.insert(owned("a4", "alice")).await.unwrap();
+        store.insert(owned("a5", "alice")).await.unwrap();
+        store.insert(owned("b2", "bob")).await.unwrap();
+        // The anonymous principal is bound by the totals alone.
+        let anonymous =
+            MemoryEngineStore::new(Duration::from_secs(60), 100).with_budgets(EngineBudgets {
+                max_bytes: usize::MAX,
+                max_per_principal: 1,
+            });
+        for id in ["x", "y", "z"] {
+            anonymous.insert(engine(id)).await.unwrap();
+        }
     }
 }

@@ -15,7 +15,7 @@ mod runs;
 pub use agentrt_context::{Exchange, InMemorySessionStore, SessionLimits, SessionStore};
 pub use agentrt_core::{StateError, StateResult};
 pub use agentrt_events::{Action, BusError, BusLimits, EventBus, InMemoryBus, PendingCall};
-pub use engines::{EngineStore, MemoryEngineStore, StoredEngine};
+pub use engines::{EngineBudgets, EngineStore, MemoryEngineStore, StoredEngine, principal_of};
 pub use record::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };

@@ -223,6 +223,9 @@ pub struct RunRetention {
     pub ended: Duration,
     /// How long a lease lasts without being renewed.
     pub lease: Duration,
+    /// Most bytes of ended runs' records kept (by the in-memory store); beyond, the runs
+    /// that ended first are forgotten before their retention is over.
+    pub max_bytes: usize,
 }
 
 /// Runs kept in this process.
@@ -236,8 +239,10 @@ pub struct MemoryRunStore {
 struct Inner {
     records: HashMap<String, RunRecord>,
     keys: HashMap<(String, String), String>,
-    /// Ended runs in the order they ended.
-    ended: VecDeque<(Instant, String)>,
+    /// Ended runs in the order they ended, with what their records weigh.
+    ended: VecDeque<(Instant, String, usize)>,
+    /// What the records of `ended` weigh, all together.
+    ended_bytes: usize,
     /// The leases of running and waiting runs.
     leases: Leases,
     /// What continuing each running run needs.
@@ -330,14 +335,50 @@ struct Wait {
     taken: bool,
 }
 
+/// What a record weighs in memory: its text, and a little for each part.
+fn weight(record: &RunRecord) -> usize {
+    const PER_ITEM: usize = 64;
+    let steps: usize = record
+        .steps
+        .iter()
+        .map(|step| {
+            PER_ITEM
+                + step.thought.len()
+                + step.answer.len()
+                + step
+                    .tool_calls
+                    .iter()
+                    .map(|call| {
+                        PER_ITEM
+                            + call.id.len()
+                            + call.name.len()
+                            + call.arguments.as_str().len()
+                            + call.output.len()
+                    })
+                    .sum::<usize>()
+        })
+        .sum();
+    4 * PER_ITEM
+        + record.run_id.len()
+        + record.engine_id.len()
+        + record.session_id.len()
+        + record.message_id.len()
+        + record.query.len()
+        + record.final_answer.len()
+        + record.error.as_ref().map_or(0, |e| e.message.len())
+        + steps
+}
+
 impl Inner {
-    fn expire(&mut self, retention: Duration) {
+    fn expire(&mut self, retention: RunRetention) {
         let now = Instant::now();
-        while let Some((at, _)) = self.ended.front() {
-            if now.duration_since(*at) < retention {
+        while let Some((at, _, bytes)) = self.ended.front() {
+            if now.duration_since(*at) < retention.ended && self.ended_bytes <= retention.max_bytes
+            {
                 break;
             }
-            if let Some((_, run_id)) = self.ended.pop_front()
+            self.ended_bytes = self.ended_bytes.saturating_sub(*bytes);
+            if let Some((_, run_id, _)) = self.ended.pop_front()
                 && let Some(record) = self.records.remove(&run_id)
             {
                 self.waits.remove(&run_id);
@@ -376,7 +417,7 @@ impl RunStore for MemoryRunStore {
         replacing: Option<&str>,
     ) -> StateResult<Claim> {
         let mut inner = self.lock();
-        inner.expire(self.retention.ended);
+        inner.expire(self.retention);
         let key = (session_id.to_owned(), message_id.to_owned());
         match inner.keys.get(&key) {
             Some(holder) if Some(holder.as_str()) != replacing => Ok(Claim::Taken(holder.clone())),
@@ -394,7 +435,7 @@ impl RunStore for MemoryRunStore {
         progress: Option<&Progress>,
     ) -> StateResult<()> {
         let mut inner = self.lock();
-        inner.expire(self.retention.ended);
+        inner.expire(self.retention);
         if !record.owner.is_empty() {
             match inner.leases.token(&record.run_id) {
                 Some(token) if token != record.owner => {
@@ -484,16 +525,19 @@ impl RunStore for MemoryRunStore {
         stored.steps = steps;
         inner.records.insert(record.run_id.clone(), stored);
         if newly_ended {
+            let bytes = inner.records.get(&record.run_id).map_or(0, weight);
+            inner.ended_bytes += bytes;
             inner
                 .ended
-                .push_back((Instant::now(), record.run_id.clone()));
+                .push_back((Instant::now(), record.run_id.clone(), bytes));
+            inner.expire(self.retention);
         }
         Ok(())
     }
 
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
         let mut inner = self.lock();
-        inner.expire(self.retention.ended);
+        inner.expire(self.retention);
         let Some(mut record) = inner.records.get(run_id).cloned() else {
             return Ok(None);
         };
@@ -676,5 +720,41 @@ impl RunStore for MemoryRunStore {
 
     async fn stop_requests(&self) -> StateResult<StopRequests> {
         Ok(stop_stream(self.stops.subscribe()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RunStatus;
+
+    #[tokio::test]
+    async fn ended_runs_beyond_the_byte_budget_go_first_ended_first() {
+        let ended = |id: &str| {
+            let mut record = RunRecord::new(id, "e", "s", id, &"q".repeat(10_000));
+            record.status = RunStatus::Succeeded;
+            record
+        };
+        let one = weight(&ended("r0"));
+        let store = MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+            lease: Duration::from_secs(10),
+            max_bytes: one * 3,
+        });
+        let running = RunRecord::new("live", "e", "s", "live", &"q".repeat(10_000));
+        store.save(&running, 0, None).await.unwrap();
+        for id in ["r0", "r1", "r2", "r3", "r4"] {
+            store.save(&ended(id), 0, None).await.unwrap();
+        }
+        for (id, kept) in [
+            ("r0", false),
+            ("r1", false),
+            ("r2", true),
+            ("r3", true),
+            ("r4", true),
+            ("live", true),
+        ] {
+            assert_eq!(store.load(id).await.unwrap().is_some(), kept, "{id}");
+        }
     }
 }

@@ -106,6 +106,7 @@ fn memory_runs() -> Arc<dyn RunStore> {
     Arc::new(MemoryRunStore::new(RunRetention {
         ended: Duration::from_secs(600),
         lease: conformance::TEST_LEASE,
+        max_bytes: usize::MAX,
     }))
 }
 

@@ -31,6 +31,66 @@ pub struct AgentEngineImpl {
     engines: Arc<dyn EngineStore>,
     runs: Arc<RunManager>,
     limits: RequestLimits,
+    streams: Arc<Streams>,
+}
+
+/// The open `Execute` and `Subscribe` streams of each named principal on this replica.
+#[derive(Debug, Default)]
+struct Streams {
+    open: std::sync::Mutex<std::collections::HashMap<Arc<str>, usize>>,
+    max_per_principal: usize,
+}
+
+/// One open stream of a principal, counted until it is dropped (with its stream).
+struct StreamTicket {
+    streams: Arc<Streams>,
+    principal: Arc<str>,
+}
+
+impl Streams {
+    /// A ticket for one more stream of `caller`: `None` for the anonymous principal, which
+    /// only the server's own bounds limit.
+    fn open(self: &Arc<Self>, caller: &Principal) -> Result<Option<StreamTicket>, Status> {
+        if caller.name.is_empty() {
+            return Ok(None);
+        }
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let count = open.entry(caller.name.clone()).or_default();
+        if *count >= self.max_per_principal {
+            return Err(Error::State(agentrt_core::StateError::OverBudget {
+                budget: "runs.max_streams_per_principal",
+                message: format!(
+                    "this principal has {count} Execute and Subscribe streams open here, its \
+                     most; close one, or retry later"
+                ),
+            })
+            .into());
+        }
+        *count += 1;
+        Ok(Some(StreamTicket {
+            streams: self.clone(),
+            principal: caller.name.clone(),
+        }))
+    }
+}
+
+impl Drop for StreamTicket {
+    fn drop(&mut self) {
+        let mut open = self
+            .streams
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(count) = open.get_mut(&self.principal) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.principal);
+            }
+        }
+    }
 }
 
 /// The size limits of an `Execute` request.
@@ -44,6 +104,8 @@ pub struct RequestLimits {
     pub context_chars: usize,
     /// Largest response message, in bytes (`GetRun` answers stay within it).
     pub max_message_bytes: usize,
+    /// Most open `Execute` and `Subscribe` streams of one principal.
+    pub max_streams_per_principal: usize,
 }
 
 impl From<&crate::settings::Settings> for RequestLimits {
@@ -53,6 +115,7 @@ impl From<&crate::settings::Settings> for RequestLimits {
             context_messages: settings.runs.max_context_messages,
             context_chars: settings.runs.max_context_chars,
             max_message_bytes: settings.server.max_message_bytes,
+            max_streams_per_principal: settings.runs.max_streams_per_principal,
         }
     }
 }
@@ -67,6 +130,10 @@ impl AgentEngineImpl {
             engines,
             runs,
             limits,
+            streams: Arc::new(Streams {
+                open: std::sync::Mutex::default(),
+                max_per_principal: limits.max_streams_per_principal,
+            }),
         }
     }
 
@@ -199,27 +266,17 @@ fn stream_events(
     run: &RunRecord,
     mut guard: Option<CancelOnDisconnect>,
     draining: Option<tokio_util::sync::CancellationToken>,
+    ticket: Option<StreamTicket>,
 ) -> EventResponseStream {
     let ids = Arc::new((
         run.run_id.clone(),
         tenancy::client_session(&run.session_id).to_owned(),
         run.message_id.clone(),
     ));
-    let events = events.map(move |event| match event {
-        Ok(event) => {
-            if event.done
-                && let Some(guard) = guard.as_mut()
-            {
-                guard.armed = false;
-            }
-            Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2))
-        }
-        Err(error) => {
-            if let Some(guard) = guard.as_mut() {
-                guard.armed = false;
-            }
-            Err(Error::Bus(error).into())
-        }
+    let events = events.map(move |event| {
+        // The stream counts as its principal's while it is open.
+        let _open = &ticket;
+        stream_event(event, &mut guard, &ids)
     });
     let Some(draining) = draining else {
         return Box::pin(events);
@@ -247,6 +304,31 @@ fn stream_events(
             }
         },
     ))
+}
+
+/// One event of a run's stream, as the client gets it; the end of the stream disarms the
+/// guard that cancels an abandoned run.
+fn stream_event(
+    event: Result<Arc<agentrt_events::RunEvent>, BusError>,
+    guard: &mut Option<CancelOnDisconnect>,
+    ids: &(String, String, String),
+) -> Result<v1::AgentStreamEvent, Status> {
+    match event {
+        Ok(event) => {
+            if event.done
+                && let Some(guard) = guard.as_mut()
+            {
+                guard.armed = false;
+            }
+            Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2))
+        }
+        Err(error) => {
+            if let Some(guard) = guard.as_mut() {
+                guard.armed = false;
+            }
+            Err(Error::Bus(error).into())
+        }
+    }
 }
 
 fn check_execute(
@@ -345,6 +427,7 @@ impl AgentEngine for AgentEngineImpl {
             )])
             .into());
         }
+        let ticket = self.streams.open(&caller)?;
         let message_id = if request.message_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
@@ -376,6 +459,7 @@ impl AgentEngine for AgentEngineImpl {
             &record,
             guard,
             self.runs.draining(),
+            ticket,
         )))
     }
 
@@ -386,12 +470,14 @@ impl AgentEngine for AgentEngineImpl {
         let caller = Principal::of(&request);
         let request = request.into_inner();
         let record = self.run(&caller, &request.run_id).await?;
+        let ticket = self.streams.open(&caller)?;
         let events = self.events(&record, request.after_sequence).await?;
         Ok(Response::new(stream_events(
             events,
             &record,
             None,
             self.runs.draining(),
+            ticket,
         )))
     }
 

@@ -117,6 +117,11 @@ impl From<Error> for Status {
                 status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))
             }
             Error::State(error @ StateError::Corrupt { .. }) => Status::internal(error.to_string()),
+            Error::State(error @ StateError::OverBudget { .. }) => status::resource_exhausted(
+                "BUDGET_EXCEEDED",
+                error.to_string(),
+                Duration::from_secs(1),
+            ),
             // The run goes on on another replica: the client resumes there.
             Error::State(error @ StateError::Fenced(_)) => {
                 status::unavailable("RUN_MOVED", error.to_string(), Duration::from_millis(100))
@@ -151,6 +156,11 @@ impl From<Error> for Status {
                 RunStartError::Busy(active) => status::resource_exhausted(
                     "TOO_MANY_RUNS",
                     format!("this server already runs {active} runs; retry later"),
+                    Duration::from_secs(1),
+                ),
+                error @ RunStartError::OverBudget { .. } => status::resource_exhausted(
+                    "BUDGET_EXCEEDED",
+                    error.to_string(),
                     Duration::from_secs(1),
                 ),
                 RunStartError::Bus(error) => Error::Bus(error).into(),

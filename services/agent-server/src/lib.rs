@@ -24,8 +24,9 @@ use agentrt_engine::StopReason;
 use agentrt_grpc::{GrpcServer, ServerError};
 use agentrt_models::{ChatModels, ProviderError, ProviderRegistry, RetryPolicy};
 use agentrt_state::{
-    BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore, MemoryEngineStore,
-    MemoryRunStore, RunRetention, RunStore, SessionLimits, SessionStore, StateError,
+    BusLimits, EngineBudgets, EngineStore, EventBus, InMemoryBus, InMemorySessionStore,
+    MemoryEngineStore, MemoryRunStore, RunRetention, RunStore, SessionLimits, SessionStore,
+    StateError,
     redis::{Redis, RedisLimits},
 };
 use tokio::net::TcpListener;
@@ -77,18 +78,23 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
         StateSetting::Memory => {
             tracing::info!("state: in memory (this process only)");
             Stores {
-                engines: Arc::new(MemoryEngineStore::new(
-                    settings.engines.ttl,
-                    settings.engines.max_engines,
-                )),
+                engines: Arc::new(
+                    MemoryEngineStore::new(settings.engines.ttl, settings.engines.max_engines)
+                        .with_budgets(EngineBudgets {
+                            max_bytes: settings.engines.max_bytes,
+                            max_per_principal: settings.engines.max_per_principal,
+                        }),
+                ),
                 sessions: Arc::new(InMemorySessionStore::new(SessionLimits {
                     ttl: settings.sessions.ttl,
                     max_sessions: settings.sessions.max_sessions,
                     max_exchanges: settings.sessions.max_turns,
+                    max_bytes: settings.sessions.max_bytes,
                 })),
                 runs: Arc::new(MemoryRunStore::new(RunRetention {
                     ended: settings.runs.retention,
                     lease: settings.runs.takeover_after,
+                    max_bytes: settings.runs.retained_bytes,
                 })),
                 bus: Arc::new(InMemoryBus::new(BusLimits {
                     events_per_run: settings.runs.events_per_run,
@@ -202,6 +208,8 @@ pub async fn serve(
             max_active: settings.runs.max_active,
             takeover_after: shared.then_some(settings.runs.takeover_after),
             lease: settings.runs.takeover_after,
+            max_active_per_principal: settings.runs.max_active_per_principal,
+            max_active_bytes: settings.runs.max_active_bytes,
         },
     )
     .await

@@ -27,6 +27,14 @@ pub enum RunStartError {
     /// The server runs as many runs as it may.
     #[error("this server already runs {0} runs, its limit")]
     Busy(usize),
+    /// The run would take this replica past a budget of its runs in progress.
+    #[error("{message} ({budget})")]
+    OverBudget {
+        /// The setting that sets the budget.
+        budget: &'static str,
+        /// What is full.
+        message: String,
+    },
     /// The bus refused the run.
     #[error(transparent)]
     Bus(#[from] BusError),
@@ -67,6 +75,47 @@ pub struct RunLimits {
     /// How long a lease lasts unrenewed: with shared state, `takeover_after`; in memory,
     /// the lease of a run that waited and goes on (its store's lease).
     pub lease: Duration,
+    /// Runs of one (named) principal in progress at once on this replica.
+    pub max_active_per_principal: usize,
+    /// Bytes of the queries and `llm_context` of the runs in progress on this replica.
+    pub max_active_bytes: usize,
+}
+
+/// What a run in progress takes of the budgets of [`RunLimits`].
+#[derive(Debug, Default)]
+struct Charge {
+    /// Its principal (empty: the anonymous one).
+    principal: String,
+    /// Bytes of its query and context.
+    bytes: usize,
+}
+
+/// The budgets taken by the runs in progress here.
+#[derive(Debug, Default)]
+struct Usage {
+    bytes: usize,
+    per_principal: HashMap<String, usize>,
+}
+
+/// The bytes a run's spec holds while it runs: its query and context text.
+fn spec_bytes(spec: &RunSpec) -> usize {
+    spec.query.len()
+        + spec.llm_context.as_ref().map_or(0, |context| {
+            context
+                .iter()
+                .map(|message| match message {
+                    agentrt_models::ChatMessage::System(text)
+                    | agentrt_models::ChatMessage::User(text) => text.len(),
+                    agentrt_models::ChatMessage::Assistant {
+                        content,
+                        tool_calls,
+                    } => {
+                        content.len() + tool_calls.iter().map(|c| c.arguments.len()).sum::<usize>()
+                    }
+                    agentrt_models::ChatMessage::Tool { content, .. } => content.len(),
+                })
+                .sum()
+        })
 }
 
 /// Where a run is after answers to the calls it waits for.
@@ -106,6 +155,8 @@ pub struct RunManager {
     store: Arc<dyn RunStore>,
     limits: RunLimits,
     active: AtomicUsize,
+    /// What the runs in progress take of the budgets.
+    usage: Mutex<Usage>,
     /// Woken when the last active run ends.
     idle: tokio::sync::Notify,
     local: Mutex<HashMap<String, LocalRun>>,
@@ -117,12 +168,13 @@ pub struct RunManager {
     draining: CancellationToken,
 }
 
-/// A slot of `max_active`, given back when dropped.
-struct Slot<'a>(&'a RunManager);
+/// A slot of `max_active`, with the run's charge on the budgets, given back when
+/// dropped.
+struct Slot<'a>(&'a RunManager, Charge);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        self.0.release();
+        self.0.release(&self.1);
     }
 }
 
@@ -141,6 +193,7 @@ impl RunManager {
             store: store.clone(),
             limits,
             active: AtomicUsize::new(0),
+            usage: Mutex::new(Usage::default()),
             idle: tokio::sync::Notify::new(),
             local: Mutex::new(HashMap::new()),
             replica: uuid::Uuid::new_v4().simple().to_string(),
@@ -224,7 +277,7 @@ impl RunManager {
             return Ok(false);
         }
         let active = self.active.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot(self);
+        let mut slot = Slot(self, Charge::default());
         if active >= self.limits.max_active {
             return Ok(false);
         }
@@ -232,6 +285,14 @@ impl RunManager {
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
+        // Accepted before: charged, never refused.
+        let charge = Charge {
+            principal: agentrt_state::principal_of(&taken.record.session_id).to_owned(),
+            bytes: taken.record.query.len(),
+        };
+        if self.charge(&charge, false).is_ok() {
+            slot.1 = charge;
+        }
         let previous = taken.previous_owner.clone();
         let handover = taken.handed_over;
         let waited = taken.waited.is_some();
@@ -322,7 +383,61 @@ impl RunManager {
         self.local.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn release(&self) {
+    fn usage(&self) -> MutexGuard<'_, Usage> {
+        self.usage.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Charges a run to the budgets; with `check`, refuses it when it would take them past
+    /// their bounds (a run taken over was accepted already: it is only charged).
+    fn charge(&self, charge: &Charge, check: bool) -> Result<(), RunStartError> {
+        let mut usage = self.usage();
+        if check {
+            if usage.bytes.saturating_add(charge.bytes) > self.limits.max_active_bytes {
+                return Err(RunStartError::OverBudget {
+                    budget: "runs.max_active_bytes",
+                    message: format!(
+                        "the runs in progress here hold {} of their {} bytes of queries and \
+                         context, and this one {}; retry later",
+                        usage.bytes, self.limits.max_active_bytes, charge.bytes
+                    ),
+                });
+            }
+            let running = usage
+                .per_principal
+                .get(&charge.principal)
+                .copied()
+                .unwrap_or(0);
+            if !charge.principal.is_empty() && running >= self.limits.max_active_per_principal {
+                return Err(RunStartError::OverBudget {
+                    budget: "runs.max_active_per_principal",
+                    message: format!(
+                        "this principal has {running} runs in progress here, its most; retry \
+                         later"
+                    ),
+                });
+            }
+        }
+        usage.bytes += charge.bytes;
+        if !charge.principal.is_empty() {
+            *usage
+                .per_principal
+                .entry(charge.principal.clone())
+                .or_default() += 1;
+        }
+        Ok(())
+    }
+
+    fn release(&self, charge: &Charge) {
+        {
+            let mut usage = self.usage();
+            usage.bytes = usage.bytes.saturating_sub(charge.bytes);
+            if let Some(count) = usage.per_principal.get_mut(&charge.principal) {
+                *count -= 1;
+                if *count == 0 {
+                    usage.per_principal.remove(&charge.principal);
+                }
+            }
+        }
         if self.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle.notify_waiters();
         }
@@ -331,7 +446,15 @@ impl RunManager {
     /// Starts the run `spec`, or finds the run with the same session and message id.
     pub async fn start(self: &Arc<Self>, spec: RunSpec) -> Result<Started, RunStartError> {
         let active = self.active.fetch_add(1, Ordering::AcqRel);
-        let slot = Slot(self);
+        let charge = Charge {
+            principal: agentrt_state::principal_of(&spec.session_id).to_owned(),
+            bytes: spec_bytes(&spec),
+        };
+        if let Err(refused) = self.charge(&charge, active < self.limits.max_active) {
+            self.release(&Charge::default());
+            return Err(refused);
+        }
+        let slot = Slot(self, charge);
         if active >= self.limits.max_active {
             return Err(RunStartError::Busy(active));
         }
@@ -364,7 +487,7 @@ impl RunManager {
         run_id: &str,
         control: Arc<RunControl>,
         token: String,
-        slot: Slot<'_>,
+        mut slot: Slot<'_>,
     ) {
         let (done, ended) = watch::channel(false);
         self.lock().insert(
@@ -375,7 +498,9 @@ impl RunManager {
                 token,
             },
         );
-        std::mem::forget(slot); // given back by the run's task
+        // Given back by the run's task.
+        let charge = std::mem::take(&mut slot.1);
+        std::mem::forget(slot);
         let manager = self.clone();
         // The run belongs to the call that started it: its spans are children of the
         // call's span (and so of the caller's trace). It is owned by the manager: it always
@@ -393,7 +518,7 @@ impl RunManager {
                     manager.record_panic(&task_run_id).await;
                 }
                 manager.lock().remove(&task_run_id);
-                manager.release();
+                manager.release(&charge);
                 let _ = done.send(true);
             }
             .instrument(call_span),

@@ -74,6 +74,13 @@ pub struct EngineSettings {
     pub ttl: Duration,
     /// Most engines kept; beyond, the least recently used one is dropped.
     pub max_engines: usize,
+    /// Most bytes of engines' configs and tool specs kept in memory (with `state =
+    /// memory`), all engines together; beyond, `CreateAgentEngine` is
+    /// `RESOURCE_EXHAUSTED` (no engine is dropped for a new one).
+    pub max_bytes: usize,
+    /// Most engines of one principal (with authentication); beyond, `CreateAgentEngine`
+    /// is `RESOURCE_EXHAUSTED`.
+    pub max_per_principal: usize,
 }
 
 /// Bounds of runs and their events.
@@ -105,6 +112,18 @@ pub struct RunSettings {
     /// continues it. Between 1s and 10m.
     #[serde(with = "config::duration")]
     pub takeover_after: Duration,
+    /// Most bytes of queries and `llm_context` held by the runs in progress on this
+    /// replica; beyond, `Execute` is `RESOURCE_EXHAUSTED`.
+    pub max_active_bytes: usize,
+    /// Most runs of one principal in progress on this replica; beyond, `Execute` is
+    /// `RESOURCE_EXHAUSTED`.
+    pub max_active_per_principal: usize,
+    /// Most open `Execute` and `Subscribe` streams of one principal on this replica;
+    /// beyond, a new one is `RESOURCE_EXHAUSTED`.
+    pub max_streams_per_principal: usize,
+    /// Most bytes of the records of ended runs kept for the retention (with `state =
+    /// memory`); beyond, the runs that ended first are forgotten early.
+    pub retained_bytes: usize,
 }
 
 impl Default for RunSettings {
@@ -119,9 +138,18 @@ impl Default for RunSettings {
             max_context_chars: 1_000_000,
             max_tool_output_bytes: agentrt_engine::DEFAULT_MAX_TOOL_OUTPUT_BYTES,
             takeover_after: Duration::from_secs(10),
+            max_active_bytes: DEFAULT_BUDGET_BYTES,
+            max_active_per_principal: 5_000,
+            max_streams_per_principal: 5_000,
+            retained_bytes: DEFAULT_BUDGET_BYTES,
         }
     }
 }
+
+/// Each memory budget's default: four of them (engines, sessions, runs in progress,
+/// ended runs) fit the 1 GiB the manifests give a replica that keeps its state in memory,
+/// with room for the rest.
+pub const DEFAULT_BUDGET_BYTES: usize = 128 * 1024 * 1024;
 
 /// Bounds of the conversation histories kept per session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -134,6 +162,9 @@ pub struct SessionSettings {
     pub max_sessions: usize,
     /// Most turns kept per session.
     pub max_turns: usize,
+    /// Most bytes of history kept in memory (with `state = memory`), all sessions
+    /// together; beyond, the least recently used sessions are forgotten.
+    pub max_bytes: usize,
 }
 
 impl Default for SessionSettings {
@@ -142,6 +173,7 @@ impl Default for SessionSettings {
             ttl: Duration::from_secs(3600),
             max_sessions: 100_000,
             max_turns: 200,
+            max_bytes: DEFAULT_BUDGET_BYTES,
         }
     }
 }
@@ -151,6 +183,8 @@ impl Default for EngineSettings {
         Self {
             ttl: Duration::from_secs(3600),
             max_engines: 10_000,
+            max_bytes: DEFAULT_BUDGET_BYTES,
+            max_per_principal: 2_500,
         }
     }
 }
@@ -314,6 +348,28 @@ impl Settings {
                 field: "engines.max_engines",
                 message: "must be positive".into(),
             });
+        }
+        for (field, value) in [
+            ("engines.max_bytes", self.engines.max_bytes),
+            ("engines.max_per_principal", self.engines.max_per_principal),
+            ("runs.max_active_bytes", self.runs.max_active_bytes),
+            (
+                "runs.max_active_per_principal",
+                self.runs.max_active_per_principal,
+            ),
+            (
+                "runs.max_streams_per_principal",
+                self.runs.max_streams_per_principal,
+            ),
+            ("runs.retained_bytes", self.runs.retained_bytes),
+            ("sessions.max_bytes", self.sessions.max_bytes),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: "must be positive".into(),
+                });
+            }
         }
         Ok(())
     }
