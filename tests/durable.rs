@@ -53,7 +53,8 @@ const STALL: Duration = Duration::from_secs(30);
 /// The answer of `slow`, streamed two characters every `SLOW_DELAY_MS` (about 2 s).
 const SLOW_ANSWER: &str = "a durable run goes on from its last step when its replica goes away";
 const SLOW_DELAY_MS: u64 = 60;
-/// The answer of `steady` (the rolling restart), about 3.5 s.
+/// The answer of `steady` (the rolling restart), about 9 s: long enough for the three
+/// replicas to be restarted while every run streams it.
 const STEADY_ANSWER: &str =
     "every event exactly once, every run to its end, whatever the replicas do";
 /// What the test's tool executor answers to `sleep {seconds: 3}`.
@@ -62,7 +63,7 @@ const NAP_RESULT: &str = "slept 3 s";
 fn scenarios() -> String {
     json!({"scenarios": {
         "slow": {"turns": [{"content": SLOW_ANSWER, "chunk_chars": 2, "chunk_delay_ms": SLOW_DELAY_MS}]},
-        "steady": {"turns": [{"content": STEADY_ANSWER, "chunk_chars": 2, "chunk_delay_ms": 100}]},
+        "steady": {"turns": [{"content": STEADY_ANSWER, "chunk_chars": 2, "chunk_delay_ms": 250}]},
         "nap": {"turns": [
             {"tool_calls": [{"id": "nap-1", "name": "sleep", "arguments": {"seconds": 3}}]},
             {"content": "rested: {tool_results}"}]},
@@ -1021,14 +1022,14 @@ async fn follow(
     }
 }
 
-/// Needs Redis. A rolling restart: three replicas run 60 runs (a few seconds of answer
+/// Needs Redis. A rolling restart: three replicas run 500 runs (about 9 s of answer
 /// each); the replicas are SIGTERMed one at a time, each replaced by a new one once it
 /// exited. Every client follows its run as the contract says (resuming on UNAVAILABLE
 /// with `Subscribe` on a live replica): every run succeeds with every event exactly once,
 /// as the log read from 0 on a live replica at the end says too.
 #[tokio::test]
 async fn a_rolling_restart_loses_no_run_and_repeats_no_event() {
-    const RUNS: usize = 60;
+    const RUNS: usize = 500;
     let mut c = Cluster::up("durable-rolling", 3).await;
     let live: Live = Arc::new(Mutex::new(
         c.replicas
@@ -1037,19 +1038,31 @@ async fn a_rolling_restart_loses_no_run_and_repeats_no_event() {
             .collect(),
     ));
     let streaming = Arc::new(AtomicUsize::new(0));
-    let mut clients = Vec::new();
+    // The runs start at once (64 clients starting at a time), spread over the replicas.
+    let starting = Arc::new(tokio::sync::Semaphore::new(64));
+    let mut started = Vec::new();
     for i in 0..RUNS {
-        let replica = &mut c.replicas[i % 3];
-        let engine_id = create_engine(&mut replica.service, agent("steady", &[])).await;
-        let mut stream = execute(&mut replica.engine, &engine_id).await;
-        let first = match next(&mut stream).await {
-            Ok(Some(event)) => event,
-            other => panic!("run {i}: {other:?}"),
-        };
-        assert_eq!(kind(&first), v1::EventType::RunStarted);
-        let run_id = first.run_id.clone();
-        let task = tokio::spawn(follow(stream, vec![first], live.clone(), streaming.clone()));
-        clients.push((run_id, task));
+        let replica = &c.replicas[i % 3];
+        let (mut service, mut engine) = (replica.service.clone(), replica.engine.clone());
+        let (starting, live, streaming) = (starting.clone(), live.clone(), streaming.clone());
+        started.push(tokio::spawn(async move {
+            let permit = starting.acquire_owned().await.unwrap();
+            let engine_id = create_engine(&mut service, agent("steady", &[])).await;
+            let mut stream = execute(&mut engine, &engine_id).await;
+            let first = match next(&mut stream).await {
+                Ok(Some(event)) => event,
+                other => panic!("run {i}: {other:?}"),
+            };
+            drop(permit);
+            assert_eq!(kind(&first), v1::EventType::RunStarted);
+            let run_id = first.run_id.clone();
+            let task = tokio::spawn(follow(stream, vec![first], live, streaming));
+            (run_id, task)
+        }));
+    }
+    let mut clients = Vec::new();
+    for start in started {
+        clients.push(start.await.unwrap());
     }
     // Every run is in the middle of its answer when the first replica drains.
     let deadline = Instant::now() + Duration::from_secs(30);
