@@ -25,7 +25,7 @@ use rmcp::{
     ClientHandler, RoleClient, ServiceExt,
     model::{
         CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation,
-        PaginatedRequestParams,
+        PaginatedRequestParams, RequestMetaObject,
     },
     service::{NotificationContext, Peer, RunningService, ServiceError},
     transport::{
@@ -51,6 +51,8 @@ use crate::{
 
 /// Most tools one server may list; the rest are left out.
 const MAX_TOOLS: usize = 1000;
+/// The `_meta` key of `tools/call` that carries the call's id as its idempotency key.
+pub const IDEMPOTENCY_META: &str = "io.agentrt/idempotencyKey";
 /// Most `tools/list` pages followed.
 const MAX_PAGES: usize = 100;
 /// Longest tool description kept.
@@ -371,7 +373,16 @@ impl Toolset for McpToolset {
             serde_json::Value::Object(map) => map,
             _ => serde_json::Map::new(),
         };
-        let params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+        let mut params = CallToolRequestParams::new(tool.to_owned()).with_arguments(arguments);
+        if !ctx.call_id.is_empty() {
+            // A call sent again (after a take-over) carries the same key: a server that
+            // honours it does the work once.
+            let mut meta = RequestMetaObject::new();
+            meta.0
+                .0
+                .insert(IDEMPOTENCY_META.to_owned(), ctx.call_id.clone().into());
+            params.meta = Some(meta);
+        }
         let timeout = shared.config.timeout;
         // Dropping the call (here on timeout or cancel, or by the caller) sends
         // `notifications/cancelled` for it.

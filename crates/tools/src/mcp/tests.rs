@@ -54,7 +54,7 @@ for line in sys.stdin:
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "tools": [tool("echo"), tool("slow")], "nextCursor": "page-2"}})
         else:
-            tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name")]
+            tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
             if extra:
                 tools.append(tool("added"))
             send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
@@ -64,6 +64,9 @@ for line in sys.stdin:
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "content": [{"type": "text", "text": args.get("text", "")}],
                 "structuredContent": {"echo": args.get("text")}}})
+        elif name == "meta":
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": json.dumps(params.get("_meta"))}]}})
         elif name == "fail":
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "content": [{"type": "text", "text": "it failed"}], "isError": True}})
@@ -188,7 +191,8 @@ async fn lists_every_page_calls_and_maps_results() {
             "fake__crash",
             "fake__change",
             "fake__fail",
-            "fake__odd_name"
+            "fake__odd_name",
+            "fake__meta"
         ]
     );
     let listed = toolset.list().await.unwrap();
@@ -210,6 +214,19 @@ async fn lists_every_page_calls_and_maps_results() {
     let out = toolset.call("odd.name", json!({}), &ctx).await.unwrap();
     assert!(out.is_error);
     assert!(out.text.contains("no tool odd.name"), "{}", out.text);
+
+    // The call's id goes with it as its idempotency key (a call sent again after a
+    // take-over carries the same one); a call without an id carries none.
+    let out = toolset.call("meta", json!({}), &ctx).await.unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&out.text).unwrap();
+    assert!(meta.get(IDEMPOTENCY_META).is_none(), "{meta}");
+    let with_id = ToolContext {
+        call_id: "call_7".into(),
+        ..ToolContext::default()
+    };
+    let out = toolset.call("meta", json!({}), &with_id).await.unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&out.text).unwrap();
+    assert_eq!(meta[IDEMPOTENCY_META], "call_7", "{meta}");
 
     let pid = fake.pid();
     assert!(alive(pid));
@@ -322,7 +339,7 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
     assert_eq!(source_name, "fake");
     assert!(reason.contains("\"fake\""), "{reason}");
     // Meanwhile calls are refused at once, naming the server; the tools stay listed.
-    assert_eq!(names(&toolset).await.len(), 6);
+    assert_eq!(names(&toolset).await.len(), 7);
     eventually("the restart", || {
         toolset.is_connected() && fake.pid() != first
     })
@@ -343,7 +360,7 @@ async fn misbehaving_servers_neither_hang_nor_crash_the_executor() {
         let toolset = McpToolset::start(fake.config(mode), Changes::new())
             .await
             .unwrap();
-        assert_eq!(names(&toolset).await.len(), 6, "{mode}");
+        assert_eq!(names(&toolset).await.len(), 7, "{mode}");
         let out = toolset
             .call("echo", json!({"text": mode}), &ToolContext::default())
             .await
