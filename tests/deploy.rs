@@ -106,3 +106,86 @@ fn every_variable_the_manifests_set_is_one_the_binaries_read() {
     }
     assert!(checked >= 10, "only {checked} variables found");
 }
+
+/// The documents of a manifest file.
+fn documents(file: &str) -> Vec<serde_json::Value> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    text.split("\n---\n")
+        .map(|document| {
+            let yaml: yaml_serde::Value = yaml_serde::from_str(document).unwrap();
+            serde_json::to_value(&yaml).unwrap()
+        })
+        .collect()
+}
+
+/// The ingress rules of the NetworkPolicy `name` of the base, by port: the `from` list
+/// of each (`None`: from anywhere).
+fn ingress(name: &str) -> Vec<(u64, Option<serde_json::Value>)> {
+    let policies = documents("deploy/k8s/base/networkpolicy.yaml");
+    let policy = policies
+        .iter()
+        .find(|p| p["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no NetworkPolicy {name}"));
+    let mut rules = Vec::new();
+    for rule in policy["spec"]["ingress"].as_array().unwrap() {
+        for port in rule["ports"].as_array().unwrap() {
+            rules.push((port["port"].as_u64().unwrap(), rule.get("from").cloned()));
+        }
+    }
+    rules
+}
+
+#[test]
+fn network_policies_open_each_port_only_to_its_callers() {
+    let monitoring = serde_json::json!([{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]);
+    // agent-server: gRPC from its namespace and the client namespaces an overlay names;
+    // metrics from the monitoring namespace only; nothing else.
+    let agent = ingress("agent-server-ingress");
+    let grpc: Vec<_> = agent.iter().filter(|(port, _)| *port == 50051).collect();
+    assert_eq!(grpc.len(), 1, "{agent:?}");
+    let from = grpc[0].1.as_ref().expect("gRPC is not open to everyone");
+    assert_eq!(from[0], serde_json::json!({"podSelector": {}}));
+    assert_eq!(
+        from[1]["namespaceSelector"]["matchExpressions"][0]["key"],
+        "kubernetes.io/metadata.name"
+    );
+    for (port, from) in &agent {
+        match port {
+            50051 => {}
+            9090 => assert_eq!(from.as_ref(), Some(&monitoring), "agent-server metrics"),
+            other => panic!("agent-server port {other} is open in the base"),
+        }
+    }
+    // tool-executor: gRPC from agent-server pods only, metrics from monitoring only.
+    for (port, from) in ingress("tool-executor-ingress") {
+        match port {
+            50052 => assert_eq!(
+                from,
+                Some(serde_json::json!([{"podSelector": {"matchLabels": {
+                    "app.kubernetes.io/name": "agent-server"}}}]))
+            ),
+            9090 => assert_eq!(from.as_ref(), Some(&monitoring), "tool-executor metrics"),
+            other => panic!("tool-executor port {other} is open in the base"),
+        }
+    }
+
+    // Production names the client namespaces, opens only the plaintext health port
+    // besides, and lets only agent-server's certificate reach the tool executor.
+    let kustomization = documents("deploy/k8s/overlays/production/kustomization.yaml");
+    let patches = serde_json::to_string(&kustomization[0]["patches"]).unwrap();
+    assert!(
+        patches.contains("agent-server-ingress") && patches.contains("matchExpressions/0/values"),
+        "{patches}"
+    );
+    let tls = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy/k8s/overlays/production/tls.yaml"),
+    )
+    .unwrap();
+    assert!(
+        tls.contains("- name: TOOL_EXECUTOR_TLS_ALLOWED_CLIENT_NAMES\n              value: agent-server.agentrt.svc"),
+        "the tool executor's allow-list is not set in production"
+    );
+}

@@ -236,6 +236,10 @@ pub struct ServerArgs {
     /// Require client certificates chaining to these CAs (PEM): mutual TLS.
     #[arg(long, value_name = "FILE")]
     pub tls_client_ca: Option<PathBuf>,
+    /// With mutual TLS, let in only clients whose certificate carries one of these names
+    /// (DNS names or IP addresses, separated by commas).
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub tls_allowed_client_names: Option<Vec<String>>,
     /// Require bearer tokens, read from this file: one `TOKEN [SERVICE,...]` per line.
     #[arg(long, value_name = "FILE")]
     pub auth_tokens_file: Option<PathBuf>,
@@ -262,8 +266,18 @@ impl ServerArgs {
         if self.health_listen.is_some() {
             settings.health_listen = self.health_listen;
         }
-        if self.tls_cert.is_some() || self.tls_key.is_some() || self.tls_client_ca.is_some() {
+        if self.tls_cert.is_some()
+            || self.tls_key.is_some()
+            || self.tls_client_ca.is_some()
+            || self.tls_allowed_client_names.is_some()
+        {
             let current = settings.tls.take();
+            let names = self.tls_allowed_client_names.clone().unwrap_or_else(|| {
+                current
+                    .as_ref()
+                    .map(|t| t.allowed_client_names.clone())
+                    .unwrap_or_default()
+            });
             let pick = |flag: &Option<PathBuf>, file: Option<PathBuf>| flag.clone().or(file);
             settings.tls = Some(TlsSettings {
                 cert_file: pick(
@@ -274,6 +288,11 @@ impl ServerArgs {
                 key_file: pick(&self.tls_key, current.as_ref().map(|t| t.key_file.clone()))
                     .unwrap_or_default(),
                 client_ca_file: pick(&self.tls_client_ca, current.and_then(|t| t.client_ca_file)),
+                allowed_client_names: names
+                    .into_iter()
+                    .map(|name| name.trim().to_owned())
+                    .filter(|name| !name.is_empty())
+                    .collect(),
             });
         }
         if self.auth_tokens_file.is_some() {

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{ConfigError, ServerSettings},
-    security::AuthLayer,
+    security::{AuthLayer, ClientNamesLayer},
 };
 
 /// Why a server stopped with an error.
@@ -214,13 +214,23 @@ impl GrpcServer {
             tokio::spawn(crate::metrics::serve_metrics(listener, metrics_stop));
         }
         let mut builder = Server::builder();
+        let mut client_names = None;
         if let Some(tls) = &self.settings.tls {
             builder = builder.tls_config(tls.server_config()?)?;
+            client_names = tls.client_names()?;
             info!(
                 service = self.name,
                 mutual = tls.client_ca_file.is_some(),
+                allowed_client_names = %client_names.as_ref().map_or_else(String::new, |n| n.describe()),
                 "TLS on"
             );
+            if tls.client_ca_file.is_some() && client_names.is_none() {
+                warn!(
+                    service = self.name,
+                    "mutual TLS lets in every certificate the client CA issued; set \
+                     server.tls.allowed_client_names to name the clients"
+                );
+            }
         }
         let server = builder
             .tcp_nodelay(true)
@@ -243,6 +253,7 @@ impl GrpcServer {
                 ),
             ))
             .layer(crate::trace::RpcSpanLayer)
+            .layer(ClientNamesLayer::new(client_names))
             .layer(AuthLayer::new(tokens))
             .add_routes(routes)
             .serve_with_incoming_shutdown(

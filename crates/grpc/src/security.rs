@@ -41,6 +41,13 @@ pub struct TlsSettings {
     /// client must present one (mutual TLS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub client_ca_file: Option<PathBuf>,
+    /// With mutual TLS: the identities a client certificate must carry one of (a DNS name
+    /// or IP address in its subject alternative names, matched as a TLS client matches a
+    /// server's name, so a certificate for `*.example.com` carries `a.example.com`).
+    /// Every call of a client whose certificate carries none is `PERMISSION_DENIED`.
+    /// Empty: every certificate the CA issued (a warning at start).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_client_names: Vec<String>,
 }
 
 impl TlsSettings {
@@ -58,6 +65,133 @@ impl TlsSettings {
             )?));
         }
         Ok(config)
+    }
+
+    /// The allow-list of client identities, checked; `None` when every client the CA
+    /// vouches for is let in.
+    pub fn client_names(&self) -> Result<Option<Arc<ClientNames>>, ConfigError> {
+        if self.allowed_client_names.is_empty() {
+            return Ok(None);
+        }
+        if self.client_ca_file.is_none() {
+            return Err(ConfigError::Invalid {
+                field: "server.tls.allowed_client_names",
+                message: "needs mutual TLS: set the client CA (--tls-client-ca) too".into(),
+            });
+        }
+        let names = self
+            .allowed_client_names
+            .iter()
+            .map(|name| {
+                rustls_pki_types::ServerName::try_from(name.as_str())
+                    .map(|parsed| parsed.to_owned())
+                    .map_err(|_| ConfigError::Invalid {
+                        field: "server.tls.allowed_client_names",
+                        message: format!("{name:?} is not a DNS name or an IP address"),
+                    })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(Arc::new(ClientNames { names })))
+    }
+}
+
+/// The identities a client certificate must carry one of (`allowed_client_names`).
+#[derive(Debug)]
+pub struct ClientNames {
+    names: Vec<rustls_pki_types::ServerName<'static>>,
+}
+
+impl ClientNames {
+    /// Whether the end-entity certificate `cert` (DER) carries one of the names.
+    pub fn admits(&self, cert: &rustls_pki_types::CertificateDer<'_>) -> bool {
+        let Ok(cert) = webpki::EndEntityCert::try_from(cert) else {
+            return false;
+        };
+        self.names
+            .iter()
+            .any(|name| cert.verify_is_valid_for_subject_name(name).is_ok())
+    }
+
+    /// The names, for logs.
+    pub fn describe(&self) -> String {
+        self.names
+            .iter()
+            .map(|name| name.to_str().into_owned())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// Lets in only the calls whose client certificate carries a name of [`ClientNames`]
+/// (every call, without names).
+#[derive(Debug, Clone)]
+pub struct ClientNamesLayer {
+    names: Option<Arc<ClientNames>>,
+}
+
+impl ClientNamesLayer {
+    /// Checks calls against `names`; `None` lets every call through.
+    pub fn new(names: Option<Arc<ClientNames>>) -> Self {
+        Self { names }
+    }
+}
+
+impl<S> tower_layer::Layer<S> for ClientNamesLayer {
+    type Service = ClientNamesCheck<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientNamesCheck {
+            inner,
+            names: self.names.clone(),
+        }
+    }
+}
+
+/// See [`ClientNamesLayer`].
+#[derive(Debug, Clone)]
+pub struct ClientNamesCheck<S> {
+    inner: S,
+    names: Option<Arc<ClientNames>>,
+}
+
+impl<S, ReqBody> tower_service::Service<Request<ReqBody>> for ClientNamesCheck<S>
+where
+    S: tower_service::Service<Request<ReqBody>, Response = Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+{
+    type Response = Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future =
+        Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+        let Some(names) = &self.names else {
+            return Box::pin(self.inner.call(request));
+        };
+        let info = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+        let admitted = info
+            .and_then(TlsConnectInfo::peer_certs)
+            .is_some_and(|certs| certs.first().is_some_and(|cert| names.admits(cert)));
+        if !admitted {
+            let peer = info.and_then(|i| i.get_ref().remote_addr());
+            tracing::warn!(
+                peer = ?peer,
+                allowed = %names.describe(),
+                "a client certificate without an allowed name was refused"
+            );
+            let status = Status::permission_denied(
+                "this client's certificate does not carry a name the server allows \
+                 (server.tls.allowed_client_names)",
+            );
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        }
+        Box::pin(self.inner.call(request))
     }
 }
 
