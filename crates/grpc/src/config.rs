@@ -240,7 +240,8 @@ pub struct ServerArgs {
     /// (DNS names or IP addresses, separated by commas).
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub tls_allowed_client_names: Option<Vec<String>>,
-    /// Require bearer tokens, read from this file: one `TOKEN [SERVICE,...]` per line.
+    /// Require bearer tokens, read from this file: one `TOKEN [SERVICE,...] [principal=NAME]
+    /// [scope=operator]` per line.
     #[arg(long, value_name = "FILE")]
     pub auth_tokens_file: Option<PathBuf>,
     /// Require bearer tokens given here, entries separated by `;`. Prefer the environment

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::{ConfigError, ServerSettings},
-    security::{AuthLayer, ClientNamesLayer},
+    security::AuthLayer,
 };
 
 /// Why a server stopped with an error.
@@ -253,8 +253,7 @@ impl GrpcServer {
                 ),
             ))
             .layer(crate::trace::RpcSpanLayer)
-            .layer(ClientNamesLayer::new(client_names))
-            .layer(AuthLayer::new(tokens))
+            .layer(AuthLayer::new(tokens).with_client_names(client_names))
             .add_routes(routes)
             .serve_with_incoming_shutdown(
                 tokio_stream::StreamExt::map(

@@ -1,10 +1,12 @@
-//! Secure transport and access: TLS settings (server and client side) and bearer-token
-//! authentication of gRPC calls.
+//! Secure transport and access: TLS settings (server and client side), the allow-list of
+//! client certificate names of mutual TLS, and bearer-token authentication of gRPC calls,
+//! each token acting as a [`Principal`].
 //!
 //! Tokens come from a mounted file or an environment variable, one entry per line (or
 //! separated by `;`): `TOKEN` grants every service, `TOKEN SERVICE[,SERVICE...]` only the
-//! services named (full names, e.g. `agent.v1.AgentEngine`). Lines starting with `#` are
-//! comments. A call without a valid token is `UNAUTHENTICATED`; a valid token calling a
+//! services named (full names, e.g. `agent.v1.AgentEngine`); `principal=NAME` names the
+//! principal it acts as, `scope=operator` lets it act on every principal's objects. Lines
+//! starting with `#` are comments. A call without a valid token is `UNAUTHENTICATED`; a valid token calling a
 //! service it was not granted is `PERMISSION_DENIED`. Health is always open, so that
 //! probes need no secret; reflection is open to every valid token. Tokens are compared by
 //! their SHA-256 digests in constant time, against every entry, so that neither the
@@ -119,79 +121,6 @@ impl ClientNames {
             .map(|name| name.to_str().into_owned())
             .collect::<Vec<_>>()
             .join(", ")
-    }
-}
-
-/// Lets in only the calls whose client certificate carries a name of [`ClientNames`]
-/// (every call, without names).
-#[derive(Debug, Clone)]
-pub struct ClientNamesLayer {
-    names: Option<Arc<ClientNames>>,
-}
-
-impl ClientNamesLayer {
-    /// Checks calls against `names`; `None` lets every call through.
-    pub fn new(names: Option<Arc<ClientNames>>) -> Self {
-        Self { names }
-    }
-}
-
-impl<S> tower_layer::Layer<S> for ClientNamesLayer {
-    type Service = ClientNamesCheck<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ClientNamesCheck {
-            inner,
-            names: self.names.clone(),
-        }
-    }
-}
-
-/// See [`ClientNamesLayer`].
-#[derive(Debug, Clone)]
-pub struct ClientNamesCheck<S> {
-    inner: S,
-    names: Option<Arc<ClientNames>>,
-}
-
-impl<S, ReqBody> tower_service::Service<Request<ReqBody>> for ClientNamesCheck<S>
-where
-    S: tower_service::Service<Request<ReqBody>, Response = Response<tonic::body::Body>>,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-{
-    type Response = Response<tonic::body::Body>;
-    type Error = S::Error;
-    type Future =
-        Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
-        let Some(names) = &self.names else {
-            return Box::pin(self.inner.call(request));
-        };
-        let info = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
-        let admitted = info
-            .and_then(TlsConnectInfo::peer_certs)
-            .is_some_and(|certs| certs.first().is_some_and(|cert| names.admits(cert)));
-        if !admitted {
-            let peer = info.and_then(|i| i.get_ref().remote_addr());
-            tracing::warn!(
-                peer = ?peer,
-                allowed = %names.describe(),
-                "a client certificate without an allowed name was refused"
-            );
-            let status = Status::permission_denied(
-                "this client's certificate does not carry a name the server allows \
-                 (server.tls.allowed_client_names)",
-            );
-            return Box::pin(std::future::ready(Ok(status.into_http())));
-        }
-        Box::pin(self.inner.call(request))
     }
 }
 
@@ -540,16 +469,28 @@ fn is_reflection(service: &str) -> bool {
 /// The health service: always reachable, with or without a token.
 const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
 
-/// Authenticates every call but health's against a [`TokenSet`].
+/// Admits calls: with an allow-list of client names ([`ClientNames`]), only those whose
+/// client certificate carries one (every call, health included); with tokens, every call
+/// but health's must carry a valid one ([`TokenSet`]).
 #[derive(Debug, Clone)]
 pub struct AuthLayer {
     tokens: Option<Arc<TokenSet>>,
+    client_names: Option<Arc<ClientNames>>,
 }
 
 impl AuthLayer {
     /// Checks calls against `tokens`; `None` lets every call through.
     pub fn new(tokens: Option<Arc<TokenSet>>) -> Self {
-        Self { tokens }
+        Self {
+            tokens,
+            client_names: None,
+        }
+    }
+
+    /// Also lets in only clients whose certificate carries one of `names` (when given).
+    pub fn with_client_names(mut self, names: Option<Arc<ClientNames>>) -> Self {
+        self.client_names = names;
+        self
     }
 }
 
@@ -560,6 +501,7 @@ impl<S> tower_layer::Layer<S> for AuthLayer {
         Auth {
             inner,
             tokens: self.tokens.clone(),
+            client_names: self.client_names.clone(),
         }
     }
 }
@@ -569,6 +511,7 @@ impl<S> tower_layer::Layer<S> for AuthLayer {
 pub struct Auth<S> {
     inner: S,
     tokens: Option<Arc<TokenSet>>,
+    client_names: Option<Arc<ClientNames>>,
 }
 
 impl<S, ReqBody> tower_service::Service<Request<ReqBody>> for Auth<S>
@@ -587,6 +530,11 @@ where
     }
 
     fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        if let Some(names) = &self.client_names
+            && let Err(status) = admit_client(names, &request)
+        {
+            return Box::pin(std::future::ready(Ok(status.into_http())));
+        }
         if let Some(tokens) = &self.tokens {
             match authorize(tokens, &request) {
                 Ok(Some(principal)) => {
@@ -598,6 +546,27 @@ where
         }
         Box::pin(self.inner.call(request))
     }
+}
+
+/// Whether the client certificate of `request`'s connection carries one of `names`.
+fn admit_client<B>(names: &ClientNames, request: &Request<B>) -> Result<(), Status> {
+    use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
+    let info = request.extensions().get::<TlsConnectInfo<TcpConnectInfo>>();
+    let admitted = info
+        .and_then(TlsConnectInfo::peer_certs)
+        .is_some_and(|certs| certs.first().is_some_and(|cert| names.admits(cert)));
+    if admitted {
+        return Ok(());
+    }
+    tracing::warn!(
+        peer = ?info.and_then(|i| i.get_ref().remote_addr()),
+        allowed = %names.describe(),
+        "a client certificate without an allowed name was refused"
+    );
+    Err(Status::permission_denied(
+        "this client's certificate does not carry a name the server allows \
+         (server.tls.allowed_client_names)",
+    ))
 }
 
 /// The principal of an authorized call (`None` for health, which needs no token).
