@@ -103,6 +103,15 @@ pub struct ServerSettings {
     pub max_concurrent_streams: u32,
     /// Whether gRPC reflection (v1 and v1alpha) is served.
     pub reflection: bool,
+    /// Time a new connection has to finish its handshake (TLS, then the HTTP/2 client
+    /// preface); it is closed when it has not.
+    #[serde(with = "duration")]
+    pub handshake_timeout: Duration,
+    /// Most connections open at once; more wait in the kernel's backlog. Lowered at start
+    /// (with a warning) to fit the process's open-files limit.
+    pub max_connections: usize,
+    /// Most connections still handshaking at once.
+    pub max_handshaking_connections: usize,
     /// Address of the admin HTTP endpoint serving Prometheus metrics at `/metrics`; none
     /// by default (port 0 picks a free port, logged as `metrics_addr`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -149,6 +158,29 @@ impl ServerSettings {
                 message: "TLS needs both a certificate (--tls-cert) and a key (--tls-key)".into(),
             });
         }
+        if !(Duration::from_millis(100)..=Duration::from_secs(300))
+            .contains(&self.handshake_timeout)
+        {
+            return Err(ConfigError::Invalid {
+                field: "server.handshake_timeout",
+                message: "must be between 100ms and 5m".into(),
+            });
+        }
+        if self.max_connections == 0 {
+            return Err(ConfigError::Invalid {
+                field: "server.max_connections",
+                message: "must be positive".into(),
+            });
+        }
+        if !(1..=self.max_connections).contains(&self.max_handshaking_connections) {
+            return Err(ConfigError::Invalid {
+                field: "server.max_handshaking_connections",
+                message: format!(
+                    "must be positive and at most server.max_connections ({})",
+                    self.max_connections
+                ),
+            });
+        }
         if self.max_concurrent_streams == 0 {
             return Err(ConfigError::Invalid {
                 field: "server.max_concurrent_streams",
@@ -167,6 +199,9 @@ impl Default for ServerSettings {
             max_message_bytes: 4 * 1024 * 1024,
             max_concurrent_streams: 1024,
             reflection: true,
+            handshake_timeout: Duration::from_secs(10),
+            max_connections: 10_000,
+            max_handshaking_connections: 512,
             metrics_listen: None,
             health_listen: None,
             tls: None,
@@ -221,6 +256,15 @@ pub struct ServerArgs {
     /// Serve gRPC reflection (`true` or `false`).
     #[arg(long, value_name = "BOOL")]
     pub reflection: Option<bool>,
+    /// Time a connection has for its TLS handshake and HTTP/2 preface, e.g. `10s`.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub handshake_timeout: Option<Duration>,
+    /// Most connections open at once.
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+    /// Most connections still handshaking at once.
+    #[arg(long, value_name = "N")]
+    pub max_handshaking_connections: Option<usize>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
@@ -261,6 +305,12 @@ impl ServerArgs {
             self.max_concurrent_streams,
         );
         override_with(&mut settings.reflection, self.reflection);
+        override_with(&mut settings.handshake_timeout, self.handshake_timeout);
+        override_with(&mut settings.max_connections, self.max_connections);
+        override_with(
+            &mut settings.max_handshaking_connections,
+            self.max_handshaking_connections,
+        );
         if self.metrics_listen.is_some() {
             settings.metrics_listen = self.metrics_listen;
         }

@@ -2,15 +2,13 @@ use std::{future::Future, time::Duration};
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::{
-    service::Routes,
-    transport::{Server, server::TcpIncoming},
-};
+use tonic::{service::Routes, transport::Server};
 use tonic_health::ServingStatus;
 use tracing::{info, warn};
 
 use crate::{
     config::{ConfigError, ServerSettings},
+    listener::{self, Limits},
     security::AuthLayer,
 };
 
@@ -168,6 +166,14 @@ impl GrpcServer {
             );
         }
 
+        // The health and metrics ports take few connections each, counted in the
+        // descriptors the gRPC port leaves free, so that they answer while it is full.
+        let side_port = |max_connections| Limits {
+            handshake_timeout: self.settings.handshake_timeout,
+            max_connections,
+            max_handshaking: max_connections / 4,
+            preface: true,
+        };
         if let Some(health_addr) = self.settings.health_listen {
             let listener = TcpListener::bind(health_addr).await?;
             info!(service = self.name, health_addr = %listener.local_addr()?, "health listener ready");
@@ -175,7 +181,13 @@ impl GrpcServer {
                 .tcp_nodelay(true)
                 .add_service(health_service.clone())
                 .serve_with_incoming_shutdown(
-                    TcpIncoming::from(listener).with_nodelay(Some(true)),
+                    listener::admit(
+                        "health",
+                        listener,
+                        side_port(128),
+                        |tcp| async move { Ok(tcp) },
+                        metrics_stop.clone(),
+                    ),
                     metrics_stop.clone().cancelled_owned(),
                 );
             tokio::spawn(async move {
@@ -211,12 +223,20 @@ impl GrpcServer {
         let stop_accepting = CancellationToken::new();
         if let Some(metrics_addr) = self.settings.metrics_listen {
             let listener = TcpListener::bind(metrics_addr).await?;
-            tokio::spawn(crate::metrics::serve_metrics(listener, metrics_stop));
+            tokio::spawn(crate::metrics::serve_metrics(
+                listener,
+                Limits {
+                    preface: false,
+                    ..side_port(64)
+                },
+                metrics_stop,
+            ));
         }
-        let mut builder = Server::builder();
+        let builder = Server::builder();
         let mut client_names = None;
+        let mut acceptor = None;
         if let Some(tls) = &self.settings.tls {
-            builder = builder.tls_config(tls.server_config()?)?;
+            acceptor = Some(tls.acceptor()?);
             client_names = tls.client_names()?;
             info!(
                 service = self.name,
@@ -254,14 +274,46 @@ impl GrpcServer {
             ))
             .layer(crate::trace::RpcSpanLayer)
             .layer(AuthLayer::new(tokens).with_client_names(client_names))
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(
-                tokio_stream::StreamExt::map(
-                    TcpIncoming::from(listener).with_nodelay(Some(true)),
-                    |accepted| accepted.map(agentrt_coalesce::Coalesced::new),
+            .add_routes(routes);
+        let limits = Limits {
+            handshake_timeout: self.settings.handshake_timeout,
+            max_connections: self.settings.max_connections,
+            max_handshaking: self.settings.max_handshaking_connections,
+            preface: true,
+        }
+        .within_descriptor_limit("grpc", listener::RESERVED_DESCRIPTORS);
+        info!(
+            service = self.name,
+            max_connections = limits.max_connections,
+            max_handshaking = limits.max_handshaking,
+            handshake_timeout = ?limits.handshake_timeout,
+            "connection limits"
+        );
+        let stopped = stop_accepting.clone().cancelled_owned();
+        let server: std::pin::Pin<
+            Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>,
+        > = match acceptor {
+            Some(tls) => Box::pin(server.serve_with_incoming_shutdown(
+                listener::admit(
+                    "grpc",
+                    listener,
+                    limits,
+                    move |tcp| tls.accept(agentrt_coalesce::Coalesced::new(tcp)),
+                    stop_accepting.clone(),
                 ),
-                stop_accepting.clone().cancelled_owned(),
-            );
+                stopped,
+            )),
+            None => Box::pin(server.serve_with_incoming_shutdown(
+                listener::admit(
+                    "grpc",
+                    listener,
+                    limits,
+                    |tcp| async move { Ok(agentrt_coalesce::Coalesced::new(tcp)) },
+                    stop_accepting.clone(),
+                ),
+                stopped,
+            )),
+        };
         tokio::pin!(server);
         info!(service = self.name, %addr, "listening");
 

@@ -20,7 +20,7 @@ use http_body_util::Full;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 /// Records every call's status code and duration in [`Metrics`], and stamps each request
 /// with its [`Arrival`]. Calls are labelled by service and method only when the server
@@ -217,30 +217,35 @@ impl<B> Drop for MeteredBody<B> {
     }
 }
 
-/// Serves `GET /metrics` (Prometheus text format) on `listener` until `stop` is cancelled.
-pub async fn serve_metrics(listener: TcpListener, stop: CancellationToken) {
+/// Serves `GET /metrics` (Prometheus text format) on `listener` until `stop` is cancelled,
+/// taking connections within `limits` (a request's headers must arrive within the
+/// handshake timeout).
+pub(crate) async fn serve_metrics(
+    listener: TcpListener,
+    limits: crate::listener::Limits,
+    stop: CancellationToken,
+) {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     if let Some(addr) = addr {
         info!(metrics_addr = %addr, "metrics endpoint ready");
     }
-    loop {
-        let stream = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(error) => {
-                    warn!(%error, "metrics endpoint: accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            () = stop.cancelled() => return,
-        };
+    let mut incoming = crate::listener::admit(
+        "metrics",
+        listener,
+        limits,
+        |tcp| async move { Ok(tcp) },
+        stop.clone(),
+    );
+    while let Some(Ok(stream)) = tokio_stream::StreamExt::next(&mut incoming).await {
         let stop = stop.clone();
         tokio::spawn(async move {
-            let connection = hyper::server::conn::http1::Builder::new().serve_connection(
-                TokioIo::new(stream),
-                hyper::service::service_fn(metrics_response),
-            );
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.handshake_timeout)
+                .serve_connection(
+                    TokioIo::new(stream),
+                    hyper::service::service_fn(metrics_response),
+                );
             tokio::select! {
                 result = connection => {
                     if let Err(error) = result {
