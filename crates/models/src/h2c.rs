@@ -20,12 +20,27 @@
 //! over those and the next attempt waits 10 s. A connection that closes (the server
 //! restarted, sent GOAWAY, stopped answering pings) is dropped from the pool, and the next
 //! call opens another.
+//!
+//! A call the server did not process is sent again at once (on another connection when
+//! its own is going away), without counting as a retry: one refused with `REFUSED_STREAM`, one above the last stream id of
+//! the server's GOAWAY, one whose connection was lost before it was sent (RFC 9113, section
+//! 8.7). Calls in flight on a connection that dies fail, and follow the retry policy.
+//!
+//! Streams this client resets (a run cancelled mid-answer, a server slow to end its stream
+//! after `[DONE]`) may still receive the frames the server had sent. RFC 9113 says to
+//! ignore them, and h2 does, but only for the streams it remembers: by default the last 50
+//! reset in the last second. Under load, frames for streams it forgot count as protocol
+//! errors, answered with RST_STREAM, and at 1,024 of them in a connection's life h2 closes
+//! the connection with GOAWAY `ENHANCE_YOUR_CALM` "too_many_internal_resets", failing every
+//! call on it. So resets are remembered longer and in greater number
+//! ([`RESETS_REMEMBERED`] for [`RESET_MEMORY`]), and a connection carries at most
+//! [`MAX_STREAMS_PER_CONNECTION`] calls, so that what it remembers covers its calls.
 
 use std::{
     pin::Pin,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering},
     },
     task::{Context, Poll},
     time::{Duration, Instant},
@@ -44,6 +59,18 @@ use crate::{ModelError, openai::error_chain};
 /// connection counts as dead.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(30);
 const KEEP_ALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Streams reset by this client that h2 remembers, per connection, and for how long: a
+/// frame the server sent before it saw the reset is then ignored instead of counting as a
+/// protocol error (of which h2 tolerates 1,024 in a connection's life). A remembered reset
+/// costs h2 a few hundred bytes.
+const RESETS_REMEMBERED: usize = 4096;
+const RESET_MEMORY: Duration = Duration::from_secs(10);
+/// Calls on one connection at once, whatever more the server would take: a connection then
+/// resets at most this many streams at once, well within what it remembers.
+const MAX_STREAMS_PER_CONNECTION: usize = 1000;
+/// Times one call is sent again because the server did not process it (refused, or past
+/// its GOAWAY, whose connection takes no more calls), before it fails.
+const MAX_UNPROCESSED_RESENDS: usize = 4;
 /// Connections opened before calls share them, and kept open when idle.
 const MIN_CONNECTIONS: usize = 2;
 /// Most connections to one endpoint; when all are at the server's stream limit, a call
@@ -89,6 +116,8 @@ struct Connection {
     sender: SendRequest<Bytes>,
     closed: Arc<AtomicBool>,
     usage: Arc<Load>,
+    /// The last stream id of the server's GOAWAY, once one came.
+    last_stream_id: Arc<AtomicU32>,
 }
 
 /// The calls on a connection, and when it last took one.
@@ -110,7 +139,16 @@ impl Connection {
 
     /// Whether the server takes another stream on it now.
     fn has_room(&self) -> bool {
-        self.calls() < self.sender.current_max_send_streams()
+        self.calls()
+            < self
+                .sender
+                .current_max_send_streams()
+                .min(MAX_STREAMS_PER_CONNECTION)
+    }
+
+    /// Whether the server said, with GOAWAY, that it will not process stream `id`.
+    fn refused_by_go_away(&self, id: u32) -> bool {
+        id > self.last_stream_id.load(Ordering::Acquire)
     }
 
     /// Whether it has had no call since `since` (milliseconds from the client's epoch).
@@ -228,7 +266,7 @@ impl H2cClient {
             .map_err(|e| unreachable(&e))?;
         let _ = stream.set_nodelay(true);
         // The first bytes the server sends tell an HTTP/1 server from a broken one.
-        let (stream, first_bytes) = Sniff::new(stream);
+        let (stream, first_bytes, last_stream_id) = Sniff::new(stream);
         let not_h2 = |e: &dyn std::fmt::Display| {
             let answered = first_bytes.get().map(Vec::as_slice).unwrap_or_default();
             if answered.starts_with(b"HTTP/") {
@@ -253,6 +291,8 @@ impl H2cClient {
             // on it ("too_many_data_frames").
             .initial_connection_window_size(64 * 1024 * 1024)
             .initial_window_size(1024 * 1024)
+            .max_concurrent_reset_streams(RESETS_REMEMBERED)
+            .reset_stream_duration(RESET_MEMORY)
             .enable_push(false)
             .handshake::<_, Bytes>(stream)
             .await
@@ -312,33 +352,74 @@ impl H2cClient {
             sender,
             closed,
             usage: Arc::default(),
+            last_stream_id,
         })
     }
 
-    /// POSTs `body` with `headers`; the response, its body still to read.
+    /// POSTs `body` with `headers`; the response, its body still to read. A call the
+    /// server did not process is sent again on another connection, up to
+    /// [`MAX_UNPROCESSED_RESENDS`] times.
     pub(crate) async fn post(
         &self,
         body: Bytes,
-        mut headers: HeaderMap,
+        headers: HeaderMap,
     ) -> Result<Response<H2Body>, ModelError> {
-        let (connection, call) = self.connection().await?;
-        let lost = |e: h2::Error| {
+        let mut resent = 0;
+        loop {
+            match self.post_once(body.clone(), headers.clone()).await {
+                Ok(response) => return Ok(response),
+                Err(Attempt::Unprocessed(error)) if resent < MAX_UNPROCESSED_RESENDS => {
+                    resent += 1;
+                    debug!(address = %self.address, %error, resent, "the server did not process the call; sent again");
+                }
+                Err(Attempt::Unprocessed(error) | Attempt::Failed(error)) => return Err(error),
+            }
+        }
+    }
+
+    async fn post_once(
+        &self,
+        body: Bytes,
+        mut headers: HeaderMap,
+    ) -> Result<Response<H2Body>, Attempt> {
+        let (connection, call) = self.connection().await.map_err(Attempt::Failed)?;
+        // Not usable for new calls: the next call opens another connection.
+        let unusable = |e: &h2::Error| {
             if e.is_go_away() || e.is_io() {
-                // Not usable for new calls: the next call opens another connection.
                 connection.closed.store(true, Ordering::Release);
             }
-            ModelError::Connect(error_chain(&e))
         };
-        let mut sender = connection.sender.clone().ready().await.map_err(lost)?;
+        // Nothing was sent before the stream opened: whatever failed, the server has not
+        // seen the call.
+        let unsent = |e: h2::Error| {
+            unusable(&e);
+            Attempt::Unprocessed(ModelError::Connect(error_chain(&e)))
+        };
+        let mut sender = connection.sender.clone().ready().await.map_err(unsent)?;
         headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
         let mut request = Request::post(self.uri.clone())
             .body(())
-            .map_err(|e| ModelError::Connect(format!("invalid request: {e}")))?;
+            .map_err(|e| Attempt::Failed(ModelError::Connect(format!("invalid request: {e}"))))?;
         *request.headers_mut() = headers;
-        let (response, mut stream) = sender.send_request(request, false).map_err(lost)?;
+        let (response, mut stream) = sender.send_request(request, false).map_err(unsent)?;
+        let id = u32::from(response.stream_id());
+        // After the stream opened, the server saw the call unless it refused the stream or
+        // its GOAWAY's last stream id is below it.
+        let sent = |e: h2::Error| {
+            unusable(&e);
+            let refused = e.is_remote()
+                && ((e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
+                    || (e.is_go_away() && connection.refused_by_go_away(id)));
+            let error = ModelError::Connect(error_chain(&e));
+            if refused {
+                Attempt::Unprocessed(error)
+            } else {
+                Attempt::Failed(error)
+            }
+        };
         // The whole body is queued at once; h2 sends it as the stream's window allows.
-        stream.send_data(body, true).map_err(lost)?;
-        let response = response.await.map_err(lost)?;
+        stream.send_data(body, true).map_err(sent)?;
+        let response = response.await.map_err(sent)?;
         Ok(response.map(|body| H2Body {
             body,
             unreleased: 0,
@@ -347,20 +428,33 @@ impl H2cClient {
     }
 }
 
-/// A connection that keeps the first bytes it reads (at most 8), until they are read.
+/// How one attempt at a call failed.
+enum Attempt {
+    /// The server did not process the call: it may be sent again at once.
+    Unprocessed(ModelError),
+    /// Anything else.
+    Failed(ModelError),
+}
+
+/// A connection that keeps the first bytes it reads (at most 8), until they are read, and
+/// watches the frames it reads for a GOAWAY, whose last stream id it keeps: h2 fails the
+/// streams above it without saying which id the server named.
 struct Sniff {
     io: TcpStream,
     first: Option<Arc<std::sync::OnceLock<Vec<u8>>>>,
+    frames: FrameWatch,
 }
 
 impl Sniff {
-    fn new(io: TcpStream) -> (Self, Arc<std::sync::OnceLock<Vec<u8>>>) {
+    fn new(io: TcpStream) -> (Self, Arc<std::sync::OnceLock<Vec<u8>>>, Arc<AtomicU32>) {
         let first = Arc::new(std::sync::OnceLock::new());
+        let last_stream_id = Arc::new(AtomicU32::new(u32::MAX));
         let sniff = Self {
             io,
             first: Some(first.clone()),
+            frames: FrameWatch::new(last_stream_id.clone()),
         };
-        (sniff, first)
+        (sniff, first, last_stream_id)
     }
 }
 
@@ -372,15 +466,78 @@ impl tokio::io::AsyncRead for Sniff {
     ) -> Poll<std::io::Result<()>> {
         let before = buf.filled().len();
         std::task::ready!(Pin::new(&mut self.io).poll_read(cx, buf))?;
+        let read = &buf.filled()[before..];
         if let Some(first) = self.first.take() {
-            let read = &buf.filled()[before..];
             if read.is_empty() {
                 self.first = Some(first);
             } else {
                 let _ = first.set(read[..read.len().min(8)].to_vec());
             }
         }
+        self.frames.read(read);
         Poll::Ready(Ok(()))
+    }
+}
+
+/// Follows the HTTP/2 frames a server sends (from its first byte: a server's preface is a
+/// SETTINGS frame) by their headers, skipping payloads, and keeps the last stream id of
+/// the latest GOAWAY. Costs a few comparisons per frame.
+struct FrameWatch {
+    /// The frame header being read, and how much of it has arrived.
+    header: [u8; 9],
+    header_len: usize,
+    /// Payload bytes of the current frame still to come.
+    payload_left: usize,
+    /// Whether the current frame is a GOAWAY, and the first four bytes of its payload
+    /// (the last stream id) read so far.
+    go_away: Option<([u8; 4], usize)>,
+    last_stream_id: Arc<AtomicU32>,
+}
+
+impl FrameWatch {
+    const GOAWAY: u8 = 0x7;
+
+    fn new(last_stream_id: Arc<AtomicU32>) -> Self {
+        Self {
+            header: [0; 9],
+            header_len: 0,
+            payload_left: 0,
+            go_away: None,
+            last_stream_id,
+        }
+    }
+
+    fn read(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.payload_left > 0 {
+                let n = self.payload_left.min(bytes.len());
+                if let Some((id, got)) = &mut self.go_away
+                    && *got < 4
+                {
+                    let take = (4 - *got).min(n);
+                    id[*got..*got + take].copy_from_slice(&bytes[..take]);
+                    *got += take;
+                    if *got == 4 {
+                        let last = u32::from_be_bytes(*id) & 0x7fff_ffff;
+                        self.last_stream_id.store(last, Ordering::Release);
+                    }
+                }
+                self.payload_left -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (9 - self.header_len).min(bytes.len());
+            self.header[self.header_len..self.header_len + n].copy_from_slice(&bytes[..n]);
+            self.header_len += n;
+            bytes = &bytes[n..];
+            if self.header_len == 9 {
+                self.header_len = 0;
+                let h = self.header;
+                self.payload_left =
+                    usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+                self.go_away = (h[3] == Self::GOAWAY).then_some(([0; 4], 0));
+            }
+        }
     }
 }
 
@@ -468,7 +625,249 @@ impl Stream for H2Body {
 
 #[cfg(test)]
 mod tests {
+    use futures_util::StreamExt;
+
     use super::*;
+
+    /// Connection errors a raw HTTP/2 server saw, and requests it answered.
+    #[derive(Default)]
+    struct Seen {
+        errors: std::sync::Mutex<Vec<String>>,
+        answered: AtomicUsize,
+    }
+
+    /// A raw HTTP/2 server on a free port: `answer(n, request, respond)` answers the `n`th
+    /// request of its connection; `shutdown_after` starts a graceful shutdown (GOAWAY) of
+    /// a connection once it has accepted that many requests.
+    async fn h2_server<F, Fut>(answer: F, shutdown_after: Option<usize>) -> (String, Arc<Seen>)
+    where
+        F: Fn(usize, Bytes, h2::server::SendResponse<Bytes>) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!(
+            "http://{}/v1/chat/completions",
+            listener.local_addr().unwrap()
+        );
+        let seen = Arc::new(Seen::default());
+        let answer = Arc::new(answer);
+        let server_seen = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (socket, _) = listener.accept().await.unwrap();
+                let (answer, seen) = (answer.clone(), server_seen.clone());
+                tokio::spawn(async move {
+                    let mut connection = h2::server::Builder::new()
+                        .max_concurrent_streams(100_000)
+                        .initial_window_size(1024 * 1024)
+                        .handshake::<_, Bytes>(socket)
+                        .await
+                        .unwrap();
+                    let mut accepted = 0;
+                    while let Some(request) = connection.accept().await {
+                        let (request, respond) = match request {
+                            Ok(request) => request,
+                            Err(error) => {
+                                seen.errors.lock().unwrap().push(error.to_string());
+                                break;
+                            }
+                        };
+                        accepted += 1;
+                        if shutdown_after == Some(accepted) {
+                            connection.graceful_shutdown();
+                        }
+                        let (answer, seen, n) = (answer.clone(), seen.clone(), accepted);
+                        tokio::spawn(async move {
+                            let mut body = request.into_body();
+                            let mut read = Vec::new();
+                            while let Some(Ok(chunk)) = body.data().await {
+                                let _ = body.flow_control().release_capacity(chunk.len());
+                                read.extend_from_slice(&chunk);
+                            }
+                            answer(n, Bytes::from(read), respond).await;
+                            seen.answered.fetch_add(1, Ordering::Relaxed);
+                        });
+                    }
+                });
+            }
+        });
+        (url, seen)
+    }
+
+    fn event_stream() -> Response<()> {
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(())
+            .unwrap()
+    }
+
+    /// Reads an answer to its end; the bytes read.
+    async fn read_all(mut body: H2Body) -> Result<Vec<u8>, h2::Error> {
+        let mut read = Vec::new();
+        while let Some(chunk) = body.next().await {
+            read.extend_from_slice(&chunk?);
+        }
+        Ok(read)
+    }
+
+    /// Streams reset by the client still get the frames the server sent before it saw
+    /// the reset. Under load h2 forgot such streams (it remembered 50, for a second) and
+    /// counted each late frame as a protocol error; at 1,024 in a connection's life it
+    /// closed the connection with GOAWAY ENHANCE_YOUR_CALM "too_many_internal_resets",
+    /// failing every call on it. Here thousands of calls are dropped while their answers
+    /// stream (runs cancelled or timed out mid-answer, or given up after `[DONE]` by a
+    /// reader that fell behind), while a few slow calls share the connections.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn late_frames_on_streams_reset_under_load_do_not_close_the_connection() {
+        let (url, seen) = h2_server(
+            |_, request, mut respond| async move {
+                let mut stream = respond.send_response(event_stream(), false).unwrap();
+                let (chunks, pause) = if request.starts_with(b"slow") {
+                    (40, Duration::from_millis(100))
+                } else {
+                    (1000, Duration::from_millis(2))
+                };
+                for _ in 0..chunks {
+                    let chunk = Bytes::from_static(b"data: {}\n\n");
+                    if stream.send_data(chunk, false).is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                }
+                let _ = stream.send_data(Bytes::from_static(b"data: [DONE]\n\n"), true);
+            },
+            None,
+        )
+        .await;
+        let client = Arc::new(H2cClient::new(&url, Duration::from_secs(5)).unwrap());
+        let slow: Vec<_> = (0..4)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    let answer = client.post(Bytes::from_static(b"slow"), HeaderMap::new());
+                    read_all(answer.await.map_err(|e| e.to_string())?.into_body())
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Two waves of 3,000 calls dropped mid-answer: more than 1,024 per connection.
+        for _ in 0..2 {
+            let quick = (0..3000).map(|_| {
+                let client = client.clone();
+                async move {
+                    let answer = client.post(Bytes::from_static(b"quick"), HeaderMap::new());
+                    let mut body = answer.await.unwrap().into_body();
+                    // The first chunk, then the answer is dropped: its stream is reset
+                    // while the server is still sending.
+                    body.next().await.unwrap().unwrap();
+                }
+            });
+            futures_util::future::join_all(quick).await;
+        }
+        for call in slow {
+            let read = call
+                .await
+                .unwrap()
+                .expect("a slow answer on a busy connection");
+            assert!(read.ends_with(b"data: [DONE]\n\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(*seen.errors.lock().unwrap(), Vec::<String>::new());
+    }
+
+    /// Calls above the last stream id of a server's GOAWAY were not processed: they are
+    /// sent again on another connection, and each call is answered once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_a_goaway_left_unprocessed_are_sent_again_on_another_connection() {
+        let (url, seen) = h2_server(
+            |_, _, mut respond| async move {
+                let mut stream = respond.send_response(event_stream(), false).unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let _ = stream.send_data(Bytes::from_static(b"data: [DONE]\n\n"), true);
+            },
+            Some(10),
+        )
+        .await;
+        let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
+        // A call every 2 ms: calls keep coming while connections go away.
+        let calls = (0..60u64).map(|i| {
+            let client = &client;
+            async move {
+                tokio::time::sleep(Duration::from_millis(2 * i)).await;
+                let answer = client
+                    .post(Bytes::from_static(b"q"), HeaderMap::new())
+                    .await?;
+                read_all(answer.into_body())
+                    .await
+                    .map_err(|e| ModelError::Stream(e.to_string()))
+            }
+        });
+        for answer in futures_util::future::join_all(calls).await {
+            assert_eq!(answer.unwrap(), b"data: [DONE]\n\n");
+        }
+        assert_eq!(seen.answered.load(Ordering::Relaxed), 60);
+    }
+
+    /// The last stream id of a GOAWAY is found among other frames, however the reads
+    /// cut them.
+    #[test]
+    fn the_frame_watch_keeps_the_last_stream_id_of_a_goaway() {
+        let frame = |kind: u8, stream: u32, payload: &[u8]| {
+            let mut frame = u32::try_from(payload.len()).unwrap().to_be_bytes()[1..].to_vec();
+            frame.extend_from_slice(&[kind, 0]);
+            frame.extend_from_slice(&stream.to_be_bytes());
+            frame.extend_from_slice(payload);
+            frame
+        };
+        let mut bytes = frame(0x4, 0, &[0, 3, 0, 0, 0, 100]); // SETTINGS
+        bytes.extend(frame(0x0, 7, b"data: [DONE]\n\n")); // DATA
+        let mut go_away = 0x8000_0009u32.to_be_bytes().to_vec(); // reserved bit set
+        go_away.extend_from_slice(&[0, 0, 0, 0]);
+        go_away.extend_from_slice(b"bye");
+        bytes.extend(frame(0x7, 0, &go_away));
+        bytes.extend(frame(0x6, 0, &[0; 8])); // PING
+        for cut in [1, 2, 5, 9, 10, 64] {
+            let last = Arc::new(AtomicU32::new(u32::MAX));
+            let mut watch = FrameWatch::new(last.clone());
+            for chunk in bytes.chunks(cut) {
+                watch.read(chunk);
+            }
+            assert_eq!(last.load(Ordering::Relaxed), 9, "reads of {cut} bytes");
+        }
+    }
+
+    /// A stream refused with REFUSED_STREAM was not processed: the call is sent again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refused_streams_are_sent_again() {
+        let (url, seen) = h2_server(
+            |n, _, mut respond| async move {
+                if n <= 2 {
+                    respond.send_reset(h2::Reason::REFUSED_STREAM);
+                    return;
+                }
+                let mut stream = respond.send_response(event_stream(), false).unwrap();
+                let _ = stream.send_data(Bytes::from_static(b"data: [DONE]\n\n"), true);
+            },
+            None,
+        )
+        .await;
+        let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
+        let calls = (0..20).map(|_| async {
+            let answer = client
+                .post(Bytes::from_static(b"q"), HeaderMap::new())
+                .await?;
+            read_all(answer.into_body())
+                .await
+                .map_err(|e| ModelError::Stream(e.to_string()))
+        });
+        for answer in futures_util::future::join_all(calls).await {
+            assert_eq!(answer.unwrap(), b"data: [DONE]\n\n");
+        }
+        // Two refused on each of the two connections, each answered when sent again.
+        assert_eq!(seen.answered.load(Ordering::Relaxed), 24);
+    }
 
     /// Connections opened for a burst are closed once idle, down to the minimum.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
