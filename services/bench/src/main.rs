@@ -97,6 +97,14 @@ struct Cli {
     /// Runs waiting at once in `--waiting`.
     #[arg(long, default_value_t = 100_000)]
     waiting_runs: usize,
+    /// Print the load figure at several concurrencies instead (each on a fresh stack):
+    /// failures, wall time, CPU and memory per run, the simulator's and the bench
+    /// client's own CPU, descriptors, and health-check latency during the load.
+    #[arg(long)]
+    scale: bool,
+    /// The concurrencies of `--scale`.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000,50000,100000")]
+    scale_levels: Vec<usize>,
 }
 
 /// Characters, streamed one per delta, of the `long_answer` scenario.
@@ -423,10 +431,10 @@ impl Totals {
 async fn start(
     dir: &Path,
     cli: &Cli,
+    concurrent: usize,
     scenarios_file: &Path,
     config_file: &Path,
 ) -> anyhow::Result<Arc<Stack>> {
-    let concurrent = cli.concurrent;
     let scenarios_file = &*scenarios_file.to_string_lossy();
     let model = Server::start_at(
         &dir.join("model-simulator"),
@@ -574,7 +582,13 @@ async fn main() -> anyhow::Result<()> {
     let redis = (cli.state != "memory").then(|| RedisStats {
         url: cli.state.clone(),
     });
-    let stack = start(&dir, &cli, &scenarios_file, &config_file).await?;
+    if cli.scale {
+        let result = scale(&dir, &cli, &scenarios_file, &config_file).await;
+        let _ = std::fs::remove_file(&scenarios_file);
+        let _ = std::fs::remove_file(&config_file);
+        return result;
+    }
+    let stack = start(&dir, &cli, cli.concurrent, &scenarios_file, &config_file).await?;
     let (agent_pids, tools_pid) = stack.pids()?;
     let agents_cpu =
         |pids: &[u32]| -> anyhow::Result<Duration> { pids.iter().map(|pid| cpu_time(*pid)).sum() };
@@ -715,18 +729,98 @@ async fn main() -> anyhow::Result<()> {
     let (a1, t1) = cpu()?;
     let cpu_small = (a1 - a0 + t1 - t0) / small as u32;
 
-    let engines = stack.engines("three_calls", cli.concurrent).await?;
-    let rss = |pids: &[u32]| -> anyhow::Result<u64> { pids.iter().map(|pid| rss_kib(*pid)).sum() };
-    let rss_before = rss(&agent_pids)?;
     let r0 = redis_cpu()?;
+    let load = load(&stack, cli.concurrent).await?;
+    let r1 = redis_cpu()?;
+    println!(
+        "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {}  [CPU in s: agent-server {:.2}, tool-executor {:.2}, simulator {:.2}, bench client {:.2}]",
+        cli.concurrent,
+        cli.latency_ms,
+        load.wall.as_secs_f64(),
+        load.failed,
+        load.agents_cpu.as_secs_f64(),
+        load.tools_cpu.as_secs_f64(),
+        load.model_cpu.as_secs_f64(),
+        load.bench_cpu.as_secs_f64(),
+    );
+    if redis.is_some() {
+        println!(
+            "Redis: CPU {:.2} s in the load, {:.0} us per run",
+            (r1 - r0).as_secs_f64(),
+            (r1 - r0).as_secs_f64() * 1e6 / cli.concurrent as f64
+        );
+    }
+    println!(
+        "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
+        load.memory_per_run_kb(),
+        load.rss_before,
+        load.rss_peak
+    );
+    println!(
+        "CPU per run (agent-server + tool-executor): {:.0} us at {small} concurrent, {:.0} us at {}",
+        cpu_small.as_secs_f64() * 1e6,
+        load.cpu_per_run().as_secs_f64() * 1e6,
+        cli.concurrent
+    );
+    let _ = std::fs::remove_file(&scenarios_file);
+    let _ = std::fs::remove_file(&config_file);
+    Ok(())
+}
+
+/// What one load of `concurrent` runs (3 model calls and 2 tool calls each, all at once)
+/// cost and did.
+struct Load {
+    concurrent: usize,
+    failed: usize,
+    wall: Duration,
+    agents_cpu: Duration,
+    tools_cpu: Duration,
+    model_cpu: Duration,
+    bench_cpu: Duration,
+    rss_before: u64,
+    rss_peak: u64,
+    /// Open descriptors of agent-server, most seen during the load.
+    fds_peak: usize,
+    /// Health checks on their own connection during the load, each 50 ms apart.
+    health: Vec<Duration>,
+    /// Health checks that failed or took over a second.
+    health_failed: usize,
+}
+
+impl Load {
+    fn cpu_per_run(&self) -> Duration {
+        (self.agents_cpu + self.tools_cpu) / self.concurrent as u32
+    }
+
+    fn memory_per_run_kb(&self) -> f64 {
+        self.rss_peak.saturating_sub(self.rss_before) as f64 * 1.024 / self.concurrent as f64
+    }
+}
+
+/// Open descriptors of process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+/// Runs `concurrent` runs of `three_calls` at once on `stack`, sampling agent-server's
+/// memory and descriptors and timing health checks meanwhile. Unless some failed, every
+/// run is checked to have answered after its 2 tool calls.
+async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+    let (agent_pids, tools_pid) = stack.pids()?;
+    let engines = stack.engines("three_calls", concurrent).await?;
+    let rss = |pids: &[u32]| -> anyhow::Result<u64> { pids.iter().map(|pid| rss_kib(*pid)).sum() };
+    let cpu_of =
+        |pids: &[u32]| -> anyhow::Result<Duration> { pids.iter().map(|pid| cpu_time(*pid)).sum() };
+    let rss_before = rss(&agent_pids)?;
     let model_pid = stack.model.pid().context("model-simulator exited")?;
     let bench_pid = std::process::id();
     let (m0, b0) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
-    let (a0, t0) = cpu()?;
-    let peak = Arc::new(std::sync::atomic::AtomicU64::new(rss_before));
+    let (a0, t0) = (cpu_of(&agent_pids)?, cpu_time(tools_pid)?);
+    let peak = Arc::new(AtomicU64::new(rss_before));
+    let fds_peak = Arc::new(AtomicUsize::new(0));
     let sampler = {
-        let peak = peak.clone();
-        let pids = agent_pids.clone();
+        let (peak, fds_peak, pids) = (peak.clone(), fds_peak.clone(), agent_pids.clone());
         tokio::spawn(async move {
             loop {
                 if let Ok(rss) = pids
@@ -734,16 +828,50 @@ async fn main() -> anyhow::Result<()> {
                     .map(|pid| rss_kib(*pid))
                     .sum::<anyhow::Result<u64>>()
                 {
-                    peak.fetch_max(rss, std::sync::atomic::Ordering::Relaxed);
+                    peak.fetch_max(rss, Relaxed);
                 }
+                fds_peak.fetch_max(pids.iter().map(|pid| open_fds(*pid)).sum(), Relaxed);
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         })
     };
+    // Health checks as a kubelet makes them: a connection of their own, one call at a
+    // time, a one-second deadline.
+    let health_channel = Endpoint::from_shared(stack.agents[0].url())?
+        .tcp_nodelay(true)
+        .connect()
+        .await?;
+    let probes = Arc::new(std::sync::Mutex::new((Vec::<Duration>::new(), 0usize)));
+    let prober = tokio::spawn({
+        let probes = probes.clone();
+        async move {
+            let mut client = tonic_health::pb::health_client::HealthClient::new(health_channel);
+            loop {
+                let asked = Instant::now();
+                let check = client.check(tonic_health::pb::HealthCheckRequest {
+                    service: String::new(),
+                });
+                let answered = tokio::time::timeout(Duration::from_secs(1), check).await;
+                {
+                    let mut probes = probes.lock().unwrap_or_else(|e| e.into_inner());
+                    match answered {
+                        Ok(Ok(_)) => probes.0.push(asked.elapsed()),
+                        _ => probes.1 += 1,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
     let started = Instant::now();
-    let totals = stack.run_all(engines, cli.concurrent).await?;
-    let failed = totals.failed;
+    let totals = stack.run_all(engines, concurrent).await?;
     let wall = started.elapsed();
+    sampler.abort();
+    prober.abort();
+    let (mut health, health_failed) =
+        std::mem::take(&mut *probes.lock().unwrap_or_else(|e| e.into_inner()));
+    health.sort();
+    let failed = totals.failed;
     if failed > 0 {
         for (name, server) in [
             ("model-simulator", &stack.model),
@@ -756,46 +884,85 @@ async fn main() -> anyhow::Result<()> {
                 eprintln!("    {line}");
             }
         }
+    } else {
+        totals.expect("load", concurrent, concurrent * 2, "final_answer")?;
     }
-    sampler.abort();
-    if failed == 0 {
-        totals.expect("load", cli.concurrent, cli.concurrent * 2, "final_answer")?;
-    }
-    let (a1, t1) = cpu()?;
+    let (a1, t1) = (cpu_of(&agent_pids)?, cpu_time(tools_pid)?);
     let (m1, b1) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
-    let r1 = redis_cpu()?;
-    let cpu_large = (a1 - a0 + t1 - t0) / cli.concurrent as u32;
-    let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
-    println!(
-        "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {failed}  [CPU in s: agent-server {:.2}, tool-executor {:.2}, simulator {:.2}, bench client {:.2}]",
-        cli.concurrent,
-        cli.latency_ms,
-        wall.as_secs_f64(),
-        (a1 - a0).as_secs_f64(),
-        (t1 - t0).as_secs_f64(),
-        (m1 - m0).as_secs_f64(),
-        (b1 - b0).as_secs_f64(),
-    );
-    if redis.is_some() {
-        println!(
-            "Redis: CPU {:.2} s in the load, {:.0} us per run",
-            (r1 - r0).as_secs_f64(),
-            (r1 - r0).as_secs_f64() * 1e6 / cli.concurrent as f64
-        );
-    }
-    println!(
-        "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
-        (peak.saturating_sub(rss_before)) as f64 * 1.024 / cli.concurrent as f64,
+    Ok(Load {
+        concurrent,
+        failed,
+        wall,
+        agents_cpu: a1 - a0,
+        tools_cpu: t1 - t0,
+        model_cpu: m1 - m0,
+        bench_cpu: b1 - b0,
         rss_before,
-        peak
-    );
+        rss_peak: peak.load(Relaxed),
+        fds_peak: fds_peak.load(Relaxed),
+        health,
+        health_failed,
+    })
+}
+
+/// `--scale`: the load figure at each of `--scale-levels`, each on a fresh stack, as a table.
+async fn scale(
+    dir: &Path,
+    cli: &Cli,
+    scenarios_file: &Path,
+    config_file: &Path,
+) -> anyhow::Result<()> {
     println!(
-        "CPU per run (agent-server + tool-executor): {:.0} us at {small} concurrent, {:.0} us at {}",
-        cpu_small.as_secs_f64() * 1e6,
-        cpu_large.as_secs_f64() * 1e6,
-        cli.concurrent
+        "agentrt-bench --scale: {} cores; runs of 3 model calls of {} ms and 2 tool calls, all at once, each level on a fresh stack (state: {})",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cli.latency_ms,
+        cli.state
     );
-    let _ = std::fs::remove_file(&scenarios_file);
-    let _ = std::fs::remove_file(&config_file);
+    let mut rows = Vec::new();
+    for &level in &cli.scale_levels {
+        let stack = start(dir, cli, level, scenarios_file, config_file).await?;
+        let warm = stack.engines("three_calls", 100.min(level)).await?;
+        stack.run_all(warm, 100.min(level)).await?.expect(
+            "warm-up",
+            100.min(level),
+            2 * 100.min(level),
+            "final_answer",
+        )?;
+        let load = load(&stack, level).await?;
+        let health_p99 = if load.health.is_empty() {
+            "none".to_owned()
+        } else {
+            format!(
+                "{:.1} ms",
+                percentile(&load.health, 0.99).as_secs_f64() * 1e3
+            )
+        };
+        let row = format!(
+            "| {} | {} | {:.1} s | {:.0} us | {:.1} KB | {:.1} s | {:.1} s | {} | {} ({} failed or over 1 s) |",
+            load.concurrent,
+            load.failed,
+            load.wall.as_secs_f64(),
+            load.cpu_per_run().as_secs_f64() * 1e6,
+            load.memory_per_run_kb(),
+            load.model_cpu.as_secs_f64(),
+            load.bench_cpu.as_secs_f64(),
+            load.fds_peak,
+            health_p99,
+            load.health_failed,
+        );
+        println!("{row}");
+        rows.push(row);
+        drop(stack);
+        // Let the old stack's processes and sockets go before the next level.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    println!();
+    println!(
+        "| concurrent runs | failed runs | wall | agent-server + tool-executor CPU per run | agent-server memory per in-flight run | simulator CPU | bench client CPU | agent-server descriptors (peak) | health check p99 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for row in rows {
+        println!("{row}");
+    }
     Ok(())
 }
