@@ -177,24 +177,12 @@ impl GrpcServer {
         if let Some(health_addr) = self.settings.health_listen {
             let listener = TcpListener::bind(health_addr).await?;
             info!(service = self.name, health_addr = %listener.local_addr()?, "health listener ready");
-            let health_only = Server::builder()
-                .tcp_nodelay(true)
-                .add_service(health_service.clone())
-                .serve_with_incoming_shutdown(
-                    listener::admit(
-                        "health",
-                        listener,
-                        side_port(128),
-                        |tcp| async move { Ok(tcp) },
-                        metrics_stop.clone(),
-                    ),
-                    metrics_stop.clone().cancelled_owned(),
-                );
-            tokio::spawn(async move {
-                if let Err(error) = health_only.await {
-                    warn!(%error, "health listener failed");
-                }
-            });
+            serve_health_apart(
+                listener.into_std()?,
+                health_service.clone(),
+                side_port(128),
+                metrics_stop.clone(),
+            )?;
         }
 
         let mut routes = routes.add_service(health_service);
@@ -349,4 +337,60 @@ impl GrpcServer {
             }
         }
     }
+}
+
+/// Serves `health` alone on `listener` from a thread and runtime of its own until `stop`,
+/// so that probes are answered at once however busy the server's runtime is: under a load
+/// that keeps every worker thread busy, a probe waiting its turn there took hundreds of
+/// milliseconds, and a kubelet with a one-second timeout would restart a healthy pod.
+fn serve_health_apart<S>(
+    listener: std::net::TcpListener,
+    health: S,
+    limits: Limits,
+    stop: CancellationToken,
+) -> std::io::Result<()>
+where
+    S: tower_service::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + tonic::server::NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("health".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(listener) {
+                    Ok(listener) => listener,
+                    Err(error) => return warn!(%error, "health listener failed"),
+                };
+                let served = Server::builder()
+                    .tcp_nodelay(true)
+                    .add_service(health)
+                    .serve_with_incoming_shutdown(
+                        listener::admit(
+                            "health",
+                            listener,
+                            limits,
+                            |tcp| async move { Ok(tcp) },
+                            stop.clone(),
+                        ),
+                        stop.cancelled_owned(),
+                    )
+                    .await;
+                if let Err(error) = served {
+                    warn!(%error, "health listener failed");
+                }
+            });
+        })?;
+    Ok(())
 }

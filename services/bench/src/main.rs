@@ -478,6 +478,8 @@ async fn start(
                     &cli.state,
                     "--state-key-prefix",
                     &prefix,
+                    "--health-listen",
+                    "127.0.0.1:0",
                 ],
                 &[("RUST_LOG", "warn,agentrt_grpc=info")],
             )
@@ -781,7 +783,7 @@ struct Load {
     rss_peak: u64,
     /// Open descriptors of agent-server, most seen during the load.
     fds_peak: usize,
-    /// Health checks on their own connection during the load, each 50 ms apart.
+    /// Health checks on agent-server's health port during the load, each 50 ms apart.
     health: Vec<Duration>,
     /// Health checks that failed or took over a second.
     health_failed: usize,
@@ -835,9 +837,10 @@ async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
             }
         })
     };
-    // Health checks as a kubelet makes them: a connection of their own, one call at a
-    // time, a one-second deadline.
-    let health_channel = Endpoint::from_shared(stack.agents[0].url())?
+    // Health checks as a kubelet makes them: on the health port, one call at a time, a
+    // one-second deadline.
+    let health_addr = stack.agents[0].logged_addr("health_addr").await;
+    let health_channel = Endpoint::from_shared(format!("http://{health_addr}"))?
         .tcp_nodelay(true)
         .connect()
         .await?;
