@@ -704,6 +704,17 @@ mod tests {
         Ok(read)
     }
 
+    /// One call of `client` made after `delay`, its answer read to the end.
+    async fn answer_after(client: &H2cClient, delay: Duration) -> Result<Vec<u8>, ModelError> {
+        tokio::time::sleep(delay).await;
+        let answer = client
+            .post(Bytes::from_static(b"q"), HeaderMap::new())
+            .await?;
+        read_all(answer.into_body())
+            .await
+            .map_err(|e| ModelError::Stream(e.to_string()))
+    }
+
     /// Streams reset by the client still get the frames the server sent before it saw
     /// the reset. Under load h2 forgot such streams (it remembered 50, for a second) and
     /// counted each late frame as a protocol error; at 1,024 in a connection's life it
@@ -786,18 +797,7 @@ mod tests {
         .await;
         let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
         // A call every 2 ms: calls keep coming while connections go away.
-        let calls = (0..60u64).map(|i| {
-            let client = &client;
-            async move {
-                tokio::time::sleep(Duration::from_millis(2 * i)).await;
-                let answer = client
-                    .post(Bytes::from_static(b"q"), HeaderMap::new())
-                    .await?;
-                read_all(answer.into_body())
-                    .await
-                    .map_err(|e| ModelError::Stream(e.to_string()))
-            }
-        });
+        let calls = (0..60u64).map(|i| answer_after(&client, Duration::from_millis(2 * i)));
         for answer in futures_util::future::join_all(calls).await {
             assert_eq!(answer.unwrap(), b"data: [DONE]\n\n");
         }
@@ -848,14 +848,7 @@ mod tests {
         )
         .await;
         let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
-        let calls = (0..20).map(|_| async {
-            let answer = client
-                .post(Bytes::from_static(b"q"), HeaderMap::new())
-                .await?;
-            read_all(answer.into_body())
-                .await
-                .map_err(|e| ModelError::Stream(e.to_string()))
-        });
+        let calls = (0..20).map(|_| answer_after(&client, Duration::ZERO));
         for answer in futures_util::future::join_all(calls).await {
             assert_eq!(answer.unwrap(), b"data: [DONE]\n\n");
         }

@@ -27,7 +27,7 @@ pub use openai::{
     MAX_ERROR_BODY_BYTES, MAX_SSE_EVENT_BYTES, MAX_TOOL_ARGUMENTS_BYTES, OpenAiChat,
     ResponseLimits, RetryPolicy, mask_credentials,
 };
-pub use providers::{ProviderError, ProviderKind, ProviderRegistry, ProviderSettings};
+pub use providers::{HttpClient, ProviderError, ProviderKind, ProviderRegistry, ProviderSettings};
 pub use rerank::{
     HttpReranker, MAX_RERANK_RESPONSE_BYTES, RERANK_TIMEOUT, RerankRequest, RerankResult, Reranker,
 };

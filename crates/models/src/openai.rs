@@ -195,7 +195,8 @@ impl OpenAiChat {
         let invalid = |e: &dyn std::fmt::Display| {
             ModelError::Connect(format!("invalid base URL {:?}: {e}", site.url))
         };
-        let transport = if settings.http2_prior_knowledge && url.starts_with("http://") {
+        let lean = settings.http_client == crate::HttpClient::Lean;
+        let transport = if lean && settings.http2_prior_knowledge && url.starts_with("http://") {
             Transport::H2c(H2cClient::new(&url, CONNECT_TIMEOUT).map_err(|e| invalid(&e))?)
         } else {
             Transport::General {

@@ -33,6 +33,29 @@ pub struct ProviderSettings {
     /// carries every call at once. `https://` URLs negotiate HTTP/2 by themselves.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub http2_prior_knowledge: bool,
+    /// Which HTTP client calls the provider.
+    #[serde(default, skip_serializing_if = "HttpClient::is_default")]
+    pub http_client: HttpClient,
+}
+
+/// The HTTP client of a provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HttpClient {
+    /// The lean HTTP/2 client for `http://` URLs with `http2_prior_knowledge`, the general
+    /// one otherwise.
+    #[default]
+    Lean,
+    /// The general client (reqwest on hyper) always, with HTTP/2 prior knowledge when
+    /// `http2_prior_knowledge` is set: to compare the two, or should the lean one not
+    /// suit a server.
+    General,
+}
+
+impl HttpClient {
+    fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// Why providers could not be set up.
@@ -82,6 +105,7 @@ impl ProviderRegistry {
                         api_key: api_key.map(Secret::new).unwrap_or_default(),
                         api_key_env: None,
                         http2_prior_knowledge: false,
+                        http_client: HttpClient::Lean,
                     },
                 );
             }
@@ -185,6 +209,7 @@ mod tests {
             api_key: Secret::default(),
             api_key_env: Some("LOCAL_KEY".into()),
             http2_prior_knowledge: false,
+            http_client: HttpClient::Lean,
         };
         providers.insert("local".to_owned(), local.clone());
         let registry =

@@ -12,8 +12,8 @@ use std::{
 
 use agentrt_core::Secret;
 use agentrt_models::{
-    ChatDelta, ChatMessage, ChatModel, ChatRequest, FinishReason, ModelError, OpenAiChat,
-    ProviderKind, ProviderSettings, RetryPolicy, ToolDefinition,
+    ChatDelta, ChatMessage, ChatModel, ChatRequest, FinishReason, HttpClient, ModelError,
+    OpenAiChat, ProviderKind, ProviderSettings, RetryPolicy, ToolDefinition,
 };
 use futures_util::StreamExt;
 use serde_json::json;
@@ -64,12 +64,17 @@ fn client(url: &str) -> OpenAiChat {
 }
 
 fn client_with(url: &str, http2_prior_knowledge: bool) -> OpenAiChat {
+    client_of(url, http2_prior_knowledge, HttpClient::Lean)
+}
+
+fn client_of(url: &str, http2_prior_knowledge: bool, http_client: HttpClient) -> OpenAiChat {
     let settings = ProviderSettings {
         kind: ProviderKind::Openai,
         base_url: url.into(),
         api_key: Secret::new("k"),
         api_key_env: None,
         http2_prior_knowledge,
+        http_client,
     };
     let retry = RetryPolicy {
         max_retries: 3,
@@ -103,9 +108,15 @@ async fn collect(
 
 #[tokio::test]
 async fn demo_streams_reasoning_and_a_fragmented_tool_call() {
-    for http2 in [false, true] {
+    // HTTP/1.1, the lean h2c client, and the general client with HTTP/2 prior knowledge
+    // (`http_client = "general"`).
+    for (http2, http_client) in [
+        (false, HttpClient::Lean),
+        (true, HttpClient::Lean),
+        (true, HttpClient::General),
+    ] {
         let (url, _stop) = simulator(json!({})).await;
-        let deltas = collect(&client_with(&url, http2), request("demo"))
+        let deltas = collect(&client_of(&url, http2, http_client), request("demo"))
             .await
             .unwrap();
         demo_deltas_are_complete(deltas);
@@ -701,6 +712,7 @@ mod rerank {
             api_key: Secret::new("k"),
             api_key_env: None,
             http2_prior_knowledge,
+            http_client: HttpClient::Lean,
         })
         .unwrap()
         .with_name("local")

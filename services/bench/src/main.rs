@@ -70,6 +70,10 @@ struct Cli {
     /// HTTP/2 (h2c) sharing one connection.
     #[arg(long)]
     model_http1: bool,
+    /// The agent-server's HTTP client of the model: `lean` (the h2c client) or `general`
+    /// (reqwest on hyper, with HTTP/2 prior knowledge unless `--model-http1`).
+    #[arg(long, default_value = "lean", value_parser = ["lean", "general"])]
+    model_client: String,
     /// Measure the tool executor's tool sources (MCP over stdio, OpenAPI) instead of the
     /// stack: see `tool_sources.rs`.
     #[arg(long)]
@@ -451,9 +455,10 @@ async fn start(
     std::fs::write(
         config_file,
         format!(
-            "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = {}\n",
+            "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = {}\nhttp_client = \"{}\"\n",
             model.url(),
-            !cli.model_http1
+            !cli.model_http1,
+            cli.model_client
         ),
     )?;
     let max_engines = (concurrent * 2 + 10_000).to_string();
@@ -612,8 +617,9 @@ async fn main() -> anyhow::Result<()> {
             "HTTP/1.1"
         } else {
             "HTTP/2"
-        }
+        },
     );
+    println!("model client: {}", cli.model_client);
 
     // Warm up connections, caches and the tokenizer.
     let warm = stack.engines("tool_loop", 20).await?;
@@ -916,10 +922,16 @@ async fn scale(
     config_file: &Path,
 ) -> anyhow::Result<()> {
     println!(
-        "agentrt-bench --scale: {} cores; runs of 3 model calls of {} ms and 2 tool calls, all at once, each level on a fresh stack (state: {})",
+        "agentrt-bench --scale: {} cores; runs of 3 model calls of {} ms and 2 tool calls, all at once, each level on a fresh stack (state: {}; model over {}, {} client)",
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         cli.latency_ms,
-        cli.state
+        cli.state,
+        if cli.model_http1 {
+            "HTTP/1.1"
+        } else {
+            "HTTP/2"
+        },
+        cli.model_client
     );
     let mut rows = Vec::new();
     for &level in &cli.scale_levels {

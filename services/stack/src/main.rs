@@ -86,6 +86,7 @@ async fn main() -> anyhow::Result<()> {
                 api_key: agentrt_core::Secret::default(),
                 api_key_env: None,
                 http2_prior_knowledge: true,
+                http_client: agentrt_models::HttpClient::Lean,
             },
         );
     }
