@@ -791,7 +791,7 @@ struct Load {
     fds_peak: usize,
     /// Health checks on agent-server's health port during the load, each 50 ms apart.
     health: Vec<Duration>,
-    /// Health checks that failed or took over a second.
+    /// Health checks that failed, said NOT_SERVING, or took over a second.
     health_failed: usize,
 }
 
@@ -864,7 +864,10 @@ async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
                 {
                     let mut probes = probes.lock().unwrap_or_else(|e| e.into_inner());
                     match answered {
-                        Ok(Ok(_)) => probes.0.push(asked.elapsed()),
+                        // Answered SERVING; NOT_SERVING counts as a failed check.
+                        Ok(Ok(answer)) if answer.get_ref().status == 1 => {
+                            probes.0.push(asked.elapsed());
+                        }
                         _ => probes.1 += 1,
                     }
                 }
