@@ -438,13 +438,13 @@ impl Engine {
                 }
             });
         }
-        Ok(StartedRun {
+        Ok(StartedRun(Box::new(RunParts {
             engine: self.clone(),
             spec,
             emitter,
             control,
             resume: None,
-        })
+        })))
     }
 
     /// Continues a run taken over from another replica (see `RunStore::take_over`): reads
@@ -540,44 +540,46 @@ impl Engine {
         let saved_messages = state.messages.len();
         let iteration = state.iteration.max(1);
         let emitter = Emitter::resumed(resumed.publisher, store, record, last, iteration);
-        Ok(StartedRun {
+        Ok(StartedRun(Box::new(RunParts {
             engine: self.clone(),
             spec,
             emitter,
             control,
-            resume: Some(Resume {
+            resume: Some(Box::new(Resume {
                 state,
                 saved_messages,
                 results,
                 interrupted,
                 reason: if handover { "handover" } else { "takeover" },
                 waited: taken.waited,
-            }),
-        })
+            })),
+        })))
     }
 }
 
 /// A run that has started: its first event is out.
-pub struct StartedRun {
+///
+/// Its parts live on the heap, once: the task that runs it holds a pointer, so that the
+/// future of every run in flight (and there may be 100,000) does not carry copies of them
+/// (an `async fn` keeps its arguments beside the locals it moves them into).
+pub struct StartedRun(Box<RunParts>);
+
+struct RunParts {
     engine: Engine,
     spec: RunSpec,
     emitter: Emitter,
     control: Arc<RunControl>,
     /// Where a run taken over goes on from.
-    resume: Option<Resume>,
+    resume: Option<Box<Resume>>,
 }
 
 impl StartedRun {
     /// Makes the run until it ends; always publishes exactly one `done` event (unless the
     /// store stays unreachable past the end's patience).
     pub async fn run(self) {
-        let Self {
-            engine,
-            spec,
-            mut emitter,
-            control,
-            resume,
-        } = self;
+        let mut parts = self.0;
+        let resume = parts.resume.take();
+        let spec = &parts.spec;
         let span = info_span!(
             "invoke_agent",
             otel.name = %format!("invoke_agent {}", spec.config.name),
@@ -600,13 +602,20 @@ impl StartedRun {
             .map_or(Duration::ZERO, |r| r.state.waited(now_ms()));
         let left = run_timeout.saturating_sub(
             std::time::SystemTime::now()
-                .duration_since(emitter.started())
+                .duration_since(parts.emitter.started())
                 .unwrap_or_default()
                 .saturating_sub(waited),
         );
         let outcome = {
+            let RunParts {
+                engine,
+                spec,
+                emitter,
+                control,
+                ..
+            } = &mut *parts;
             let drive = engine
-                .drive(&spec, &mut emitter, &control, resume)
+                .drive(spec, emitter, control, resume)
                 .instrument(span.clone());
             tokio::select! {
                 biased;
@@ -634,6 +643,11 @@ impl StartedRun {
                 },
             }
         };
+        let RunParts {
+            mut emitter,
+            control,
+            ..
+        } = *parts;
         if control.is_let_go() {
             debug!(parent: &span, "run let go to another replica");
             emitter.release().await;
@@ -646,11 +660,11 @@ impl StartedRun {
         match outcome {
             Outcome::Answered(reason) => {
                 metrics.run_finished(reason.as_str());
-                emitter.finish_answered(reason).instrument(span).await;
+                Box::pin(emitter.finish_answered(reason).instrument(span)).await;
             }
             Outcome::Failed(reason, error) => {
                 metrics.run_finished(reason.as_str());
-                emitter.finish_failed(reason, error).instrument(span).await;
+                Box::pin(emitter.finish_failed(reason, error).instrument(span)).await;
             }
             Outcome::Moved => {
                 debug!(parent: &span, "run taken over by another replica");
@@ -672,7 +686,7 @@ impl Engine {
         spec: &RunSpec,
         em: &mut Emitter,
         control: &RunControl,
-        resume: Option<Resume>,
+        resume: Option<Box<Resume>>,
     ) -> Result<Outcome, Outcome> {
         let cancel = &control.cancel;
         let config = &spec.config;
@@ -721,7 +735,7 @@ impl Engine {
             })
             .sum();
         let (mut state, mut saved_messages, mut recovered, mut interrupted, reason, mut waited) =
-            match resume {
+            match resume.map(|resume| *resume) {
                 Some(resume) => (
                     resume.state,
                     resume.saved_messages,
@@ -806,8 +820,10 @@ impl Engine {
                         }
                         None => None,
                     };
-                    match self
-                        .run_tools(spec, &calls, em, cancel, checkpoint, known)
+                    // Boxed, as are the other steps that are not a model call: the future
+                    // of a run is as large as its largest step, and runs in flight spend
+                    // most of their time waiting for the model.
+                    match Box::pin(self.run_tools(spec, &calls, em, cancel, checkpoint, known))
                         .await?
                     {
                         Ran::All(results) => state.tools_ran(results, strategy, counter),
@@ -851,9 +867,10 @@ impl Engine {
                         // Answered already, and taken over while the approved calls ran.
                         None => state.approved().to_vec(),
                     };
-                    let results = self
-                        .run_approved(spec, &calls, results, &to_run, known, em, cancel)
-                        .await?;
+                    let results = Box::pin(
+                        self.run_approved(spec, &calls, results, &to_run, known, em, cancel),
+                    )
+                    .await?;
                     state.answered(results, now_ms(), strategy, counter);
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
