@@ -49,7 +49,8 @@ use strategy::Strategy as RunStrategy;
 /// What the engine needs from the rest of the server.
 #[derive(Clone)]
 pub struct Engine {
-    models: ChatModels,
+    /// Shared, not copied: each run holds a clone of the engine.
+    models: Arc<ChatModels>,
     tools: Arc<dyn ToolRunner>,
     sessions: Arc<dyn SessionStore>,
     max_tool_output_bytes: usize,
@@ -375,7 +376,7 @@ impl Engine {
         sessions: Arc<dyn SessionStore>,
     ) -> Self {
         Self {
-            models,
+            models: Arc::new(models),
             tools,
             sessions,
             max_tool_output_bytes: DEFAULT_MAX_TOOL_OUTPUT_BYTES,

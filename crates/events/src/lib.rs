@@ -19,7 +19,7 @@ use std::{
 use agentrt_core::StateError;
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
-use tokio::{sync::watch, time::Instant};
+use tokio::{sync::Notify, time::Instant};
 
 /// What an event carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -584,8 +584,9 @@ impl BusState {
 
 struct RunLog {
     state: Mutex<LogState>,
-    /// The last published sequence, for readers to wait on.
-    published: watch::Sender<u64>,
+    /// Wakes the readers waiting for more (a `Notify` is 32 bytes, a `watch` channel about
+    /// 350: every run has a log, and 100,000 may be in flight or waiting).
+    published: Notify,
     capacity: usize,
 }
 
@@ -663,7 +664,7 @@ impl EventBus for InMemoryBus {
                 moved: false,
                 parked: false,
             }),
-            published: watch::Sender::new(0),
+            published: Notify::new(),
             capacity: self.limits.events_per_run.max(1),
         });
         state.runs.insert(run_id.to_owned(), log.clone());
@@ -703,7 +704,6 @@ impl EventBus for InMemoryBus {
         // only the events after its cursor (none, at or beyond the end).
         let running = !lock(&log.state).done;
         let reader = Reader {
-            published: log.published.subscribe(),
             log,
             cursor: after_sequence,
             batch: VecDeque::new(),
@@ -757,12 +757,7 @@ impl Publisher {
 
     /// Wakes the readers for everything published so far.
     fn wake(&self) {
-        let last = lock(&self.log.state).next - 1;
-        self.log.published.send_if_modified(|seen| {
-            let changed = *seen != last;
-            *seen = last;
-            changed
-        });
+        self.log.published.notify_waiters();
     }
 }
 
@@ -797,7 +792,7 @@ impl RunPublisher for Publisher {
         }
         drop(bus);
         // Readers waiting for more learn that it comes from elsewhere.
-        self.log.published.send_modify(|_| {});
+        self.log.published.notify_waiters();
         Ok(())
     }
 
@@ -825,7 +820,6 @@ const BATCH: usize = 256;
 
 struct Reader {
     log: Arc<RunLog>,
-    published: watch::Receiver<u64>,
     cursor: u64,
     batch: VecDeque<Arc<RunEvent>>,
     finished: bool,
@@ -847,6 +841,12 @@ impl Reader {
             if self.finished {
                 return None;
             }
+            // Registered before the log is read: a publish that lands after the read
+            // wakes it (`notify_waiters` wakes only registered waiters).
+            let log = self.log.clone();
+            let published = log.published.notified();
+            tokio::pin!(published);
+            published.as_mut().enable();
             let (lost, ended) = {
                 let state = lock(&self.log.state);
                 let moved = state.moved && !state.done;
@@ -892,11 +892,9 @@ impl Reader {
                 return None;
             }
             if self.batch.is_empty() {
-                // Nothing new: wait for the publisher. A dropped publisher means the run
-                // is gone without a `done` event; end instead of waiting forever.
-                if self.published.changed().await.is_err() {
-                    self.finished = true;
-                }
+                // Nothing new: wait for the publisher. One that goes away without a `done`
+                // event publishes one as it drops, and wakes this.
+                published.await;
             }
         }
     }
