@@ -5,6 +5,7 @@ use anyhow::Context;
 
 /// mimalloc: per-thread free lists keep allocation cheap on the event path, and freed
 /// memory goes back to the OS instead of piling up in per-thread arenas.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
