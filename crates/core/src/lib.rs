@@ -5,6 +5,7 @@
 
 mod config;
 pub mod duration;
+pub mod packed;
 mod secret;
 mod state;
 mod tool;

@@ -12,11 +12,11 @@
 use std::{
     collections::{HashMap, VecDeque},
     pin::Pin,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, Weak},
     time::{Duration, SystemTime},
 };
 
-use agentrt_core::StateError;
+use agentrt_core::{StateError, packed::Packer};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use tokio::{sync::Notify, time::Instant};
@@ -559,7 +559,7 @@ pub struct InMemoryBus {
 
 #[derive(Default)]
 struct BusState {
-    runs: HashMap<String, Arc<RunLog>>,
+    runs: HashMap<Box<str>, Log>,
     /// Finished runs in the order they finished, with the events their logs keep.
     finished: VecDeque<Finished>,
     /// Events in the logs of `finished`, all together.
@@ -576,13 +576,98 @@ impl BusState {
     /// Drops the log of the run that finished first.
     fn drop_oldest(&mut self) {
         if let Some(oldest) = self.finished.pop_front() {
-            self.runs.remove(&oldest.run_id);
+            self.runs.remove(oldest.run_id.as_str());
             self.retained = self.retained.saturating_sub(oldest.events);
         }
     }
 }
 
+/// A run's log, as the bus holds it.
+enum Log {
+    /// Its run runs (or ended): the bus holds the log, with its publisher and readers.
+    Open(Arc<RunLog>),
+    /// Its run waits for answers: the readers that still follow it hold the log, the bus
+    /// does not; the last of them to let it go packs it.
+    Waiting(Weak<RunLog>),
+    /// Its run waits and nobody follows it: its events, packed (100,000 runs may wait at
+    /// once, each for hours). A reader, or the run going on, opens it again.
+    Packed(Box<[u8]>),
+}
+
+/// A waiting run's log as it is packed.
+#[derive(Serialize)]
+struct PackingLog<'a> {
+    first: u64,
+    next: u64,
+    events: Vec<&'a RunEvent>,
+}
+
+/// A waiting run's log as it is unpacked.
+#[derive(Deserialize)]
+struct PackedLog {
+    first: u64,
+    next: u64,
+    events: Vec<RunEvent>,
+}
+
+/// Packs waiting runs' logs, primed with the log of a run that waits for a tool call.
+static PACKER: LazyLock<Packer> = LazyLock::new(|| {
+    let event = |kind, data| RunEvent {
+        sequence: 1,
+        iteration: 1,
+        time: SystemTime::UNIX_EPOCH,
+        ..RunEvent::new(kind, 1, String::new(), Some(data))
+    };
+    let call = PendingCall {
+        id: "call_".into(),
+        name: String::new(),
+        arguments: JsonText::new(&serde_json::json!({})),
+        action: Action::ClientExecute,
+        answered: false,
+    };
+    let events = [
+        event(
+            EventKind::RunStarted,
+            EventData::RunStarted {
+                engine_id: "00000000-0000-0000-0000-000000000000".into(),
+                agent: String::new(),
+            },
+        ),
+        event(
+            EventKind::ToolCall,
+            EventData::ToolCall {
+                id: call.id.clone(),
+                name: String::new(),
+                arguments: call.arguments.clone(),
+            },
+        ),
+        event(
+            EventKind::ActionRequired,
+            EventData::ActionRequired {
+                tool_calls: vec![
+                    PendingCall {
+                        action: Action::Approve,
+                        ..call.clone()
+                    },
+                    call,
+                ],
+            },
+        ),
+    ];
+    let sample = PackingLog {
+        first: 1,
+        next: 4,
+        events: events.iter().collect(),
+    };
+    Packer::new(serde_json::to_vec(&sample).unwrap_or_default())
+});
+
 struct RunLog {
+    /// The run.
+    run_id: Box<str>,
+    /// The bus, which gets the log packed when the run waits and its last holder lets it
+    /// go.
+    bus: Weak<Mutex<BusState>>,
     state: Mutex<LogState>,
     /// Wakes the readers waiting for more (a `Notify` is 32 bytes, a `watch` channel about
     /// 350: every run has a log, and 100,000 may be in flight or waiting).
@@ -608,6 +693,77 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+impl RunLog {
+    /// The log `packed` holds, of the waiting run `run_id`.
+    fn unpack(
+        run_id: &str,
+        packed: &[u8],
+        bus: &Arc<Mutex<BusState>>,
+        capacity: usize,
+    ) -> Result<Self, BusError> {
+        let unreadable = |error: String| {
+            BusError::Unavailable(format!(
+                "the events of run {run_id:?} cannot be read: {error}"
+            ))
+        };
+        let json = PACKER
+            .unpack(packed)
+            .map_err(|e| unreadable(e.to_string()))?;
+        let log: PackedLog =
+            serde_json::from_slice(&json).map_err(|e| unreadable(e.to_string()))?;
+        Ok(Self {
+            run_id: run_id.into(),
+            bus: Arc::downgrade(bus),
+            state: Mutex::new(LogState {
+                events: log.events.into_iter().map(Arc::new).collect(),
+                first: log.first,
+                next: log.next,
+                done: false,
+                moved: false,
+                parked: true,
+            }),
+            published: Notify::new(),
+            capacity,
+        })
+    }
+}
+
+impl Drop for RunLog {
+    /// The last holder of a waiting run's log packs it into the bus. (No holder lets one go
+    /// while it holds the bus's lock: the bus holds no waiting run's log itself.)
+    fn drop(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if !state.parked || state.done || state.moved {
+            return;
+        }
+        let Some(bus) = self.bus.upgrade() else {
+            return;
+        };
+        let sample = PackingLog {
+            first: state.first,
+            next: state.next,
+            events: state.events.iter().map(|event| &**event).collect(),
+        };
+        // Serializing events cannot fail (their maps have string keys); were it to, the
+        // log would be forgotten (its readers told the run is unknown), not left unread.
+        let packed = serde_json::to_vec(&sample)
+            .ok()
+            .map(|json| PACKER.pack(&json));
+        let this: *const Self = self;
+        let mut bus = lock(&bus);
+        if let Some(entry) = bus.runs.get_mut(&*self.run_id)
+            && matches!(entry, Log::Waiting(weak) if std::ptr::eq(weak.as_ptr(), this))
+        {
+            match packed {
+                Some(packed) => *entry = Log::Packed(packed),
+                None => {
+                    bus.runs.remove(&*self.run_id);
+                }
+            }
+        }
+    }
+}
+
 impl InMemoryBus {
     /// A bus with these bounds.
     pub fn new(limits: BusLimits) -> Self {
@@ -617,15 +773,47 @@ impl InMemoryBus {
         }
     }
 
-    /// The log of `run_id`, unless it expired.
-    fn log(&self, run_id: &str) -> Result<Arc<RunLog>, BusError> {
-        let mut state = lock(&self.inner);
-        expire(&mut state, self.limits.retention);
-        state
+    /// The log of `run_id`, unless it expired; with `going_on`, the bus holds it again
+    /// (its run waited and goes on).
+    async fn log(&self, run_id: &str, going_on: bool) -> Result<Arc<RunLog>, BusError> {
+        loop {
+            let found = {
+                let mut state = lock(&self.inner);
+                expire(&mut state, self.limits.retention);
+                let entry = state
+                    .runs
+                    .get_mut(run_id)
+                    .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))?;
+                let log = match entry {
+                    Log::Open(log) => Some(log.clone()),
+                    // `None`: its last holder packs it at this moment.
+                    Log::Waiting(weak) => weak.upgrade(),
+                    Log::Packed(packed) => {
+                        let capacity = self.limits.events_per_run.max(1);
+                        let log = Arc::new(RunLog::unpack(run_id, packed, &self.inner, capacity)?);
+                        *entry = Log::Waiting(Arc::downgrade(&log));
+                        Some(log)
+                    }
+                };
+                if going_on && let Some(log) = &log {
+                    *entry = Log::Open(log.clone());
+                }
+                log
+            };
+            match found {
+                Some(log) => return Ok(log),
+                None => tokio::task::yield_now().await,
+            }
+        }
+    }
+
+    /// Logs of waiting runs held packed.
+    pub fn packed_runs(&self) -> usize {
+        lock(&self.inner)
             .runs
-            .get(run_id)
-            .cloned()
-            .ok_or_else(|| BusError::UnknownRun(run_id.to_owned()))
+            .values()
+            .filter(|log| matches!(log, Log::Packed(_)))
+            .count()
     }
 
     /// Runs whose logs are held (running, or finished within the retention).
@@ -656,6 +844,8 @@ impl EventBus for InMemoryBus {
             return Err(BusError::DuplicateRun(run_id.to_owned()));
         }
         let log = Arc::new(RunLog {
+            run_id: run_id.into(),
+            bus: Arc::downgrade(&self.inner),
             state: Mutex::new(LogState {
                 events: VecDeque::new(),
                 first: 1,
@@ -667,9 +857,8 @@ impl EventBus for InMemoryBus {
             published: Notify::new(),
             capacity: self.limits.events_per_run.max(1),
         });
-        state.runs.insert(run_id.to_owned(), log.clone());
+        state.runs.insert(run_id.into(), Log::Open(log.clone()));
         Ok(Box::new(Publisher {
-            run_id: run_id.to_owned(),
             log,
             bus: self.inner.clone(),
             retained_events: self.limits.retained_events,
@@ -677,7 +866,7 @@ impl EventBus for InMemoryBus {
     }
 
     async fn resume(&self, run_id: &str, _owner: &str, after: u64) -> Result<Resumed, BusError> {
-        let log = self.log(run_id)?;
+        let log = self.log(run_id, true).await?;
         let tail = {
             let mut state = lock(&log.state);
             state.moved = false;
@@ -689,7 +878,6 @@ impl EventBus for InMemoryBus {
         Ok(Resumed {
             tail,
             publisher: Box::new(Publisher {
-                run_id: run_id.to_owned(),
                 log,
                 bus: self.inner.clone(),
                 retained_events: self.limits.retained_events,
@@ -698,7 +886,7 @@ impl EventBus for InMemoryBus {
     }
 
     async fn subscribe(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, BusError> {
-        let log = self.log(run_id)?;
+        let log = self.log(run_id, false).await?;
         // A reader that attaches while the run runs always ends with its `done` event,
         // even when it asked to start beyond it; one that attaches to an ended run gets
         // only the events after its cursor (none, at or beyond the end).
@@ -715,7 +903,6 @@ impl EventBus for InMemoryBus {
 }
 
 struct Publisher {
-    run_id: String,
     log: Arc<RunLog>,
     bus: Arc<Mutex<BusState>>,
     retained_events: usize,
@@ -742,9 +929,15 @@ impl Publisher {
         };
         if done {
             let mut bus = lock(&self.bus);
+            // A run that ends as it begins to wait: the bus holds its log again.
+            if let Some(entry) = bus.runs.get_mut(&*self.log.run_id)
+                && matches!(entry, Log::Waiting(weak) if std::ptr::eq(weak.as_ptr(), Arc::as_ptr(&self.log)))
+            {
+                *entry = Log::Open(self.log.clone());
+            }
             bus.finished.push_back(Finished {
                 at: Instant::now(),
-                run_id: self.run_id.clone(),
+                run_id: self.log.run_id.to_string(),
                 events: kept,
             });
             bus.retained += kept;
@@ -783,21 +976,37 @@ impl RunPublisher for Publisher {
         }
         // New readers here find the run elsewhere.
         let mut bus = lock(&self.bus);
-        if bus
-            .runs
-            .get(&self.run_id)
-            .is_some_and(|log| Arc::ptr_eq(log, &self.log))
-        {
-            bus.runs.remove(&self.run_id);
-        }
+        let ours = match bus.runs.get(&*self.log.run_id) {
+            Some(Log::Open(log)) => Arc::ptr_eq(log, &self.log),
+            Some(Log::Waiting(weak)) => std::ptr::eq(weak.as_ptr(), Arc::as_ptr(&self.log)),
+            _ => false,
+        };
+        // Let go once the lock is: no log is let go under it.
+        let removed = ours.then(|| bus.runs.remove(&*self.log.run_id));
         drop(bus);
+        drop(removed);
         // Readers waiting for more learn that it comes from elsewhere.
         self.log.published.notify_waiters();
         Ok(())
     }
 
     async fn park(&self) -> Result<(), BusError> {
-        lock(&self.log.state).parked = true;
+        {
+            let mut state = lock(&self.log.state);
+            if state.done {
+                return Ok(());
+            }
+            state.parked = true;
+        }
+        // The bus holds the log no more: its publisher and its readers do, and the last of
+        // them to let it go packs it.
+        let mut bus = lock(&self.bus);
+        let open = bus.runs.get_mut(&*self.log.run_id).and_then(|entry| {
+            let ours = matches!(entry, Log::Open(log) if Arc::ptr_eq(log, &self.log));
+            ours.then(|| std::mem::replace(entry, Log::Waiting(Arc::downgrade(&self.log))))
+        });
+        drop(bus);
+        drop(open);
         Ok(())
     }
 }
@@ -920,6 +1129,117 @@ mod tests {
 
     async fn read_all(stream: EventStream) -> Vec<Result<u64, BusError>> {
         stream.map(|e| e.map(|e| e.sequence)).collect().await
+    }
+
+    /// The events of a run that waits for a client tool, as the engine publishes them.
+    fn waiting_run() -> Vec<RunEvent> {
+        let call = PendingCall {
+            id: "call_1".into(),
+            name: "lookup_order".into(),
+            arguments: JsonText::new(&serde_json::json!({"order_id": "A-17"})),
+            action: Action::ClientExecute,
+            answered: false,
+        };
+        vec![
+            RunEvent::new(
+                EventKind::RunStarted,
+                1,
+                String::new(),
+                Some(EventData::RunStarted {
+                    engine_id: "5a94c7f8-0925-46ef-8e58-c252560b8096".into(),
+                    agent: "waiting".into(),
+                }),
+            ),
+            delta("Let me look."),
+            RunEvent::new(
+                EventKind::ActionRequired,
+                1,
+                String::new(),
+                Some(EventData::ActionRequired {
+                    tool_calls: vec![call],
+                }),
+            ),
+        ]
+    }
+
+    async fn events(stream: EventStream) -> Vec<RunEvent> {
+        stream.map(|e| (*e.unwrap()).clone()).collect().await
+    }
+
+    #[tokio::test]
+    async fn a_waiting_runs_log_is_packed_once_nobody_follows_it_and_reads_the_same() {
+        let bus = InMemoryBus::new(BusLimits::default());
+        let publisher = bus.open("r", "").await.unwrap();
+        publisher.publish(waiting_run()).await.unwrap();
+        let following = bus.subscribe("r", 0).await.unwrap();
+        publisher.park().await.unwrap();
+        drop(publisher);
+        // A reader still follows it: it stays open.
+        assert_eq!(bus.packed_runs(), 0);
+        drop(following);
+        assert_eq!(bus.packed_runs(), 1);
+
+        // Read packed, the log is what was published, with its numbers and times.
+        let published: Vec<RunEvent> = {
+            let reader = bus.subscribe("r", 0).await.unwrap();
+            assert_eq!(bus.packed_runs(), 0, "opened for its reader");
+            let mut reader = reader;
+            let mut read = Vec::new();
+            for _ in 0..3 {
+                read.push((*reader.next().await.unwrap().unwrap()).clone());
+            }
+            read
+        };
+        assert_eq!(bus.packed_runs(), 1, "packed again when its reader went");
+        let packed: usize = lock(&bus.inner)
+            .runs
+            .values()
+            .map(|log| match log {
+                Log::Packed(packed) => packed.len(),
+                _ => 0,
+            })
+            .sum();
+        // Its 700 bytes of JSON, packed.
+        assert!(packed < 200, "{packed} bytes");
+        assert_eq!(
+            published.iter().map(|e| e.sequence).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+        let mut expected = waiting_run();
+        for (event, n) in expected.iter_mut().zip(1..) {
+            event.sequence = n;
+        }
+        for (read, expected) in published.iter().zip(&expected) {
+            assert_eq!(
+                (&read.kind, &read.content, &read.data, read.iteration),
+                (
+                    &expected.kind,
+                    &expected.content,
+                    &expected.data,
+                    expected.iteration
+                )
+            );
+        }
+
+        // A reader that attaches while it is packed follows the run when it goes on.
+        let follower = bus.subscribe("r", 2).await.unwrap();
+        let resumed = bus.resume("r", "", 3).await.unwrap();
+        assert!(resumed.tail.is_empty());
+        resumed
+            .publisher
+            .publish(vec![delta("found"), done()])
+            .await
+            .unwrap();
+        drop(resumed);
+        assert_eq!(
+            read_all(follower).await,
+            [Ok(3), Ok(4), Ok(5)],
+            "the reader attached while packed sees the run go on"
+        );
+        let all = events(bus.subscribe("r", 0).await.unwrap()).await;
+        assert_eq!(all.len(), 5);
+        assert_eq!(all[0].time, published[0].time);
+        assert_eq!(bus.packed_runs(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,12 +3,13 @@
 use std::{
     collections::{HashMap, VecDeque},
     pin::Pin,
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
 
-use agentrt_core::{StateError, StateResult};
+use agentrt_core::{StateError, StateResult, packed::Packer};
 use futures_util::Stream;
+use serde::{Deserialize, Serialize};
 use tokio::{sync::broadcast, time::Instant};
 
 use crate::record::{RunRecord, StepRecord, StopReason};
@@ -238,7 +239,8 @@ pub struct MemoryRunStore {
 #[derive(Default)]
 struct Inner {
     records: HashMap<String, RunRecord>,
-    keys: HashMap<(String, String), String>,
+    /// The run that holds each idempotency key, by [`key_digest`].
+    keys: HashMap<[u8; 16], Box<str>>,
     /// Ended runs in the order they ended, with what their records weigh.
     ended: VecDeque<(Instant, String, usize)>,
     /// What the records of `ended` weigh, all together.
@@ -251,15 +253,103 @@ struct Inner {
     agents: HashMap<String, (String, usize)>,
     /// The waits of runs that wait or waited, until their record expires.
     waits: HashMap<String, Wait>,
+    /// Runs that wait for answers, packed: their records, continuations, waits and
+    /// leases are in none of the maps above (100,000 runs may wait at once, each for
+    /// hours), only their idempotency keys and their place in the order of leases.
+    parked: HashMap<Arc<str>, ParkedRun>,
 }
 
+/// A run that waits, as [`Inner::parked`] keeps it.
+struct ParkedRun {
+    /// Its [`Parked`] state.
+    packed: Box<[u8]>,
+    /// When its lease lapses (its wait ends), and whether it was let go.
+    lapses: Instant,
+    released: bool,
+}
+
+/// The name [`Inner::keys`] keeps the idempotency key of `message_id` in `session_id`
+/// under: 128 bits of SHA-256 of both, which no two keys share in practice (a copy of the
+/// ids would cost a waiting run a hundred bytes more).
+fn key_digest(session_id: &str, message_id: &str) -> [u8; 16] {
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    context.update(&(session_id.len() as u64).to_le_bytes());
+    context.update(session_id.as_bytes());
+    context.update(message_id.as_bytes());
+    let mut digest = [0; 16];
+    digest.copy_from_slice(&context.finish().as_ref()[..16]);
+    digest
+}
+
+/// A waiting run, as it is packed.
+#[derive(Serialize, Deserialize)]
+struct Parked {
+    record: RunRecord,
+    steps: Vec<StepRecord>,
+    spec: String,
+    agent: String,
+    state: String,
+    messages: Vec<String>,
+    answers: Vec<(String, Option<String>)>,
+}
+
+/// Packs waiting runs, primed with one that waits for a tool call: its record, and its
+/// continuation as the engine writes it (text the store does not read: only how small
+/// runs pack depends on it).
+static PACKER: LazyLock<Packer> = LazyLock::new(|| {
+    let id = "00000000-0000-0000-0000-000000000000";
+    let call = r#"{"id":"call_","name":"","arguments":"{\"\":\"\"}"}"#;
+    let mut record = RunRecord::new(id, id, id, id, "");
+    record.status = crate::RunStatus::RequiresAction;
+    record.owner = String::new();
+    record.pending = vec![agentrt_events::PendingCall {
+        id: "call_".into(),
+        name: String::new(),
+        arguments: agentrt_events::JsonText::new(&serde_json::json!({"": ""})),
+        action: agentrt_events::Action::ClientExecute,
+        answered: false,
+    }];
+    let steps = vec![StepRecord {
+        iteration: 1,
+        tool_calls: vec![crate::record::ToolCallRecord {
+            id: "call_".into(),
+            name: String::new(),
+            arguments: agentrt_events::JsonText::new(&serde_json::json!({"": ""})),
+            output: String::new(),
+            is_error: false,
+            duration: Duration::ZERO,
+            references: Vec::new(),
+        }],
+        ..StepRecord::default()
+    }];
+    let sample = Parked {
+        record,
+        steps,
+        spec: format!(
+            r#"{{"run_id":"{id}","engine_id":"{id}","session_id":"{id}","message_id":"{id}","query":"","llm_context":null}}"#
+        ),
+        agent: String::new(),
+        state: format!(
+            r#"{{"messages":[],"iteration":1,"max_iterations":10,"phase":{{"Waiting":{{"content":"","calls":[{call}],"results":[null],"pending":[{call}],"since_ms":0,"approved":[]}}}},"previous_calls":[],"repeats":0,"waited_ms":0}}"#
+        ),
+        messages: vec![
+            r#"[{"User":""},0]"#.into(),
+            r#"[{"Assistant":{"content":"","tool_calls":[]}},0]"#.into(),
+        ],
+        answers: vec![("call_".into(), None)],
+    };
+    Packer::new(serde_json::to_vec(&sample).unwrap_or_default())
+});
+
 /// Leases by run, and in the order they lapse: looking for lapsed ones costs what they
-/// number, not what all leases number (100,000 waiting runs are 100,000 leases).
+/// number, not what all leases number (100,000 waiting runs are 100,000 leases). Both
+/// share one copy of each run id. A packed run's lease is kept with it
+/// ([`ParkedRun`]), and its place in the order here.
 #[derive(Default)]
 struct Leases {
     /// Token (empty while the run waits), when it lapses, whether it was let go.
-    by_run: HashMap<String, (String, Instant, bool)>,
-    by_time: std::collections::BTreeSet<(Instant, String)>,
+    by_run: HashMap<Arc<str>, (String, Instant, bool)>,
+    by_time: std::collections::BTreeSet<(Instant, Arc<str>)>,
 }
 
 impl Leases {
@@ -267,17 +357,37 @@ impl Leases {
         self.by_run.get(run_id).map(|(token, ..)| token.as_str())
     }
 
+    /// The copy of `run_id` the leases share, or a new one.
+    fn id(&self, run_id: &str) -> Arc<str> {
+        self.by_run
+            .get_key_value(run_id)
+            .map_or_else(|| Arc::from(run_id), |(id, _)| id.clone())
+    }
+
     fn set(&mut self, run_id: &str, token: String, at: Instant, released: bool) {
-        if let Some((_, old, _)) = self.by_run.insert(run_id.to_owned(), (token, at, released)) {
-            self.by_time.remove(&(old, run_id.to_owned()));
+        let id = self.id(run_id);
+        if let Some((_, old, _)) = self.by_run.insert(id.clone(), (token, at, released)) {
+            self.by_time.remove(&(old, id.clone()));
         }
-        self.by_time.insert((at, run_id.to_owned()));
+        self.by_time.insert((at, id));
     }
 
     fn remove(&mut self, run_id: &str) {
-        if let Some((_, at, _)) = self.by_run.remove(run_id) {
-            self.by_time.remove(&(at, run_id.to_owned()));
+        if let Some((id, (_, at, _))) = self.by_run.remove_entry(run_id) {
+            self.by_time.remove(&(at, id));
         }
+    }
+
+    /// Takes the lease of waiting run `run_id` out, to be kept with the packed run: its id,
+    /// when it lapses, whether it was let go. Its place in the order stays.
+    fn park(&mut self, run_id: &str) -> Option<(Arc<str>, Instant, bool)> {
+        let (id, (_, at, released)) = self.by_run.remove_entry(run_id)?;
+        Some((id, at, released))
+    }
+
+    /// Puts back the lease of a run [`Leases::park`] took out.
+    fn unpark(&mut self, id: Arc<str>, at: Instant, released: bool) {
+        self.by_run.insert(id, (String::new(), at, released));
     }
 
     /// Moves the lease of `run_id` (held by `token`, when given) to lapse at `at`; false
@@ -290,6 +400,7 @@ impl Leases {
         at: Instant,
         released: Option<bool>,
     ) -> bool {
+        let id = self.id(run_id);
         let Some((held, old, was)) = self.by_run.get_mut(run_id) else {
             return false;
         };
@@ -300,8 +411,8 @@ impl Leases {
         if let Some(released) = released {
             *was = released;
         }
-        self.by_time.remove(&(previous, run_id.to_owned()));
-        self.by_time.insert((at, run_id.to_owned()));
+        self.by_time.remove(&(previous, id.clone()));
+        self.by_time.insert((at, id));
         true
     }
 
@@ -310,7 +421,7 @@ impl Leases {
             .iter()
             .take_while(|(at, _)| *at <= now)
             .take(limit)
-            .map(|(_, run_id)| run_id.clone())
+            .map(|(_, run_id)| run_id.to_string())
             .collect()
     }
 }
@@ -369,7 +480,114 @@ fn weight(record: &RunRecord) -> usize {
         + steps
 }
 
+/// The waiting run `run_id`, packed as `packed`.
+fn read_parked(run_id: &str, packed: &[u8]) -> StateResult<Parked> {
+    PACKER
+        .unpack(packed)
+        .map_err(|e| e.to_string())
+        .and_then(|json| serde_json::from_slice(&json).map_err(|e| e.to_string()))
+        .map_err(|e| StateError::Corrupt {
+            what: "waiting run",
+            detail: format!("{run_id:?}: {e}"),
+        })
+}
+
 impl Inner {
+    /// Packs run `run_id` when it waits (for answers still missing, not cancelled, not
+    /// taken over): see [`Inner::parked`].
+    fn park(&mut self, run_id: &str) {
+        let waits = self.waits.get(run_id).is_some_and(|wait| {
+            !wait.taken && !wait.cancelled && wait.answers.iter().any(|(_, a)| a.is_none())
+        });
+        if !waits
+            || !self.records.get(run_id).is_some_and(RunRecord::waiting)
+            || !self.progress.contains_key(run_id)
+            || self.leases.token(run_id) != Some("")
+        {
+            return;
+        }
+        let Some((id, lapses, released)) = self.leases.park(run_id) else {
+            return;
+        };
+        let (Some(mut record), Some(continuation), Some(wait)) = (
+            self.records.remove(run_id),
+            self.progress.remove(run_id),
+            self.waits.remove(run_id),
+        ) else {
+            return;
+        };
+        let parked = Parked {
+            steps: std::mem::take(&mut record.steps),
+            record,
+            spec: continuation.spec,
+            agent: continuation.agent,
+            state: continuation.state,
+            messages: continuation.messages,
+            answers: wait.answers,
+        };
+        match serde_json::to_vec(&parked) {
+            Ok(json) => {
+                let packed = PACKER.pack(&json);
+                self.parked.insert(
+                    id,
+                    ParkedRun {
+                        packed,
+                        lapses,
+                        released,
+                    },
+                );
+            }
+            // Cannot happen (the record's maps have string keys); were it to, the run
+            // stays as it is.
+            Err(_) => {
+                self.leases.unpark(id, lapses, released);
+                self.restore(parked);
+            }
+        }
+    }
+
+    /// Unpacks run `run_id` when it is packed, into the maps of the runs that are not.
+    fn unpark(&mut self, run_id: &str) -> StateResult<()> {
+        let Some((id, run)) = self.parked.remove_entry(run_id) else {
+            return Ok(());
+        };
+        self.leases.unpark(id, run.lapses, run.released);
+        let parked = read_parked(run_id, &run.packed)?;
+        self.restore(parked);
+        Ok(())
+    }
+
+    fn restore(&mut self, parked: Parked) {
+        let Parked {
+            mut record,
+            steps,
+            spec,
+            agent,
+            state,
+            messages,
+            answers,
+        } = parked;
+        record.steps = steps;
+        let run_id = record.run_id.clone();
+        self.progress.insert(
+            run_id.clone(),
+            Continuation {
+                spec,
+                agent,
+                state,
+                messages,
+            },
+        );
+        self.waits.insert(
+            run_id.clone(),
+            Wait {
+                answers,
+                ..Wait::default()
+            },
+        );
+        self.records.insert(run_id, record);
+    }
+
     fn expire(&mut self, retention: RunRetention) {
         let now = Instant::now();
         while let Some((at, _, bytes)) = self.ended.front() {
@@ -382,8 +600,12 @@ impl Inner {
                 && let Some(record) = self.records.remove(&run_id)
             {
                 self.waits.remove(&run_id);
-                let key = (record.session_id, record.message_id);
-                if self.keys.get(&key) == Some(&run_id) {
+                let key = key_digest(&record.session_id, &record.message_id);
+                if self
+                    .keys
+                    .get(&key)
+                    .is_some_and(|holder| **holder == *run_id)
+                {
                     self.keys.remove(&key);
                 }
             }
@@ -405,6 +627,20 @@ impl MemoryRunStore {
         // Each critical section leaves the maps consistent before anything can panic.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Runs `f` on the maps with run `run_id` unpacked (when it waits, packed), and packs it
+    /// again after, when it still waits.
+    fn with_run<T>(
+        &self,
+        run_id: &str,
+        f: impl FnOnce(&mut Inner) -> StateResult<T>,
+    ) -> StateResult<T> {
+        let mut inner = self.lock();
+        inner.unpark(run_id)?;
+        let out = f(&mut inner);
+        inner.park(run_id);
+        out
+    }
 }
 
 #[async_trait::async_trait]
@@ -418,11 +654,11 @@ impl RunStore for MemoryRunStore {
     ) -> StateResult<Claim> {
         let mut inner = self.lock();
         inner.expire(self.retention);
-        let key = (session_id.to_owned(), message_id.to_owned());
+        let key = key_digest(session_id, message_id);
         match inner.keys.get(&key) {
-            Some(holder) if Some(holder.as_str()) != replacing => Ok(Claim::Taken(holder.clone())),
+            Some(holder) if Some(&**holder) != replacing => Ok(Claim::Taken(holder.to_string())),
             _ => {
-                inner.keys.insert(key, run_id.to_owned());
+                inner.keys.insert(key, run_id.into());
                 Ok(Claim::Claimed)
             }
         }
@@ -434,119 +670,137 @@ impl RunStore for MemoryRunStore {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<()> {
-        let mut inner = self.lock();
-        inner.expire(self.retention);
-        if !record.owner.is_empty() {
-            match inner.leases.token(&record.run_id) {
-                Some(token) if token != record.owner => {
-                    return Err(StateError::Fenced(record.run_id.clone()));
+        self.with_run(&record.run_id, |inner| {
+            inner.expire(self.retention);
+            if !record.owner.is_empty() {
+                match inner.leases.token(&record.run_id) {
+                    Some(token) if token != record.owner => {
+                        return Err(StateError::Fenced(record.run_id.clone()));
+                    }
+                    Some(_) => {}
+                    None if inner.records.contains_key(&record.run_id) => {
+                        return Err(StateError::Fenced(record.run_id.clone()));
+                    }
+                    None => {
+                        let lapses = Instant::now() + self.retention.lease;
+                        inner
+                            .leases
+                            .set(&record.run_id, record.owner.clone(), lapses, false);
+                    }
                 }
-                Some(_) => {}
-                None if inner.records.contains_key(&record.run_id) => {
-                    return Err(StateError::Fenced(record.run_id.clone()));
+            }
+            if record.ended() {
+                inner.leases.remove(&record.run_id);
+                if let Some(continuation) = inner.progress.remove(&record.run_id)
+                    && let Some((_, users)) = inner.agents.get_mut(&continuation.agent)
+                {
+                    *users -= 1;
+                    if *users == 0 {
+                        inner.agents.remove(&continuation.agent);
+                    }
                 }
-                None => {
-                    let lapses = Instant::now() + self.retention.lease;
+                if let Some(wait) = inner.waits.get_mut(&record.run_id) {
+                    wait.taken = true;
+                }
+            } else if let Some(progress) = progress {
+                let new_agent = match &progress.agent {
+                    Some(json) if !inner.progress.contains_key(&record.run_id) => {
+                        let id = agent_id(json);
+                        let (_, users) = inner
+                            .agents
+                            .entry(id.clone())
+                            .or_insert_with(|| (json.clone(), 0));
+                        *users += 1;
+                        Some(id)
+                    }
+                    _ => None,
+                };
+                let entry = inner.progress.entry(record.run_id.clone()).or_default();
+                if let Some(id) = new_agent {
+                    entry.agent = id;
+                }
+                if let Some(spec) = &progress.spec {
+                    entry.spec.clone_from(spec);
+                }
+                entry.state.clone_from(&progress.state);
+                entry.messages.truncate(progress.first_message);
+                entry.messages.extend(progress.messages.iter().cloned());
+                if record.waiting() {
+                    // Nobody executes the run until it is answered, cancelled or out of time.
+                    let lapses = Instant::now() + progress.wait.unwrap_or(self.retention.lease);
                     inner
                         .leases
-                        .set(&record.run_id, record.owner.clone(), lapses, false);
+                        .set(&record.run_id, String::new(), lapses, false);
+                    let wait = Wait {
+                        answers: record
+                            .pending
+                            .iter()
+                            .map(|p| (p.id.clone(), None))
+                            .collect(),
+                        ..Wait::default()
+                    };
+                    inner.waits.insert(record.run_id.clone(), wait);
                 }
             }
-        }
-        if record.ended() {
-            inner.leases.remove(&record.run_id);
-            if let Some(continuation) = inner.progress.remove(&record.run_id)
-                && let Some((_, users)) = inner.agents.get_mut(&continuation.agent)
-            {
-                *users -= 1;
-                if *users == 0 {
-                    inner.agents.remove(&continuation.agent);
+            let newly_ended = record.ended()
+                && inner
+                    .records
+                    .get(&record.run_id)
+                    .is_none_or(|stored| !stored.ended());
+            let steps: Vec<StepRecord> = match inner.records.remove(&record.run_id) {
+                Some(mut stored) => {
+                    stored.steps.truncate(from_step);
+                    stored
+                        .steps
+                        .extend(record.steps.iter().skip(from_step).cloned());
+                    stored.steps
                 }
-            }
-            if let Some(wait) = inner.waits.get_mut(&record.run_id) {
-                wait.taken = true;
-            }
-        } else if let Some(progress) = progress {
-            let new_agent = match &progress.agent {
-                Some(json) if !inner.progress.contains_key(&record.run_id) => {
-                    let id = agent_id(json);
-                    let (_, users) = inner
-                        .agents
-                        .entry(id.clone())
-                        .or_insert_with(|| (json.clone(), 0));
-                    *users += 1;
-                    Some(id)
-                }
-                _ => None,
+                None => record.steps.clone(),
             };
-            let entry = inner.progress.entry(record.run_id.clone()).or_default();
-            if let Some(id) = new_agent {
-                entry.agent = id;
-            }
-            if let Some(spec) = &progress.spec {
-                entry.spec.clone_from(spec);
-            }
-            entry.state.clone_from(&progress.state);
-            entry.messages.truncate(progress.first_message);
-            entry.messages.extend(progress.messages.iter().cloned());
-            if record.waiting() {
-                // Nobody executes the run until it is answered, cancelled or out of time.
-                let lapses = Instant::now() + progress.wait.unwrap_or(self.retention.lease);
+            let mut stored = record.without_steps();
+            stored.steps = steps;
+            inner.records.insert(record.run_id.clone(), stored);
+            if newly_ended {
+                let bytes = inner.records.get(&record.run_id).map_or(0, weight);
+                inner.ended_bytes += bytes;
                 inner
-                    .leases
-                    .set(&record.run_id, String::new(), lapses, false);
-                let wait = Wait {
-                    answers: record
-                        .pending
-                        .iter()
-                        .map(|p| (p.id.clone(), None))
-                        .collect(),
-                    ..Wait::default()
-                };
-                inner.waits.insert(record.run_id.clone(), wait);
+                    .ended
+                    .push_back((Instant::now(), record.run_id.clone(), bytes));
+                inner.expire(self.retention);
             }
-        }
-        let newly_ended = record.ended()
-            && inner
-                .records
-                .get(&record.run_id)
-                .is_none_or(|stored| !stored.ended());
-        let steps: Vec<StepRecord> = match inner.records.remove(&record.run_id) {
-            Some(mut stored) => {
-                stored.steps.truncate(from_step);
-                stored
-                    .steps
-                    .extend(record.steps.iter().skip(from_step).cloned());
-                stored.steps
-            }
-            None => record.steps.clone(),
-        };
-        let mut stored = record.without_steps();
-        stored.steps = steps;
-        inner.records.insert(record.run_id.clone(), stored);
-        if newly_ended {
-            let bytes = inner.records.get(&record.run_id).map_or(0, weight);
-            inner.ended_bytes += bytes;
-            inner
-                .ended
-                .push_back((Instant::now(), record.run_id.clone(), bytes));
-            inner.expire(self.retention);
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
-        let mut inner = self.lock();
-        inner.expire(self.retention);
-        let Some(mut record) = inner.records.get(run_id).cloned() else {
-            return Ok(None);
+        let (mut record, answers) = {
+            let mut inner = self.lock();
+            inner.expire(self.retention);
+            match inner.parked.get(run_id) {
+                // Read from a copy, after the lock: it stays packed.
+                Some(run) => {
+                    let packed = run.packed.clone();
+                    drop(inner);
+                    let parked = read_parked(run_id, &packed)?;
+                    let mut record = parked.record;
+                    record.steps = parked.steps;
+                    (record, parked.answers)
+                }
+                None => {
+                    let Some(record) = inner.records.get(run_id).cloned() else {
+                        return Ok(None);
+                    };
+                    let answers = match inner.waits.get(run_id) {
+                        Some(wait) if record.waiting() => wait.answers.clone(),
+                        _ => Vec::new(),
+                    };
+                    (record, answers)
+                }
+            }
         };
-        if record.waiting()
-            && let Some(wait) = inner.waits.get(run_id)
-        {
+        if record.waiting() {
             for call in &mut record.pending {
-                call.answered = wait
-                    .answers
+                call.answered = answers
                     .iter()
                     .any(|(id, answer)| *id == call.id && answer.is_some());
             }
@@ -555,77 +809,79 @@ impl RunStore for MemoryRunStore {
     }
 
     async fn answer(&self, run_id: &str, answers: &[(String, String)]) -> StateResult<Answered> {
-        let mut inner = self.lock();
-        let Some(wait) = inner.waits.get_mut(run_id) else {
-            return Ok(Answered::NotWaiting);
-        };
-        let kept = |wait: &Wait, id: &str| -> Option<String> {
-            wait.answers
-                .iter()
-                .find(|(pending, _)| pending == id)
-                .and_then(|(_, answer)| answer.clone())
-        };
-        let complete = wait.answers.iter().all(|(_, a)| a.is_some());
-        if wait.taken || wait.cancelled || complete {
-            // A repeat of an answer the run received is accepted; anything else is late.
-            if wait.cancelled {
+        self.with_run(run_id, |inner| {
+            let Some(wait) = inner.waits.get_mut(run_id) else {
                 return Ok(Answered::NotWaiting);
+            };
+            let kept = |wait: &Wait, id: &str| -> Option<String> {
+                wait.answers
+                    .iter()
+                    .find(|(pending, _)| pending == id)
+                    .and_then(|(_, answer)| answer.clone())
+            };
+            let complete = wait.answers.iter().all(|(_, a)| a.is_some());
+            if wait.taken || wait.cancelled || complete {
+                // A repeat of an answer the run received is accepted; anything else is late.
+                if wait.cancelled {
+                    return Ok(Answered::NotWaiting);
+                }
+                for (id, answer) in answers {
+                    match kept(wait, id) {
+                        Some(first) if first == *answer => {}
+                        Some(_) => return Ok(Answered::Conflict(id.clone())),
+                        None => return Ok(Answered::NotWaiting),
+                    }
+                }
+                return Ok(Answered::Accepted {
+                    left: Vec::new(),
+                    completed: false,
+                });
+            }
+            if let Some((id, _)) = answers
+                .iter()
+                .find(|(id, _)| !wait.answers.iter().any(|(pending, _)| pending == id))
+            {
+                return Ok(Answered::NotPending(id.clone()));
+            }
+            if let Some((id, _)) = answers
+                .iter()
+                .find(|(id, answer)| kept(wait, id).is_some_and(|first| first != *answer))
+            {
+                return Ok(Answered::Conflict(id.clone()));
             }
             for (id, answer) in answers {
-                match kept(wait, id) {
-                    Some(first) if first == *answer => {}
-                    Some(_) => return Ok(Answered::Conflict(id.clone())),
-                    None => return Ok(Answered::NotWaiting),
+                if let Some((_, slot)) = wait.answers.iter_mut().find(|(pending, _)| pending == id)
+                    && slot.is_none()
+                {
+                    *slot = Some(answer.clone());
                 }
             }
-            return Ok(Answered::Accepted {
-                left: Vec::new(),
-                completed: false,
-            });
-        }
-        if let Some((id, _)) = answers
-            .iter()
-            .find(|(id, _)| !wait.answers.iter().any(|(pending, _)| pending == id))
-        {
-            return Ok(Answered::NotPending(id.clone()));
-        }
-        if let Some((id, _)) = answers
-            .iter()
-            .find(|(id, answer)| kept(wait, id).is_some_and(|first| first != *answer))
-        {
-            return Ok(Answered::Conflict(id.clone()));
-        }
-        for (id, answer) in answers {
-            if let Some((_, slot)) = wait.answers.iter_mut().find(|(pending, _)| pending == id)
-                && slot.is_none()
-            {
-                *slot = Some(answer.clone());
+            let left: Vec<String> = wait
+                .answers
+                .iter()
+                .filter(|(_, a)| a.is_none())
+                .map(|(id, _)| id.clone())
+                .collect();
+            let completed = left.is_empty();
+            if completed {
+                inner.leases.moved(run_id, None, Instant::now(), Some(true));
             }
-        }
-        let left: Vec<String> = wait
-            .answers
-            .iter()
-            .filter(|(_, a)| a.is_none())
-            .map(|(id, _)| id.clone())
-            .collect();
-        let completed = left.is_empty();
-        if completed {
-            inner.leases.moved(run_id, None, Instant::now(), Some(true));
-        }
-        Ok(Answered::Accepted { left, completed })
+            Ok(Answered::Accepted { left, completed })
+        })
     }
 
     async fn cancel_waiting(&self, run_id: &str) -> StateResult<bool> {
-        let mut inner = self.lock();
-        let Some(wait) = inner.waits.get_mut(run_id) else {
-            return Ok(false);
-        };
-        if wait.taken || wait.cancelled {
-            return Ok(false);
-        }
-        wait.cancelled = true;
-        inner.leases.moved(run_id, None, Instant::now(), Some(true));
-        Ok(true)
+        self.with_run(run_id, |inner| {
+            let Some(wait) = inner.waits.get_mut(run_id) else {
+                return Ok(false);
+            };
+            if wait.taken || wait.cancelled {
+                return Ok(false);
+            }
+            wait.cancelled = true;
+            inner.leases.moved(run_id, None, Instant::now(), Some(true));
+            Ok(true)
+        })
     }
 
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
@@ -659,54 +915,55 @@ impl RunStore for MemoryRunStore {
     }
 
     async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {
-        let mut inner = self.lock();
-        let now = Instant::now();
-        if !inner.progress.contains_key(run_id) || !inner.records.contains_key(run_id) {
-            return Ok(None);
-        }
-        let (previous_owner, handed_over) = match inner.leases.by_run.get(run_id) {
-            Some((owner, at, released)) if *at <= now => (owner.clone(), *released),
-            _ => return Ok(None),
-        };
-        inner
-            .leases
-            .set(run_id, token.to_owned(), now + self.retention.lease, false);
-        let (Some(record), Some(continuation)) =
-            (inner.records.get(run_id), inner.progress.get(run_id))
-        else {
-            return Ok(None);
-        };
-        let mut record = record.clone();
-        token.clone_into(&mut record.owner);
-        let agent = inner
-            .agents
-            .get(&continuation.agent)
-            .map(|(json, _)| json.clone())
-            .unwrap_or_default();
-        let mut resumable = Resumable {
-            record,
-            spec: continuation.spec.clone(),
-            agent,
-            state: continuation.state.clone(),
-            messages: continuation.messages.clone(),
-            previous_owner,
-            handed_over,
-            waited: None,
-        };
-        if let Some(wait) = inner.waits.get_mut(run_id)
-            && !wait.taken
-        {
-            wait.taken = true;
-            resumable.waited = Some(Answers {
-                answers: wait
-                    .answers
-                    .iter()
-                    .filter_map(|(id, answer)| Some((id.clone(), answer.clone()?)))
-                    .collect(),
-                cancelled: wait.cancelled,
-            });
-        }
-        Ok(Some(resumable))
+        self.with_run(run_id, |inner| {
+            let now = Instant::now();
+            if !inner.progress.contains_key(run_id) || !inner.records.contains_key(run_id) {
+                return Ok(None);
+            }
+            let (previous_owner, handed_over) = match inner.leases.by_run.get(run_id) {
+                Some((owner, at, released)) if *at <= now => (owner.clone(), *released),
+                _ => return Ok(None),
+            };
+            inner
+                .leases
+                .set(run_id, token.to_owned(), now + self.retention.lease, false);
+            let (Some(record), Some(continuation)) =
+                (inner.records.get(run_id), inner.progress.get(run_id))
+            else {
+                return Ok(None);
+            };
+            let mut record = record.clone();
+            token.clone_into(&mut record.owner);
+            let agent = inner
+                .agents
+                .get(&continuation.agent)
+                .map(|(json, _)| json.clone())
+                .unwrap_or_default();
+            let mut resumable = Resumable {
+                record,
+                spec: continuation.spec.clone(),
+                agent,
+                state: continuation.state.clone(),
+                messages: continuation.messages.clone(),
+                previous_owner,
+                handed_over,
+                waited: None,
+            };
+            if let Some(wait) = inner.waits.get_mut(run_id)
+                && !wait.taken
+            {
+                wait.taken = true;
+                resumable.waited = Some(Answers {
+                    answers: wait
+                        .answers
+                        .iter()
+                        .filter_map(|(id, answer)| Some((id.clone(), answer.clone()?)))
+                        .collect(),
+                    cancelled: wait.cancelled,
+                });
+            }
+            Ok(Some(resumable))
+        })
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {
@@ -727,6 +984,145 @@ impl RunStore for MemoryRunStore {
 mod tests {
     use super::*;
     use crate::RunStatus;
+
+    #[tokio::test]
+    async fn a_waiting_run_is_kept_packed_until_it_goes_on() {
+        let store = MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+            lease: Duration::from_secs(10),
+            max_bytes: 1 << 20,
+        });
+        let packed = |store: &MemoryRunStore| {
+            let inner = store.lock();
+            (
+                inner.parked.len(),
+                inner.records.len() + inner.progress.len() + inner.waits.len(),
+            )
+        };
+        let mut record = RunRecord::new("w", "e", "s", "m", "where is my order?");
+        record.owner = "w.a".into();
+        let progress = |state: &str, wait| Progress {
+            spec: Some(r#"{"run_id":"w"}"#.into()),
+            agent: Some(r#"{"name":"agent"}"#.into()),
+            state: state.into(),
+            messages: vec![r#"[{"User":"where is my order?"},9]"#.into()],
+            first_message: 0,
+            wait,
+        };
+        store
+            .save(&record, 0, Some(&progress("running", None)))
+            .await
+            .unwrap();
+        assert_eq!(packed(&store), (0, 3 - 1), "a running run is not packed");
+        record.status = RunStatus::RequiresAction;
+        record.steps.push(StepRecord {
+            iteration: 1,
+            thought: "asking".into(),
+            ..StepRecord::default()
+        });
+        record.pending = ["c1", "c2"]
+            .into_iter()
+            .map(|id| agentrt_events::PendingCall {
+                id: id.into(),
+                name: "lookup_order".into(),
+                arguments: agentrt_events::JsonText::new(&serde_json::json!({"order_id": "A-17"})),
+                action: agentrt_events::Action::ClientExecute,
+                answered: false,
+            })
+            .collect();
+        store
+            .save(
+                &record,
+                0,
+                Some(&progress("waiting", Some(Duration::from_secs(60)))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(packed(&store), (1, 0), "waiting, it is only packed");
+        let mut waiting = record.clone();
+        assert_eq!(store.load("w").await.unwrap(), Some(waiting.clone()));
+        assert_eq!(packed(&store), (1, 0), "reading it leaves it packed");
+
+        let answer = |id: &str| vec![(id.to_owned(), "\"A-17 ships today\"".to_owned())];
+        assert_eq!(
+            store.answer("w", &answer("c1")).await.unwrap(),
+            Answered::Accepted {
+                left: vec!["c2".into()],
+                completed: false
+            }
+        );
+        assert_eq!(packed(&store), (1, 0), "still waiting, packed again");
+        waiting.pending[0].answered = true;
+        assert_eq!(store.load("w").await.unwrap(), Some(waiting));
+
+        assert_eq!(
+            store.answer("w", &answer("c2")).await.unwrap(),
+            Answered::Accepted {
+                left: Vec::new(),
+                completed: true
+            }
+        );
+        let taken = store.take_over("w", "w.b").await.unwrap().unwrap();
+        assert_eq!(packed(&store).0, 0, "it goes on: unpacked");
+        assert_eq!(taken.spec, r#"{"run_id":"w"}"#);
+        assert_eq!(taken.agent, r#"{"name":"agent"}"#);
+        assert_eq!(taken.state, "waiting");
+        assert_eq!(taken.messages, [r#"[{"User":"where is my order?"},9]"#]);
+        assert_eq!(taken.record.steps, record.steps);
+        assert_eq!(taken.waited.unwrap().answers.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_run_packs_to_a_few_hundred_bytes() {
+        let store = MemoryRunStore::new(RunRetention {
+            ended: Duration::from_secs(600),
+            lease: Duration::from_secs(10),
+            max_bytes: 1 << 20,
+        });
+        let [run, engine, session, message] = [
+            "26488e94-294b-4f0a-b057-d44ae4d12a86",
+            "93a722db-80a0-4f4e-9572-5ca629249863",
+            "4374d486-b0ee-4a50-a6d7-0bbdde60b35b",
+            "8fa2ba29-4a96-4a13-a095-d230722b1dc7",
+        ];
+        let query = "where is my order?";
+        let call = r#"{"id":"call_1","name":"lookup_order","arguments":"{\"order_id\":\"A-17\"}"}"#;
+        let mut record = RunRecord::new(run, engine, session, message, query);
+        record.owner = format!("{run}.a");
+        record.status = RunStatus::RequiresAction;
+        record.steps.push(StepRecord {
+            iteration: 1,
+            ..StepRecord::default()
+        });
+        record.pending = vec![agentrt_events::PendingCall {
+            id: "call_1".into(),
+            name: "lookup_order".into(),
+            arguments: agentrt_events::JsonText::new(&serde_json::json!({"order_id": "A-17"})),
+            action: agentrt_events::Action::ClientExecute,
+            answered: false,
+        }];
+        // As the engine writes them.
+        let progress = Progress {
+            spec: Some(format!(
+                r#"{{"run_id":"{run}","engine_id":"{engine}","session_id":"{session}","message_id":"{message}","query":"{query}","llm_context":null}}"#
+            )),
+            agent: Some(r#"{"name":"waiting"}"#.into()),
+            state: format!(
+                r#"{{"messages":[],"iteration":1,"max_iterations":10,"phase":{{"Waiting":{{"content":"","calls":[{call}],"results":[null],"pending":[{call}],"since_ms":1795677837595,"approved":[]}}}},"previous_calls":[["lookup_order","{{\"order_id\":\"A-17\"}}"]],"repeats":0,"waited_ms":0}}"#
+            ),
+            messages: vec![format!(r#"[{{"User":"{query}"}},9]"#)],
+            first_message: 0,
+            wait: Some(Duration::from_secs(60)),
+        };
+        store.save(&record, 0, Some(&progress)).await.unwrap();
+        let inner = store.lock();
+        let packed = inner.parked.get(run).unwrap().packed.len();
+        let json = read_parked(run, &inner.parked.get(run).unwrap().packed)
+            .map(|parked| serde_json::to_vec(&parked).unwrap().len())
+            .unwrap();
+        assert!(json > 1700, "{json} bytes of JSON");
+        assert!(packed < 360, "{json} bytes of JSON packed into {packed}");
+    }
 
     #[tokio::test]
     async fn ended_runs_beyond_the_byte_budget_go_first_ended_first() {

@@ -174,8 +174,8 @@ impl AgentEngineImpl {
         run_id: &str,
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<Response<v1::ToolAnswersResponse>, Status> {
-        self.run(caller, run_id).await?;
-        let outcome = self.runs.answer(run_id, answers).await?;
+        let record = self.run(caller, run_id).await?;
+        let outcome = self.runs.answer(record, answers).await?;
         Ok(Response::new(v1::ToolAnswersResponse {
             status: convert::run_status_to_wire(outcome.status) as i32,
             pending_tool_call_ids: outcome.left,

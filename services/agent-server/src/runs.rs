@@ -621,19 +621,15 @@ impl RunManager {
         }
     }
 
-    /// Answers calls that waiting run `run_id` waits for, through any replica; the run
-    /// goes on here once the last one is answered.
+    /// Answers calls that the run of `record` (as just read) waits for, through any
+    /// replica; the run goes on here once the last one is answered.
     pub async fn answer(
         self: &Arc<Self>,
-        run_id: &str,
+        record: RunRecord,
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<AnswerOutcome, crate::error::Error> {
         use crate::error::Error;
-        let record = self
-            .store
-            .load(run_id)
-            .await?
-            .ok_or_else(|| Error::RunNotFound(run_id.to_owned()))?;
+        let run_id = record.run_id.as_str();
         let waiting = || {
             record
                 .pending
