@@ -156,6 +156,100 @@ async fn health_status(channel: Channel, service: &str) -> Result<i32, tonic::St
 
 const SERVING: i32 = 1;
 
+/// A provider served over `https://` (as hosted providers are) is reached over HTTP/2,
+/// negotiated by ALPN, trusting the CA of `SSL_CERT_FILE`; one that the system does not
+/// trust is refused, and the run says why.
+#[tokio::test]
+async fn an_https_model_provider_is_reached_over_http2_negotiated_by_alpn() {
+    let pki = Pki::new("https-model");
+    let model = simulator(
+        SCENARIOS,
+        &[
+            "--tls-cert",
+            &pki.path("server.pem"),
+            "--tls-key",
+            &pki.path("server.key"),
+        ],
+    )
+    .await;
+    let tools = agentrt_test_support::tool_executor(&[]).await;
+    let model_url = format!("https://localhost:{}/v1", model.addr.port());
+    let ca = pki.path("ca.pem");
+    let start = |trusted: bool| {
+        let mut env = vec![
+            ("OPENAI_BASE_URL", model_url.as_str()),
+            ("OPENAI_API_KEY", "test-key"),
+        ];
+        if trusted {
+            env.push(("SSL_CERT_FILE", ca.as_str()));
+        }
+        let tools_url = tools.url();
+        async move {
+            Server::start(
+                "agent-server",
+                &["--listen", "127.0.0.1:0", "--tool-executor", &tools_url],
+                &env,
+            )
+            .await
+        }
+    };
+
+    let agents = start(true).await;
+    let channel = connect(&agents.url()).await;
+    let engine_id = create_engine(
+        &mut AgentServiceClient::new(channel.clone()),
+        agent("adder"),
+    )
+    .await;
+    let mut engine = AgentEngineClient::new(channel);
+    let answer = run_adder(
+        &mut engine,
+        Request::new(v1::ExecuteRequest {
+            engine_id,
+            query: "add".into(),
+            ..Default::default()
+        }),
+    )
+    .await;
+    assert_eq!(answer, "got 42");
+    let logs = model.logs();
+    assert!(
+        logs.contains("TLS connection alpn=\"h2\"") || logs.contains("alpn=h2"),
+        "{logs}"
+    );
+    assert!(!logs.contains("alpn=none"), "{logs}");
+
+    // Without the CA the certificate is not trusted: the run fails, naming why.
+    let untrusting = start(false).await;
+    let channel = connect(&untrusting.url()).await;
+    let engine_id = create_engine(
+        &mut AgentServiceClient::new(channel.clone()),
+        agent("adder"),
+    )
+    .await;
+    let events: Vec<v1::AgentStreamEvent> = AgentEngineClient::new(channel)
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "add".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .map(|event| event.unwrap())
+        .collect()
+        .await;
+    let last = events.last().unwrap();
+    assert!(
+        last.done && last.r#type == v1::EventType::Error as i32,
+        "{last:?}"
+    );
+    assert!(
+        last.content.contains("certificate") || last.content.contains("connect"),
+        "{last:?}"
+    );
+}
+
 #[tokio::test]
 async fn tls_on_both_servers_and_mutual_tls_between_them() {
     let pki = Pki::new("mtls");

@@ -74,6 +74,11 @@ struct Cli {
     /// (reqwest on hyper, with HTTP/2 prior knowledge unless `--model-http1`).
     #[arg(long, default_value = "lean", value_parser = ["lean", "general"])]
     model_client: String,
+    /// Serve the simulator over HTTPS, HTTP/2 negotiated by ALPN, as hosted providers
+    /// serve (a CA of the bench's own, trusted by agent-server through `SSL_CERT_FILE`):
+    /// agent-server calls it with the general client (reqwest, rustls).
+    #[arg(long, conflicts_with = "model_http1")]
+    model_tls: bool,
     /// Measure the tool executor's tool sources (MCP over stdio, OpenAPI) instead of the
     /// stack: see `tool_sources.rs`.
     #[arg(long)]
@@ -432,6 +437,53 @@ impl Totals {
     }
 }
 
+/// How the bench's agent-server speaks to the simulator.
+fn model_protocol(cli: &Cli) -> &'static str {
+    if cli.model_http1 {
+        "HTTP/1.1"
+    } else if cli.model_tls {
+        "HTTPS, HTTP/2 by ALPN"
+    } else {
+        "HTTP/2"
+    }
+}
+
+/// The agent-server's client of the simulator (the lean one speaks only h2c).
+fn model_client(cli: &Cli) -> &str {
+    if cli.model_tls {
+        "general"
+    } else {
+        &cli.model_client
+    }
+}
+
+/// The simulator's certificate and key, and the CA agent-server trusts it through.
+struct Pki {
+    ca: String,
+    cert: String,
+    key: String,
+}
+
+/// Writes a CA and a certificate it signs for `localhost` into `dir`.
+fn write_pki(dir: &Path) -> anyhow::Result<Pki> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
+    let key = KeyPair::generate()?;
+    let cert = CertificateParams::new(vec!["localhost".to_owned()])?.signed_by(&key, &ca)?;
+    let path = |file: &str| dir.join(file).to_string_lossy().into_owned();
+    let pki = Pki {
+        ca: path("bench-ca.pem"),
+        cert: path("bench-simulator.pem"),
+        key: path("bench-simulator.key"),
+    };
+    std::fs::write(&pki.ca, ca.pem())?;
+    std::fs::write(&pki.cert, cert.pem())?;
+    std::fs::write(&pki.key, key.serialize_pem())?;
+    Ok(pki)
+}
+
 async fn start(
     dir: &Path,
     cli: &Cli,
@@ -440,12 +492,16 @@ async fn start(
     config_file: &Path,
 ) -> anyhow::Result<Arc<Stack>> {
     let scenarios_file = &*scenarios_file.to_string_lossy();
-    let model = Server::start_at(
-        &dir.join("model-simulator"),
-        &["--listen", "127.0.0.1:0", "--scenarios", scenarios_file],
-        &[],
-    )
-    .await;
+    let mut model_args = vec!["--listen", "127.0.0.1:0", "--scenarios", scenarios_file];
+    let pki = cli.model_tls.then(|| write_pki(dir)).transpose()?;
+    if let Some(pki) = &pki {
+        model_args.extend(["--tls-cert", &pki.cert, "--tls-key", &pki.key]);
+    }
+    let model = Server::start_at(&dir.join("model-simulator"), &model_args, &[]).await;
+    let model_url = match &pki {
+        Some(_) => format!("https://localhost:{}", model.addr.port()),
+        None => model.url(),
+    };
     let tools = Server::start_at(
         &dir.join("tool-executor"),
         &["--listen", "127.0.0.1:0"],
@@ -456,13 +512,17 @@ async fn start(
         config_file,
         format!(
             "[providers.simulator]\nbase_url = \"{}/v1\"\nhttp2_prior_knowledge = {}\nhttp_client = \"{}\"\n",
-            model.url(),
-            !cli.model_http1,
+            model_url,
+            !cli.model_http1 && !cli.model_tls,
             cli.model_client
         ),
     )?;
     let max_engines = (concurrent * 2 + 10_000).to_string();
     let prefix = format!("agentrt-bench-{}", std::process::id());
+    let mut agent_env = vec![("RUST_LOG", "warn,agentrt_grpc=info")];
+    if let Some(pki) = &pki {
+        agent_env.push(("SSL_CERT_FILE", pki.ca.as_str()));
+    }
     let mut agents = Vec::with_capacity(cli.replicas);
     for _ in 0..cli.replicas.max(1) {
         agents.push(
@@ -486,7 +546,7 @@ async fn start(
                     "--health-listen",
                     "127.0.0.1:0",
                 ],
-                &[("RUST_LOG", "warn,agentrt_grpc=info")],
+                &agent_env,
             )
             .await,
         );
@@ -613,13 +673,9 @@ async fn main() -> anyhow::Result<()> {
         stack.agents.len(),
         if stack.agents.len() == 1 { "" } else { "s" },
         if redis.is_some() { "Redis" } else { "memory" },
-        if cli.model_http1 {
-            "HTTP/1.1"
-        } else {
-            "HTTP/2"
-        },
+        model_protocol(&cli),
     );
-    println!("model client: {}", cli.model_client);
+    println!("model client: {}", model_client(&cli));
 
     // Warm up connections, caches and the tokenizer.
     let warm = stack.engines("tool_loop", 20).await?;
@@ -929,12 +985,8 @@ async fn scale(
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         cli.latency_ms,
         cli.state,
-        if cli.model_http1 {
-            "HTTP/1.1"
-        } else {
-            "HTTP/2"
-        },
-        cli.model_client
+        model_protocol(cli),
+        model_client(cli)
     );
     let mut rows = Vec::new();
     for &level in &cli.scale_levels {

@@ -56,6 +56,11 @@ pub struct Settings {
     /// Refuse requests holding a message whose `content` is `null` with HTTP 500, as
     /// llama-cpp-python does, for every model (a scenario can also ask for it alone).
     pub strict_messages: bool,
+    /// Serve HTTPS with this certificate and key, HTTP/2 negotiated by ALPN (`h2`), as
+    /// hosted providers serve; unset, plain HTTP (HTTP/1.1, and HTTP/2 with prior
+    /// knowledge).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tls: Option<agentrt_grpc::security::TlsSettings>,
 }
 
 impl Default for Settings {
@@ -66,6 +71,7 @@ impl Default for Settings {
             scenarios: None,
             max_concurrent_streams: None,
             strict_messages: false,
+            tls: None,
         }
     }
 }
@@ -99,6 +105,13 @@ pub struct Cli {
     /// Refuse messages whose `content` is `null` with HTTP 500, as llama-cpp-python does.
     #[arg(long)]
     pub strict_messages: bool,
+    /// Serve HTTPS (HTTP/2 negotiated by ALPN) with this certificate chain, PEM; needs
+    /// `--tls-key`.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert`, PEM.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Cli {
@@ -117,6 +130,14 @@ impl Cli {
             settings.max_concurrent_streams = self.max_concurrent_streams;
         }
         settings.strict_messages |= self.strict_messages;
+        if let (Some(cert_file), Some(key_file)) = (&self.tls_cert, &self.tls_key) {
+            settings.tls = Some(agentrt_grpc::security::TlsSettings {
+                cert_file: cert_file.clone(),
+                key_file: key_file.clone(),
+                client_ca_file: None,
+                allowed_client_names: Vec::new(),
+            });
+        }
         settings
     }
 }
@@ -135,7 +156,13 @@ pub enum Error {
     /// The listener failed.
     #[error("simulator server error: {0}")]
     Io(#[from] std::io::Error),
+    /// The TLS certificate or key could not be used.
+    #[error("{0}")]
+    Tls(#[from] agentrt_grpc::config::ConfigError),
 }
+
+/// How long a client may take over its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Loads the scenarios the settings name.
 pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
@@ -178,7 +205,17 @@ pub async fn serve(
         .route("/v1/models", get(models))
         .route("/v1/rerank", post(rerank::rerank))
         .with_state(simulator);
-    info!(service = "model-simulator", addr = %listener.local_addr()?, "listening");
+    let tls = settings
+        .tls
+        .as_ref()
+        .map(|tls| tls.acceptor())
+        .transpose()?;
+    info!(
+        service = "model-simulator",
+        addr = %listener.local_addr()?,
+        scheme = if tls.is_some() { "https" } else { "http" },
+        "listening"
+    );
     // HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port. Unless limited, HTTP/2
     // allows as many concurrent calls per connection as a client opens, so that a load
     // test runs over a few connections instead of thousands.
@@ -204,15 +241,44 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let connection = http
-            .serve_connection_with_upgrades(
-                TokioIo::new(agentrt_coalesce::Coalesced::new(stream)),
-                service.clone(),
-            )
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let stream = agentrt_coalesce::Coalesced::new(stream);
+        let Some(tls) = &tls else {
+            let connection = http
+                .serve_connection_with_upgrades(TokioIo::new(stream), service.clone())
+                .into_owned();
+            let connection = graceful.watch(connection);
+            tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    warn!(error = ?error, "connection ended with an error");
+                }
+            });
+            continue;
+        };
+        // The handshake runs in the connection's task: a slow client holds up no other.
+        let handshake = tls.accept(stream);
+        let (http, service, watcher) = (http.clone(), service.clone(), graceful.watcher());
         tokio::spawn(async move {
-            if let Err(error) = connection.await {
+            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+                Ok(Ok(stream)) => stream,
+                Ok(Err(error)) => {
+                    warn!(%error, "TLS handshake failed");
+                    return;
+                }
+                Err(_) => {
+                    warn!("TLS handshake timed out");
+                    return;
+                }
+            };
+            let alpn = stream
+                .get_ref()
+                .1
+                .alpn_protocol()
+                .map(String::from_utf8_lossy);
+            info!(alpn = alpn.as_deref().unwrap_or("none"), "TLS connection");
+            let connection = http
+                .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                .into_owned();
+            if let Err(error) = watcher.watch(connection).await {
                 warn!(error = ?error, "connection ended with an error");
             }
         });
