@@ -593,6 +593,37 @@ async fn cancel_ends_a_waiting_run() {
     assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
 }
 
+/// With state in memory, waiting runs have budgets (`runs.max_waiting_bytes`,
+/// `runs.max_waiting_per_principal`): past them a run that would wait fails, naming the
+/// budget, and the runs already waiting are kept and go on when answered.
+#[tokio::test]
+async fn a_run_that_would_wait_past_its_budget_fails_and_says_why() {
+    let file = std::env::temp_dir().join(format!(
+        "agentrt-waiting-budget-{}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&file, "[runs]\nmax_waiting_bytes = 1\n").unwrap();
+    let mut stack = Stack::up(SCENARIOS, &["--config", &file.to_string_lossy()]).await;
+    let (first, _, _, first_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
+
+    let engine_id = stack.engine_for(waiting_agent("client", false)).await;
+    let events = rest(execute(&mut stack.engine, &engine_id).await).await;
+    assert_well_formed(&events);
+    let end = events.last().unwrap();
+    assert!(end.done && kind(end) == v1::EventType::Error, "{events:#?}");
+    assert_eq!(done(&events)["code"], "BUDGET_EXCEEDED", "{end:?}");
+    assert!(end.content.contains("runs.max_waiting_bytes"), "{end:?}");
+    let state = get_run(&mut stack.engine, &end.run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Failed as i32);
+
+    submit(&mut stack.engine, &first_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    let first = rest(first).await;
+    assert!(answer(&first).contains("shipped"), "{first:#?}");
+    let _ = std::fs::remove_file(&file);
+}
+
 /// ReAct makes one call a round: a client tool's call waits like any other.
 #[tokio::test]
 async fn react_waits_for_a_client_tool_too() {

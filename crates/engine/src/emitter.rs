@@ -47,6 +47,16 @@ const FINISH_PATIENCE: Duration = Duration::from_secs(30);
 fn unsaved(error: &StateError) -> Outcome {
     match error {
         StateError::Fenced(_) => Outcome::Moved,
+        // A run that would wait past a budget of waiting runs.
+        StateError::OverBudget { budget, message } => Outcome::Failed(
+            StopReason::InternalError,
+            RunError {
+                code: "BUDGET_EXCEEDED".into(),
+                message: format!("the run cannot wait for answers: {message} ({budget})"),
+                category: "internal",
+                retryable: true,
+            },
+        ),
         error => unwritable("record", error),
     }
 }

@@ -216,11 +216,10 @@ fn harness(model: Scripted) -> Harness {
         model,
         tools,
         bus: InMemoryBus::new(BusLimits::default()),
-        store: Arc::new(MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: Duration::from_secs(10),
-            max_bytes: usize::MAX,
-        })),
+        store: Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(600),
+            Duration::from_secs(10),
+        ))),
     }
 }
 
@@ -1161,11 +1160,10 @@ async fn run_with_reranker(
         model: Arc::new(Scripted::default()),
         tools: Arc::new(Tools::default()),
         bus: InMemoryBus::new(BusLimits::default()),
-        store: Arc::new(MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: Duration::from_secs(10),
-            max_bytes: usize::MAX,
-        })),
+        store: Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(600),
+            Duration::from_secs(10),
+        ))),
     };
     let mut cfg = config(Strategy::FunctionCall, &["search"]);
     cfg.rerank_model = Some(agentrt_core::RerankSelection {

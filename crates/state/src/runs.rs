@@ -12,7 +12,10 @@ use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use tokio::{sync::broadcast, time::Instant};
 
-use crate::record::{RunRecord, StepRecord, StopReason};
+use crate::{
+    engines::principal_of,
+    record::{RunRecord, StepRecord, StopReason},
+};
 
 /// The outcome of [`RunStore::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -227,7 +230,30 @@ pub struct RunRetention {
     /// Most bytes of ended runs' records kept (by the in-memory store); beyond, the runs
     /// that ended first are forgotten before their retention is over.
     pub max_bytes: usize,
+    /// Most bytes the runs waiting for answers hold (packed, with a little for each run),
+    /// in the in-memory store; beyond, a run that would wait fails instead
+    /// ([`StateError::OverBudget`]), and no waiting run is dropped.
+    pub max_waiting_bytes: usize,
+    /// Most runs of one named principal waiting at once, in the in-memory store.
+    pub max_waiting_per_principal: usize,
 }
+
+impl RunRetention {
+    /// Retention for `ended` and leases of `lease`, the other bounds unlimited.
+    pub fn unbounded(ended: Duration, lease: Duration) -> Self {
+        Self {
+            ended,
+            lease,
+            max_bytes: usize::MAX,
+            max_waiting_bytes: usize::MAX,
+            max_waiting_per_principal: usize::MAX,
+        }
+    }
+}
+
+/// What a waiting run is counted for against [`RunRetention::max_waiting_bytes`] beyond its
+/// packed bytes: its entries in the maps.
+const WAITING_ENTRY_BYTES: usize = 512;
 
 /// Runs kept in this process.
 pub struct MemoryRunStore {
@@ -257,6 +283,10 @@ struct Inner {
     /// leases are in none of the maps above (100,000 runs may wait at once, each for
     /// hours), only their idempotency keys and their place in the order of leases.
     parked: HashMap<Arc<str>, ParkedRun>,
+    /// What the runs in `parked` weigh ([`WAITING_ENTRY_BYTES`] each and their bytes).
+    parked_bytes: usize,
+    /// The runs in `parked` of each named principal.
+    parked_by_principal: HashMap<String, usize>,
 }
 
 /// A run that waits, as [`Inner::parked`] keeps it.
@@ -528,6 +558,14 @@ impl Inner {
         match serde_json::to_vec(&parked) {
             Ok(json) => {
                 let packed = PACKER.pack(&json);
+                self.parked_bytes += WAITING_ENTRY_BYTES + packed.len();
+                let principal = principal_of(&parked.record.session_id);
+                if !principal.is_empty() {
+                    *self
+                        .parked_by_principal
+                        .entry(principal.to_owned())
+                        .or_default() += 1;
+                }
                 self.parked.insert(
                     id,
                     ParkedRun {
@@ -546,13 +584,54 @@ impl Inner {
         }
     }
 
+    /// Refuses a new wait of a run of session `session_id` past the budgets of waiting
+    /// runs.
+    fn check_waiting_budget(&self, session_id: &str, retention: RunRetention) -> StateResult<()> {
+        if self.parked_bytes >= retention.max_waiting_bytes {
+            return Err(StateError::OverBudget {
+                budget: "runs.max_waiting_bytes",
+                message: format!(
+                    "the runs waiting for answers here hold {} bytes, their most; answer or \
+                     cancel some",
+                    self.parked_bytes
+                ),
+            });
+        }
+        let principal = principal_of(session_id);
+        let waiting = self
+            .parked_by_principal
+            .get(principal)
+            .copied()
+            .unwrap_or(0);
+        if !principal.is_empty() && waiting >= retention.max_waiting_per_principal {
+            return Err(StateError::OverBudget {
+                budget: "runs.max_waiting_per_principal",
+                message: format!(
+                    "this principal has {waiting} runs waiting for answers here, its most; \
+                     answer or cancel some"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Unpacks run `run_id` when it is packed, into the maps of the runs that are not.
     fn unpark(&mut self, run_id: &str) -> StateResult<()> {
         let Some((id, run)) = self.parked.remove_entry(run_id) else {
             return Ok(());
         };
         self.leases.unpark(id, run.lapses, run.released);
+        self.parked_bytes = self
+            .parked_bytes
+            .saturating_sub(WAITING_ENTRY_BYTES + run.packed.len());
         let parked = read_parked(run_id, &run.packed)?;
+        let principal = principal_of(&parked.record.session_id);
+        if let Some(count) = self.parked_by_principal.get_mut(principal) {
+            *count -= 1;
+            if *count == 0 {
+                self.parked_by_principal.remove(principal);
+            }
+        }
         self.restore(parked);
         Ok(())
     }
@@ -688,6 +767,15 @@ impl RunStore for MemoryRunStore {
                             .set(&record.run_id, record.owner.clone(), lapses, false);
                     }
                 }
+            }
+            let starts_waiting = record.waiting()
+                && progress.is_some()
+                && !inner
+                    .records
+                    .get(&record.run_id)
+                    .is_some_and(RunRecord::waiting);
+            if starts_waiting {
+                inner.check_waiting_budget(&record.session_id, self.retention)?;
             }
             if record.ended() {
                 inner.leases.remove(&record.run_id);
@@ -991,6 +1079,7 @@ mod tests {
             ended: Duration::from_secs(600),
             lease: Duration::from_secs(10),
             max_bytes: 1 << 20,
+            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
         });
         let packed = |store: &MemoryRunStore| {
             let inner = store.lock();
@@ -1078,6 +1167,7 @@ mod tests {
             ended: Duration::from_secs(600),
             lease: Duration::from_secs(10),
             max_bytes: 1 << 20,
+            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
         });
         let [run, engine, session, message] = [
             "26488e94-294b-4f0a-b057-d44ae4d12a86",
@@ -1124,6 +1214,79 @@ mod tests {
         assert!(packed < 360, "{json} bytes of JSON packed into {packed}");
     }
 
+    /// Saves a run of `session` that starts waiting for one call (`None`: it could not).
+    async fn wait_in(store: &MemoryRunStore, run_id: &str, session: &str) -> StateResult<()> {
+        let mut record = RunRecord::new(run_id, "e", session, run_id, "q");
+        record.owner = format!("{run_id}.a");
+        let progress = |wait| Progress {
+            spec: Some("{}".into()),
+            agent: None,
+            state: "s".into(),
+            messages: Vec::new(),
+            first_message: 0,
+            wait,
+        };
+        store.save(&record, 0, Some(&progress(None))).await?;
+        record.status = RunStatus::RequiresAction;
+        record.pending = vec![agentrt_events::PendingCall {
+            id: "c1".into(),
+            name: "tool".into(),
+            arguments: agentrt_events::JsonText::new(&serde_json::json!({})),
+            action: agentrt_events::Action::ClientExecute,
+            answered: false,
+        }];
+        store
+            .save(&record, 0, Some(&progress(Some(Duration::from_secs(60)))))
+            .await
+    }
+
+    fn budget(result: StateResult<()>) -> &'static str {
+        match result {
+            Err(StateError::OverBudget { budget, .. }) => budget,
+            other => panic!("not over a budget: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn waiting_runs_have_budgets_of_bytes_and_per_principal() {
+        let store = MemoryRunStore::new(RunRetention {
+            max_waiting_per_principal: 1,
+            ..RunRetention::unbounded(Duration::from_secs(600), Duration::from_secs(10))
+        });
+        wait_in(&store, "a1", "alice/s1").await.unwrap();
+        assert_eq!(
+            budget(wait_in(&store, "a2", "alice/s2").await),
+            "runs.max_waiting_per_principal"
+        );
+        wait_in(&store, "b1", "bob/s1").await.unwrap();
+        wait_in(&store, "n1", "s1").await.unwrap();
+        wait_in(&store, "n2", "s2").await.unwrap();
+        // Answered and gone on, alice's run waits no more: she may make another wait.
+        store
+            .answer("a1", &[("c1".into(), "\"x\"".into())])
+            .await
+            .unwrap();
+        assert!(store.take_over("a1", "a1.b").await.unwrap().is_some());
+        wait_in(&store, "a3", "alice/s3").await.unwrap();
+        // A partial answer or a read changes nothing of the count.
+        store.load("a3").await.unwrap();
+        assert_eq!(
+            budget(wait_in(&store, "a4", "alice/s4").await),
+            "runs.max_waiting_per_principal"
+        );
+
+        let store = MemoryRunStore::new(RunRetention {
+            max_waiting_bytes: 1,
+            ..RunRetention::unbounded(Duration::from_secs(600), Duration::from_secs(10))
+        });
+        wait_in(&store, "x1", "s1").await.unwrap();
+        assert_eq!(
+            budget(wait_in(&store, "x2", "s2").await),
+            "runs.max_waiting_bytes"
+        );
+        assert!(!store.load("x2").await.unwrap().unwrap().waiting());
+    }
+
     #[tokio::test]
     async fn ended_runs_beyond_the_byte_budget_go_first_ended_first() {
         let ended = |id: &str| {
@@ -1136,6 +1299,7 @@ mod tests {
             ended: Duration::from_secs(600),
             lease: Duration::from_secs(10),
             max_bytes: one * 3,
+            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
         });
         let running = RunRecord::new("live", "e", "s", "live", &"q".repeat(10_000));
         store.save(&running, 0, None).await.unwrap();

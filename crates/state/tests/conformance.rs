@@ -103,11 +103,10 @@ async fn redis_engine_store() {
 
 /// One in-memory run store: the two replicas of a process share it.
 fn memory_runs() -> Arc<dyn RunStore> {
-    Arc::new(MemoryRunStore::new(RunRetention {
-        ended: Duration::from_secs(600),
-        lease: conformance::TEST_LEASE,
-        max_bytes: usize::MAX,
-    }))
+    Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+        Duration::from_secs(600),
+        conformance::TEST_LEASE,
+    )))
 }
 
 #[tokio::test]

@@ -95,6 +95,8 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     ended: settings.runs.retention,
                     lease: settings.runs.takeover_after,
                     max_bytes: settings.runs.retained_bytes,
+                    max_waiting_bytes: settings.runs.max_waiting_bytes,
+                    max_waiting_per_principal: settings.runs.max_waiting_per_principal,
                 })),
                 bus: Arc::new(InMemoryBus::new(BusLimits {
                     events_per_run: settings.runs.events_per_run,

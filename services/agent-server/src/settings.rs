@@ -124,6 +124,12 @@ pub struct RunSettings {
     /// Most bytes of the records of ended runs kept for the retention (with `state =
     /// memory`); beyond, the runs that ended first are forgotten early.
     pub retained_bytes: usize,
+    /// Most bytes held by the runs waiting for answers (with `state = memory`: packed, and
+    /// about 512 bytes each besides); beyond, a run that would wait fails instead.
+    pub max_waiting_bytes: usize,
+    /// Most runs of one principal waiting for answers at once (with `state = memory`);
+    /// beyond, a run that would wait fails instead.
+    pub max_waiting_per_principal: usize,
 }
 
 impl Default for RunSettings {
@@ -142,6 +148,8 @@ impl Default for RunSettings {
             max_active_per_principal: 5_000,
             max_streams_per_principal: 5_000,
             retained_bytes: DEFAULT_BUDGET_BYTES,
+            max_waiting_bytes: DEFAULT_BUDGET_BYTES,
+            max_waiting_per_principal: 25_000,
         }
     }
 }
@@ -362,6 +370,11 @@ impl Settings {
                 self.runs.max_streams_per_principal,
             ),
             ("runs.retained_bytes", self.runs.retained_bytes),
+            ("runs.max_waiting_bytes", self.runs.max_waiting_bytes),
+            (
+                "runs.max_waiting_per_principal",
+                self.runs.max_waiting_per_principal,
+            ),
             ("sessions.max_bytes", self.sessions.max_bytes),
         ] {
             if value == 0 {
