@@ -3,8 +3,9 @@
 //!
 //! Such state is JSON whose keys, and most of whose structure, are the same in every run:
 //! DEFLATE primed with a dictionary of that structure (a preset dictionary, as zlib has it)
-//! stores little more than what differs, the ids and the text. A waiting run's record,
-//! continuation and events come to about 2.4 KB of JSON and to under 400 bytes packed.
+//! stores little more than what differs, the ids and the text. A waiting run of the bench
+//! (`agentrt-bench --waiting`) is about 1.8 KB of JSON in the run store and 0.7 KB in the
+//! event bus, packed into under 360 and under 200 bytes (their unit tests hold them to it).
 //!
 //! The dictionary only makes the output smaller: a packer reads what it wrote whatever the
 //! data, and nothing packed leaves the process, so the dictionary may change between

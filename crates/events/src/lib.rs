@@ -594,6 +594,17 @@ enum Log {
     Packed(Box<[u8]>),
 }
 
+impl Log {
+    /// Whether this entry is `log` (open, or waiting and followed).
+    fn is(&self, log: *const RunLog) -> bool {
+        match self {
+            Self::Open(open) => std::ptr::eq(Arc::as_ptr(open), log),
+            Self::Waiting(weak) => std::ptr::eq(weak.as_ptr(), log),
+            Self::Packed(_) => false,
+        }
+    }
+}
+
 /// A waiting run's log as it is packed.
 #[derive(Serialize)]
 struct PackingLog<'a> {
@@ -752,7 +763,7 @@ impl Drop for RunLog {
         let this: *const Self = self;
         let mut bus = lock(&bus);
         if let Some(entry) = bus.runs.get_mut(&*self.run_id)
-            && matches!(entry, Log::Waiting(weak) if std::ptr::eq(weak.as_ptr(), this))
+            && entry.is(this)
         {
             match packed {
                 Some(packed) => *entry = Log::Packed(packed),
@@ -808,7 +819,8 @@ impl InMemoryBus {
     }
 
     /// Logs of waiting runs held packed.
-    pub fn packed_runs(&self) -> usize {
+    #[cfg(test)]
+    fn packed_runs(&self) -> usize {
         lock(&self.inner)
             .runs
             .values()
@@ -931,7 +943,8 @@ impl Publisher {
             let mut bus = lock(&self.bus);
             // A run that ends as it begins to wait: the bus holds its log again.
             if let Some(entry) = bus.runs.get_mut(&*self.log.run_id)
-                && matches!(entry, Log::Waiting(weak) if std::ptr::eq(weak.as_ptr(), Arc::as_ptr(&self.log)))
+                && matches!(entry, Log::Waiting(_))
+                && entry.is(Arc::as_ptr(&self.log))
             {
                 *entry = Log::Open(self.log.clone());
             }
@@ -976,11 +989,10 @@ impl RunPublisher for Publisher {
         }
         // New readers here find the run elsewhere.
         let mut bus = lock(&self.bus);
-        let ours = match bus.runs.get(&*self.log.run_id) {
-            Some(Log::Open(log)) => Arc::ptr_eq(log, &self.log),
-            Some(Log::Waiting(weak)) => std::ptr::eq(weak.as_ptr(), Arc::as_ptr(&self.log)),
-            _ => false,
-        };
+        let ours = bus
+            .runs
+            .get(&*self.log.run_id)
+            .is_some_and(|entry| entry.is(Arc::as_ptr(&self.log)));
         // Let go once the lock is: no log is let go under it.
         let removed = ours.then(|| bus.runs.remove(&*self.log.run_id));
         drop(bus);
@@ -1001,10 +1013,11 @@ impl RunPublisher for Publisher {
         // The bus holds the log no more: its publisher and its readers do, and the last of
         // them to let it go packs it.
         let mut bus = lock(&self.bus);
-        let open = bus.runs.get_mut(&*self.log.run_id).and_then(|entry| {
-            let ours = matches!(entry, Log::Open(log) if Arc::ptr_eq(log, &self.log));
-            ours.then(|| std::mem::replace(entry, Log::Waiting(Arc::downgrade(&self.log))))
-        });
+        let open = bus
+            .runs
+            .get_mut(&*self.log.run_id)
+            .filter(|entry| entry.is(Arc::as_ptr(&self.log)))
+            .map(|entry| std::mem::replace(entry, Log::Waiting(Arc::downgrade(&self.log))));
         drop(bus);
         drop(open);
         Ok(())

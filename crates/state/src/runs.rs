@@ -331,7 +331,6 @@ static PACKER: LazyLock<Packer> = LazyLock::new(|| {
     let call = r#"{"id":"call_","name":"","arguments":"{\"\":\"\"}"}"#;
     let mut record = RunRecord::new(id, id, id, id, "");
     record.status = crate::RunStatus::RequiresAction;
-    record.owner = String::new();
     record.pending = vec![agentrt_events::PendingCall {
         id: "call_".into(),
         name: String::new(),
@@ -430,7 +429,9 @@ impl Leases {
         at: Instant,
         released: Option<bool>,
     ) -> bool {
-        let id = self.id(run_id);
+        let Some(id) = self.by_run.get_key_value(run_id).map(|(id, _)| id.clone()) else {
+            return false;
+        };
         let Some((held, old, was)) = self.by_run.get_mut(run_id) else {
             return false;
         };
@@ -1075,12 +1076,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_run_is_kept_packed_until_it_goes_on() {
-        let store = MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: Duration::from_secs(10),
-            max_bytes: 1 << 20,
-            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
-        });
+        let store = MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(600),
+            Duration::from_secs(10),
+        ));
         let packed = |store: &MemoryRunStore| {
             let inner = store.lock();
             (
@@ -1163,12 +1162,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_run_packs_to_a_few_hundred_bytes() {
-        let store = MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: Duration::from_secs(10),
-            max_bytes: 1 << 20,
-            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
-        });
+        let store = MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(600),
+            Duration::from_secs(10),
+        ));
         let [run, engine, session, message] = [
             "26488e94-294b-4f0a-b057-d44ae4d12a86",
             "93a722db-80a0-4f4e-9572-5ca629249863",
@@ -1268,7 +1265,7 @@ mod tests {
             .unwrap();
         assert!(store.take_over("a1", "a1.b").await.unwrap().is_some());
         wait_in(&store, "a3", "alice/s3").await.unwrap();
-        // A partial answer or a read changes nothing of the count.
+        // Reading a waiting run changes nothing of the count.
         store.load("a3").await.unwrap();
         assert_eq!(
             budget(wait_in(&store, "a4", "alice/s4").await),
@@ -1296,10 +1293,8 @@ mod tests {
         };
         let one = weight(&ended("r0"));
         let store = MemoryRunStore::new(RunRetention {
-            ended: Duration::from_secs(600),
-            lease: Duration::from_secs(10),
             max_bytes: one * 3,
-            ..RunRetention::unbounded(Duration::ZERO, Duration::ZERO)
+            ..RunRetention::unbounded(Duration::from_secs(600), Duration::from_secs(10))
         });
         let running = RunRecord::new("live", "e", "s", "live", &"q".repeat(10_000));
         store.save(&running, 0, None).await.unwrap();

@@ -242,43 +242,42 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let stream = agentrt_coalesce::Coalesced::new(stream);
-        let Some(tls) = &tls else {
-            let connection = http
-                .serve_connection_with_upgrades(TokioIo::new(stream), service.clone())
-                .into_owned();
-            let connection = graceful.watch(connection);
-            tokio::spawn(async move {
-                if let Err(error) = connection.await {
-                    warn!(error = ?error, "connection ended with an error");
-                }
-            });
-            continue;
-        };
-        // The handshake runs in the connection's task: a slow client holds up no other.
-        let handshake = tls.accept(stream);
         let (http, service, watcher) = (http.clone(), service.clone(), graceful.watcher());
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
-                Ok(Ok(stream)) => stream,
-                Ok(Err(error)) => {
-                    warn!(%error, "TLS handshake failed");
-                    return;
+            let served = match tls {
+                None => {
+                    let connection =
+                        http.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    watcher.watch(connection.into_owned()).await
                 }
-                Err(_) => {
-                    warn!("TLS handshake timed out");
-                    return;
+                // The handshake runs in the connection's task: a slow client holds up no
+                // other.
+                Some(tls) => {
+                    let stream =
+                        match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(error)) => {
+                                warn!(%error, "TLS handshake failed");
+                                return;
+                            }
+                            Err(_) => {
+                                warn!("TLS handshake timed out");
+                                return;
+                            }
+                        };
+                    let alpn = stream
+                        .get_ref()
+                        .1
+                        .alpn_protocol()
+                        .map(String::from_utf8_lossy);
+                    info!(alpn = alpn.as_deref().unwrap_or("none"), "TLS connection");
+                    let connection =
+                        http.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                    watcher.watch(connection.into_owned()).await
                 }
             };
-            let alpn = stream
-                .get_ref()
-                .1
-                .alpn_protocol()
-                .map(String::from_utf8_lossy);
-            info!(alpn = alpn.as_deref().unwrap_or("none"), "TLS connection");
-            let connection = http
-                .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                .into_owned();
-            if let Err(error) = watcher.watch(connection).await {
+            if let Err(error) = served {
                 warn!(error = ?error, "connection ended with an error");
             }
         });
