@@ -140,6 +140,15 @@ const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 /// takes it over (the replica that claimed it writes the record at once, unless it died).
 const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
 
+/// A run taken over that resumes here: its lease is among those renewed until this goes.
+struct Resuming<'a>(&'a RunManager, &'a str);
+
+impl Drop for Resuming<'_> {
+    fn drop(&mut self) {
+        self.0.resuming().remove(self.1);
+    }
+}
+
 /// A run executing on this replica.
 struct LocalRun {
     control: Arc<RunControl>,
@@ -160,6 +169,10 @@ pub struct RunManager {
     /// Woken when the last active run ends.
     idle: tokio::sync::Notify,
     local: Mutex<HashMap<String, LocalRun>>,
+    /// Runs taken over and still resuming (not in `local` yet), by id, with their lease
+    /// tokens: their leases are renewed meanwhile, for resuming many runs at once can take
+    /// longer than a lease, and a lapsed lease would let a third replica take them.
+    resuming: Mutex<HashMap<String, String>>,
     /// This process's part of the lease tokens.
     replica: String,
     /// Tokens made so far.
@@ -196,6 +209,7 @@ impl RunManager {
             usage: Mutex::new(Usage::default()),
             idle: tokio::sync::Notify::new(),
             local: Mutex::new(HashMap::new()),
+            resuming: Mutex::new(HashMap::new()),
             replica: uuid::Uuid::new_v4().simple().to_string(),
             tokens: AtomicUsize::new(0),
             draining: CancellationToken::new(),
@@ -231,16 +245,26 @@ impl RunManager {
         self.limits.takeover_after.map(|_| self.draining.clone())
     }
 
-    /// The leases of the runs executing here.
+    /// The leases of the runs executing here, and of those resuming here.
     fn leases(&self) -> Vec<Lease> {
-        self.lock()
+        let mut leases: Vec<Lease> = self
+            .lock()
             .iter()
             .filter(|(_, run)| !run.token.is_empty())
             .map(|(run_id, run)| Lease {
                 run_id: run_id.clone(),
                 token: run.token.clone(),
             })
-            .collect()
+            .collect();
+        leases.extend(self.resuming().iter().map(|(run_id, token)| Lease {
+            run_id: run_id.clone(),
+            token: token.clone(),
+        }));
+        leases
+    }
+
+    fn resuming(&self) -> MutexGuard<'_, HashMap<String, String>> {
+        self.resuming.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Takes over, and continues here, the runs whose lease lapsed, as many as there is
@@ -285,6 +309,9 @@ impl RunManager {
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
+        // Its lease is renewed from now on, until the run is spawned (or not resumed).
+        self.resuming().insert(run_id.clone(), token.clone());
+        let _resuming = Resuming(self, &run_id);
         // Accepted before: charged, never refused.
         let charge = Charge {
             principal: agentrt_state::principal_of(&taken.record.session_id).to_owned(),
