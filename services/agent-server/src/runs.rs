@@ -131,8 +131,11 @@ pub struct AnswerOutcome {
 const TAKEOVER_POLL: Duration = Duration::from_millis(100);
 /// Lapsed runs asked for at once.
 const TAKEOVER_BATCH: usize = 256;
-/// Runs being taken over at once.
-const TAKEOVER_CONCURRENCY: usize = 64;
+/// Runs being taken over at once. Enough to hide Redis's round trips; more only makes
+/// each run wait longer between its take-over and its start here (its log is read back
+/// and decoded meanwhile), and a burst of hundreds of runs handed over starves the
+/// replica's other work, its lease renewals included.
+const TAKEOVER_CONCURRENCY: usize = 16;
 /// How long a replica handing its runs over waits, at most, for one to stop.
 const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 
