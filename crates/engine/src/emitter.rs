@@ -2,8 +2,10 @@
 //!
 //! Events are gathered and published in batches: a batch goes out before the run waits
 //! for anything (the model's next chunk, a tool), so that a burst of deltas reaches the
-//! bus, and readers, once. The record is saved to the run store at the end of each round
-//! and before the `done` event, so that `GetRun` on any replica agrees with the events.
+//! bus, and readers, once; a shared bus may hold the batch published before a model call
+//! for a few milliseconds, to write it with what follows. The record is saved to the run
+//! store at the end of each round, in one checkpoint with the round's events, and before
+//! the `done` event, so that `GetRun` on any replica agrees with the events.
 
 use std::{sync::Arc, time::Duration};
 
@@ -14,8 +16,8 @@ use agentrt_events::{
 };
 use agentrt_models::Usage;
 use agentrt_state::{
-    Progress, RunError, RunRecord, RunStatus, RunStore, StateError, StepRecord, StopReason,
-    ToolCallRecord,
+    CheckpointError, Progress, RunError, RunRecord, RunStatus, RunStore, StateError, StepRecord,
+    StopReason, ToolCallRecord,
 };
 use serde_json::{Value, json};
 use tracing::warn;
@@ -142,15 +144,28 @@ impl Emitter {
 
     /// Publishes the events made so far; called before the run waits for anything.
     pub(crate) async fn flush(&mut self) -> Result<(), Outcome> {
+        self.publish_pending(false).await
+    }
+
+    /// Publishes the events made so far, letting a shared bus hold them for a few
+    /// milliseconds to write them with what follows; called before a model call, which
+    /// may answer at once (then its first events, or the next checkpoint, go with them).
+    pub(crate) async fn flush_soon(&mut self) -> Result<(), Outcome> {
+        self.publish_pending(true).await
+    }
+
+    async fn publish_pending(&mut self, soon: bool) -> Result<(), Outcome> {
         if self.pending.is_empty() {
             return Ok(());
         }
         let batch = std::mem::take(&mut self.pending);
         let count = batch.len() as u64;
-        self.publisher
-            .publish(batch)
-            .await
-            .map_err(|e| unpublished(&e))?;
+        let published = if soon {
+            self.publisher.publish_soon(batch).await
+        } else {
+            self.publisher.publish(batch).await
+        };
+        published.map_err(|e| unpublished(&e))?;
         self.published += count;
         self.record.last_sequence = self.published;
         Ok(())
@@ -159,24 +174,28 @@ impl Emitter {
     /// Publishes what is pending and saves the record, with `progress` (what another
     /// replica needs to continue the run from here) when given.
     pub(crate) async fn checkpoint(&mut self, progress: Option<Progress>) -> Result<(), Outcome> {
-        // Both writes are sent at once: with a remote store they share the wait.
         let batch = std::mem::take(&mut self.pending);
         let count = batch.len() as u64;
         self.record.last_sequence = self.published + count;
-        let publish = async {
-            if batch.is_empty() {
-                return Ok(());
+        let written = self
+            .store
+            .checkpoint(
+                self.publisher.as_ref(),
+                batch,
+                &self.record,
+                self.saved_steps,
+                progress.as_ref(),
+            )
+            .await;
+        match written {
+            Ok(()) => {}
+            Err(CheckpointError::Events(error)) => return Err(unpublished(&error)),
+            Err(CheckpointError::Record(error)) => {
+                self.published += count;
+                return Err(unsaved(&error));
             }
-            self.publisher.publish(batch).await
-        };
-        let (published, saved) = tokio::join!(
-            publish,
-            self.store
-                .save(&self.record, self.saved_steps, progress.as_ref())
-        );
-        published.map_err(|e| unpublished(&e))?;
+        }
         self.published += count;
-        saved.map_err(|e| unsaved(&e))?;
         // The current round may still change; the ones before it no longer do.
         self.saved_steps = self.record.steps.len().saturating_sub(1);
         Ok(())

@@ -961,7 +961,7 @@ impl Engine {
         let started = Instant::now();
         let mut first_delta = None;
         let work = async {
-            em.flush().await?;
+            em.flush_soon().await?;
             let mut stream = model
                 .stream(request, cancel.child_token())
                 .await

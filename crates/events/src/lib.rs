@@ -488,6 +488,15 @@ pub trait RunPublisher: Send + Sync {
     /// their numbers, and written by the next call (which may publish nothing new).
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError>;
 
+    /// As [`RunPublisher::publish`], except that a shared bus may hold any of the events
+    /// for a few milliseconds, or until the next publish or checkpoint, to write them
+    /// together with what follows: for events published just before the run waits on a
+    /// call that is often quick (a model's next reply). Readers still get every event,
+    /// in order, within those milliseconds.
+    async fn publish_soon(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
+        self.publish(events).await
+    }
+
     /// Writes what is buffered and lets the run go without ending it: another replica
     /// continues it. Readers following the run through this publisher's copy get
     /// [`BusError::Moved`] after its last event; nothing more is published here.
@@ -500,6 +509,13 @@ pub trait RunPublisher: Send + Sync {
     /// log).
     async fn park(&self) -> Result<(), BusError> {
         self.release().await
+    }
+
+    /// This publisher as `Any`: a run store kept in the same backend as the bus may
+    /// write a checkpoint's events together with the run's record (see the state crate's
+    /// `RunStore::checkpoint`). `None` when it cannot.
+    fn as_any(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        None
     }
 }
 

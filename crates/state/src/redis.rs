@@ -27,11 +27,15 @@
 //!
 //! Every write of a run's events and record is a script that first checks the writer's
 //! token against the run's owner (a fence): a replica paused past its lease writes
-//! nothing once another took the run over.
+//! nothing once another took the run over. A run's checkpoint (`RunStore::checkpoint`)
+//! writes its events and its record in one script: one round trip per tool round.
+//! Events that may wait (text deltas, and what a run publishes just before it calls the
+//! model) are written at most 10 ms later by one task per replica, or earlier with the
+//! run's next write.
 
 use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    collections::{HashMap, VecDeque},
+    sync::{Arc, Mutex, MutexGuard, PoisonError, Weak},
     time::{Duration, SystemTime},
 };
 
@@ -49,8 +53,8 @@ use tracing::{debug, info, warn};
 use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
     runs::{
-        Answered, Answers, Claim, Lease, Progress, Resumable, RunStore, StopRequest, StopRequests,
-        agent_id,
+        Answered, Answers, CheckpointError, Claim, Lease, Progress, Resumable, RunStore,
+        StopRequest, StopRequests, agent_id, checkpoint_apart,
     },
 };
 
@@ -108,6 +112,8 @@ struct Shared {
     listeners: Arc<Mutex<Listeners>>,
     /// This replica's copies of the logs of the runs it executes.
     local: agentrt_events::InMemoryBus,
+    /// Writes the events that publishers let wait.
+    flusher: Arc<Flusher>,
 }
 
 #[derive(Default)]
@@ -178,6 +184,7 @@ impl Redis {
                     retention: limits.run_retention,
                     retained_events: limits.retained_events,
                 }),
+                flusher: Arc::default(),
             }),
         })
     }
@@ -274,12 +281,27 @@ impl Shared {
     }
 
     fn key(&self, kind: &str, id: &str) -> String {
-        format!("{}:{kind}:{id}", self.prefix)
+        // Made for every write: built directly, without the formatting machinery.
+        let mut key = String::with_capacity(self.prefix.len() + kind.len() + id.len() + 2);
+        key.push_str(&self.prefix);
+        key.push(':');
+        key.push_str(kind);
+        key.push(':');
+        key.push_str(id);
+        key
     }
 
     fn connection(&self) -> ConnectionManager {
         self.commands.clone()
     }
+}
+
+/// `prefix` followed by `n`: a field name, made for every write.
+fn numbered(prefix: &str, n: usize) -> String {
+    let mut name = String::with_capacity(prefix.len() + 8);
+    name.push_str(prefix);
+    name.push_str(&n.to_string());
+    name
 }
 
 fn millis(duration: Duration) -> u64 {
@@ -642,10 +664,91 @@ script!(cancel_waiting_script, CANCEL_WAITING);
 
 impl RedisRuns {
     fn message_key(&self, session_id: &str, message_id: &str) -> String {
-        self.0.key(
-            "msg",
-            &format!("{}:{session_id}:{message_id}", session_id.len()),
-        )
+        let mut id = session_id.len().to_string();
+        id.reserve(session_id.len() + message_id.len() + 2);
+        id.push(':');
+        id.push_str(session_id);
+        id.push(':');
+        id.push_str(message_id);
+        self.0.key("msg", &id)
+    }
+
+    /// The keys and arguments of [`SAVE`] that write `record` (see [`RunStore::save`]).
+    fn save_call(
+        &self,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> StateResult<SaveCall> {
+        let header = serde_json::to_string(record).map_err(|e| corrupt("run record", &e))?;
+        let mut fields = vec!["h".to_owned(), header];
+        for (index, step) in record.steps.iter().enumerate().skip(from_step) {
+            let json = serde_json::to_string(step).map_err(|e| corrupt("run step", &e))?;
+            fields.push(numbered("s:", index));
+            fields.push(json);
+        }
+        let count = fields.len() / 2;
+        if let Some(progress) = progress.filter(|_| !record.ended()) {
+            if let Some(spec) = &progress.spec {
+                fields.push("spec".to_owned());
+                fields.push(spec.clone());
+            }
+            fields.push("st".to_owned());
+            fields.push(progress.state.clone());
+            for (offset, message) in progress.messages.iter().enumerate() {
+                fields.push(numbered("m:", progress.first_message + offset));
+                fields.push(message.clone());
+            }
+        }
+        // Times to live: set when the record is made (the run's other keys have theirs
+        // already) and when it ends; a run cannot outlive the first.
+        let mut flags = match (record.steps.is_empty(), record.ended()) {
+            (_, true) => "e",
+            (true, false) => "f",
+            (false, false) => "",
+        }
+        .to_owned();
+        let agent = progress
+            .filter(|_| !record.ended())
+            .and_then(|p| p.agent.as_ref())
+            .map(|json| (agent_id(json), json));
+        if let Some((id, json)) = &agent {
+            flags.push('a');
+            fields.extend(["a".to_owned(), id.clone(), (*json).clone()]);
+        }
+        let wait = progress
+            .and_then(|p| p.wait)
+            .filter(|_| record.waiting() && !record.pending.is_empty());
+        let mut args = Vec::with_capacity(8 + fields.len() + record.pending.len());
+        args.extend([
+            record.run_id.clone(),
+            record.owner.clone(),
+            millis(self.ttl(record, wait)).to_string(),
+            millis(self.0.limits.lease).to_string(),
+            flags,
+            count.to_string(),
+            wait.map_or_else(String::new, |w| millis(w).to_string()),
+        ]);
+        if wait.is_some() {
+            args.push(record.pending.len().to_string());
+            args.extend(record.pending.iter().map(|p| p.id.clone()));
+        } else {
+            args.push("0".to_owned());
+        }
+        args.extend(fields);
+        Ok(SaveCall {
+            keys: [
+                self.0.key("run", &record.run_id),
+                self.0.key("owner", &record.run_id),
+                self.0.key("leases", "all"),
+                self.0.key("events", &record.run_id),
+                self.message_key(&record.session_id, &record.message_id),
+                self.0.key("resume", &record.run_id),
+                self.0.key("wait", &record.run_id),
+                self.0.key("agent", agent.as_ref().map_or("", |(id, _)| id)),
+            ],
+            args,
+        })
     }
 
     fn ttl(&self, record: &RunRecord, wait: Option<Duration>) -> Duration {
@@ -688,72 +791,13 @@ impl RunStore for RedisRuns {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<()> {
-        let header = serde_json::to_string(record).map_err(|e| corrupt("run record", &e))?;
-        let mut fields = vec!["h".to_owned(), header];
-        for (index, step) in record.steps.iter().enumerate().skip(from_step) {
-            let json = serde_json::to_string(step).map_err(|e| corrupt("run step", &e))?;
-            fields.push(format!("s:{index}"));
-            fields.push(json);
+        let save = self.save_call(record, from_step, progress)?;
+        let mut script = save_script().prepare_invoke();
+        for key in &save.keys {
+            script.key(key);
         }
-        let count = fields.len() / 2;
-        if let Some(progress) = progress.filter(|_| !record.ended()) {
-            if let Some(spec) = &progress.spec {
-                fields.push("spec".to_owned());
-                fields.push(spec.clone());
-            }
-            fields.push("st".to_owned());
-            fields.push(progress.state.clone());
-            for (offset, message) in progress.messages.iter().enumerate() {
-                fields.push(format!("m:{}", progress.first_message + offset));
-                fields.push(message.clone());
-            }
-        }
-        // Times to live: set when the record is made (the run's other keys have theirs
-        // already) and when it ends; a run cannot outlive the first.
-        let mut flags = match (record.steps.is_empty(), record.ended()) {
-            (_, true) => "e",
-            (true, false) => "f",
-            (false, false) => "",
-        }
-        .to_owned();
-        let agent = progress
-            .filter(|_| !record.ended())
-            .and_then(|p| p.agent.as_ref())
-            .map(|json| (agent_id(json), json));
-        if let Some((id, json)) = &agent {
-            flags.push('a');
-            fields.extend(["a".to_owned(), id.clone(), (*json).clone()]);
-        }
-        let wait = progress
-            .and_then(|p| p.wait)
-            .filter(|_| record.waiting() && !record.pending.is_empty());
-        let written: u8 = save_script()
-            .key(self.0.key("run", &record.run_id))
-            .key(self.0.key("owner", &record.run_id))
-            .key(self.0.key("leases", "all"))
-            .key(self.0.key("events", &record.run_id))
-            .key(self.message_key(&record.session_id, &record.message_id))
-            .key(self.0.key("resume", &record.run_id))
-            .key(self.0.key("wait", &record.run_id))
-            .key(self.0.key("agent", agent.as_ref().map_or("", |(id, _)| id)))
-            .arg(&record.run_id)
-            .arg(&record.owner)
-            .arg(millis(self.ttl(record, wait)))
-            .arg(millis(self.0.limits.lease))
-            .arg(flags)
-            .arg(count)
-            .arg(wait.map_or_else(String::new, |w| millis(w).to_string()))
-            .arg(if wait.is_some() {
-                record.pending.len()
-            } else {
-                0
-            })
-            .arg(
-                wait.iter()
-                    .flat_map(|_| record.pending.iter().map(|p| p.id.as_str()))
-                    .collect::<Vec<_>>(),
-            )
-            .arg(fields)
+        let written: u8 = script
+            .arg(save.args)
             .invoke_async(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
@@ -761,6 +805,27 @@ impl RunStore for RedisRuns {
             return Err(StateError::Fenced(record.run_id.clone()));
         }
         Ok(())
+    }
+
+    async fn checkpoint(
+        &self,
+        publisher: &dyn RunPublisher,
+        events: Vec<RunEvent>,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> Result<(), CheckpointError> {
+        let ours = publisher
+            .as_any()
+            .and_then(|any| any.downcast_ref::<RedisPublisher>())
+            .filter(|p| Arc::ptr_eq(&p.core.shared, &self.0));
+        let Some(publisher) = ours else {
+            return checkpoint_apart(self, publisher, events, record, from_step, progress).await;
+        };
+        let save = self
+            .save_call(record, from_step, progress)
+            .map_err(CheckpointError::Record)?;
+        publisher.checkpoint(events, save).await
     }
 
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
@@ -1166,8 +1231,9 @@ impl RedisBus {
     }
 }
 
-/// How long text deltas may wait to be written together: a model streams a token at a
-/// time, and one write per token would cost Redis a command per token.
+/// How long text deltas (and events published soon) may wait to be written together: a
+/// model streams a token at a time, and one write per token would cost Redis a command
+/// per token.
 const DELTA_LINGER: Duration = Duration::from_millis(10);
 /// Deltas buffered at most before they are written at once.
 const DELTA_BUFFER: usize = 128;
@@ -1187,7 +1253,142 @@ return 1
 
 script!(publish_script, PUBLISH);
 
+/// A checkpoint in one call: the events of [`PUBLISH`], then the record of [`SAVE`], both
+/// or neither (one fence). `KEYS`: the publish's 3 then the save's; `ARGV[1]`: how many
+/// arguments the publish has, then its arguments, then the save's.
+fn checkpoint_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| {
+        redis::Script::new(&format!(
+            "{FENCE}
+local function publish(KEYS, ARGV)
+{PUBLISH}
+end
+local function save(KEYS, ARGV)
+{SAVE}
+end
+local published = tonumber(ARGV[1])
+local publish_keys, publish_args, save_keys, save_args = {{}}, {{}}, {{}}, {{}}
+for i = 1, #KEYS do
+  if i <= 3 then publish_keys[i] = KEYS[i] else save_keys[i - 3] = KEYS[i] end
+end
+for i = 2, #ARGV do
+  if i <= published + 1 then publish_args[i - 1] = ARGV[i] else save_args[i - published - 1] = ARGV[i] end
+end
+if publish(publish_keys, publish_args) == 0 then return 0 end
+return save(save_keys, save_args)
+"
+        ))
+    })
+}
+
+/// The keys and arguments of a [`SAVE`].
+struct SaveCall {
+    keys: [String; 8],
+    args: Vec<String>,
+}
+
+/// Writes the events publishers let wait, once they have waited [`DELTA_LINGER`]: one
+/// task for all the runs of a replica, rather than a task and a timer per run.
+#[derive(Default)]
+struct Flusher {
+    /// Publishers with events waiting, in the order their time comes (with stale entries
+    /// of publishers whose events were written before their time).
+    due: Mutex<VecDeque<(tokio::time::Instant, Weak<PublisherCore>)>>,
+    /// Wakes the task when the first publisher is queued.
+    wake: tokio::sync::Notify,
+    started: std::sync::OnceLock<()>,
+}
+
+/// How long the flusher's task waits for work before it looks whether its Redis is still
+/// used.
+const FLUSHER_IDLE: Duration = Duration::from_secs(1);
+
+impl Flusher {
+    /// Has `core`'s buffered events written in [`DELTA_LINGER`], unless events buffered
+    /// before them wait already (then they go out together, sooner).
+    fn schedule(self: &Arc<Self>, core: &Arc<PublisherCore>) {
+        let at = tokio::time::Instant::now() + DELTA_LINGER;
+        {
+            let mut state = core.state();
+            if state.due.is_some() {
+                return;
+            }
+            state.due = Some(at);
+        }
+        let first = {
+            let mut due = self.due.lock().unwrap_or_else(PoisonError::into_inner);
+            due.push_back((at, Arc::downgrade(core)));
+            due.len() == 1
+        };
+        self.started.get_or_init(|| {
+            tokio::spawn(Self::run(Arc::downgrade(self)));
+        });
+        if first {
+            self.wake.notify_one();
+        }
+    }
+
+    /// The task: writes each queued publisher's events when their time comes (those that
+    /// a checkpoint or a later publish wrote meanwhile have nothing left to write). It
+    /// ends with the connection to Redis.
+    async fn run(flusher: Weak<Self>) {
+        loop {
+            let Some(this) = flusher.upgrade() else {
+                return;
+            };
+            let next = this
+                .due
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .front()
+                .map(|(at, _)| *at);
+            match next {
+                None => {
+                    let _ = tokio::time::timeout(FLUSHER_IDLE, this.wake.notified()).await;
+                    continue;
+                }
+                Some(at) => tokio::time::sleep_until(at).await,
+            }
+            let now = tokio::time::Instant::now();
+            loop {
+                let (at, core) = {
+                    let mut due = this.due.lock().unwrap_or_else(PoisonError::into_inner);
+                    match due.front() {
+                        Some((at, _)) if *at <= now => match due.pop_front() {
+                            Some(entry) => entry,
+                            None => break,
+                        },
+                        _ => break,
+                    }
+                };
+                let Some(core) = core.upgrade() else {
+                    continue;
+                };
+                let waiting = {
+                    let mut state = core.state();
+                    // An entry whose events were written meanwhile is stale: events
+                    // buffered since have an entry of their own.
+                    if state.due != Some(at) {
+                        continue;
+                    }
+                    state.due = None;
+                    !state.buffer.is_empty() && !state.fenced
+                };
+                if waiting {
+                    // Each write on its own: one that waits for Redis holds up no other.
+                    tokio::spawn(async move {
+                        let _ = core.write().await;
+                    });
+                }
+            }
+        }
+    }
+}
+
 struct PublisherState {
+    /// When the flusher writes the events buffered to wait, if any wait.
+    due: Option<tokio::time::Instant>,
     /// The sequence the next event gets.
     next: u64,
     /// Whether the `done` event was accepted.
@@ -1205,7 +1406,7 @@ struct PublisherState {
     local_seen: u64,
 }
 
-/// What the publisher and its background writer share.
+/// What the publisher and the flusher share.
 struct PublisherCore {
     shared: Arc<Shared>,
     key: String,
@@ -1225,10 +1426,10 @@ impl PublisherCore {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Numbers `events` and buffers them; true when they may wait for the background
-    /// writer (text deltas only, and not too many).
-    fn buffer(&self, events: Vec<RunEvent>) -> bool {
-        let deltas_only = events.iter().all(|e| e.data.is_none() && !e.done);
+    /// Numbers `events` and buffers them; true when they may wait for the flusher (text
+    /// deltas only, or anything but the end when `soon`, and not too many).
+    fn buffer(&self, events: Vec<RunEvent>, soon: bool) -> bool {
+        let may_wait = soon || events.iter().all(|e| e.data.is_none() && !e.done);
         let mut state = self.state();
         // After a failed write its events are still buffered: they go first, now.
         let retry = state.failed.take().is_some();
@@ -1242,24 +1443,38 @@ impl PublisherCore {
             state.buffer.push((sequence, event));
         }
         // The first batch is written at once: it makes the log exist for readers.
-        !retry && state.expiring && deltas_only && !state.done && state.buffer.len() < DELTA_BUFFER
+        !retry && state.expiring && may_wait && !state.done && state.buffer.len() < DELTA_BUFFER
     }
 
     /// Writes what is buffered, in one script (whole or not at all), then gives it to
     /// this replica's copy of the log: readers here see only what Redis holds, so a
     /// replica that lost the run never shows them events its new owner does not have.
     async fn write(&self) -> Result<(), BusError> {
+        self.write_with(None).await.map_err(|error| match error {
+            CheckpointError::Events(error) => error,
+            CheckpointError::Record(error) => error.into(),
+        })
+    }
+
+    /// [`PublisherCore::write`], with `save` (the run's record) in the same script when
+    /// given.
+    async fn write_with(&self, save: Option<SaveCall>) -> Result<(), CheckpointError> {
         let _writing = self.writer.lock().await;
         let (batch, set_ttl) = {
             let mut state = self.state();
             let batch = std::mem::take(&mut state.buffer);
+            // Nothing waits for the flusher any more.
+            state.due = None;
             let ended = batch.last().is_some_and(|(_, event)| event.done);
             let set_ttl = !state.expiring || ended;
             state.expiring = true;
             (batch, set_ttl.then_some(ended))
         };
         let Some((last, _)) = batch.last() else {
-            return Ok(());
+            return match save {
+                Some(save) => self.save(save).await.map_err(CheckpointError::Record),
+                None => Ok(()),
+            };
         };
         let last = *last;
         let ttl = set_ttl.map_or(0, |ended| {
@@ -1269,25 +1484,54 @@ impl PublisherCore {
                 RUNNING_TTL + self.shared.limits.run_retention
             })
         });
-        let mut script = publish_script().key(&self.key);
+        let mut script = match &save {
+            Some(save) => {
+                let mut script = checkpoint_script().prepare_invoke();
+                script.key(&self.key);
+                script
+                    .key(self.shared.key("owner", &self.run_id))
+                    .key(self.shared.key("run", &self.run_id));
+                for key in &save.keys {
+                    script.key(key);
+                }
+                // The publish's arguments: 5, then 2 per event.
+                script.arg(5 + 2 * batch.len());
+                script
+            }
+            None => {
+                let mut script = publish_script().key(&self.key);
+                script
+                    .key(self.shared.key("owner", &self.run_id))
+                    .key(self.shared.key("run", &self.run_id));
+                script
+            }
+        };
         script
-            .key(self.shared.key("owner", &self.run_id))
-            .key(self.shared.key("run", &self.run_id))
             .arg(&self.run_id)
             .arg(&self.owner)
             .arg(self.shared.limits.events_per_run.max(1))
             .arg(ttl)
             .arg(last);
         for (sequence, event) in &batch {
-            let json = serde_json::to_vec(event)
-                .map_err(|e| BusError::Unavailable(format!("cannot encode an event: {e}")))?;
-            script.arg(format!("{sequence}-1")).arg(json);
+            let json = serde_json::to_vec(event).map_err(|e| {
+                CheckpointError::Events(BusError::Unavailable(format!(
+                    "cannot encode an event: {e}"
+                )))
+            })?;
+            let mut id = sequence.to_string();
+            id.push_str("-1");
+            script.arg(id).arg(json);
+        }
+        if let Some(save) = save {
+            script.arg(save.args);
         }
         let written: Result<u8, _> = script.invoke_async(&mut self.shared.connection()).await;
         if written == Ok(0) {
             // Another replica has the run: these events are not its to write.
             self.state().fenced = true;
-            return Err(BusError::Fenced(self.run_id.clone()));
+            return Err(CheckpointError::Events(BusError::Fenced(
+                self.run_id.clone(),
+            )));
         }
         if let Err(e) = written {
             let error = bus_error(&self.shared, &e);
@@ -1315,7 +1559,7 @@ impl PublisherCore {
             let mut state = self.state();
             state.buffer.splice(0..0, batch);
             state.failed = Some(error.clone());
-            return Err(error);
+            return Err(CheckpointError::Events(error));
         }
         let seen = {
             let mut state = self.state();
@@ -1333,7 +1577,25 @@ impl PublisherCore {
                         .map(|(_, event)| event)
                         .collect(),
                 )
-                .await?;
+                .await
+                .map_err(CheckpointError::Events)?;
+        }
+        Ok(())
+    }
+
+    /// Writes a record with no events to go with it.
+    async fn save(&self, save: SaveCall) -> StateResult<()> {
+        let mut script = save_script().prepare_invoke();
+        for key in &save.keys {
+            script.key(key);
+        }
+        let written: u8 = script
+            .arg(save.args)
+            .invoke_async(&mut self.shared.connection())
+            .await
+            .map_err(|e| self.shared.unavailable(&e))?;
+        if written == 0 {
+            return Err(StateError::Fenced(self.run_id.clone()));
         }
         Ok(())
     }
@@ -1341,8 +1603,6 @@ impl PublisherCore {
 
 struct RedisPublisher {
     core: Arc<PublisherCore>,
-    /// Wakes the background writer.
-    flush_soon: Arc<tokio::sync::Notify>,
 }
 
 impl RedisPublisher {
@@ -1362,6 +1622,7 @@ impl RedisPublisher {
             owner: owner.to_owned(),
             local,
             state: Mutex::new(PublisherState {
+                due: None,
                 next,
                 done: false,
                 buffer: Vec::new(),
@@ -1372,23 +1633,30 @@ impl RedisPublisher {
             }),
             writer: tokio::sync::Mutex::new(()),
         });
-        let flush_soon = Arc::new(tokio::sync::Notify::new());
-        // The background writer of text deltas; it ends with the publisher.
-        let weak = Arc::downgrade(&core);
-        let wake = flush_soon.clone();
-        tokio::spawn(async move {
-            loop {
-                wake.notified().await;
-                tokio::time::sleep(DELTA_LINGER).await;
-                let Some(core) = weak.upgrade() else { return };
-                let _ = core.write().await;
-                let state = core.state();
-                if state.done || state.fenced {
-                    return;
-                }
-            }
-        });
-        Self { core, flush_soon }
+        Self { core }
+    }
+
+    /// Publishes `events` and writes `save` (the run's record) in one script.
+    async fn checkpoint(
+        &self,
+        events: Vec<RunEvent>,
+        save: SaveCall,
+    ) -> Result<(), CheckpointError> {
+        if self.core.state().fenced {
+            return Err(CheckpointError::Events(BusError::Fenced(
+                self.core.run_id.clone(),
+            )));
+        }
+        self.core.buffer(events, false);
+        let written = self.core.write_with(Some(save)).await;
+        if let Err(
+            CheckpointError::Events(BusError::Fenced(_))
+            | CheckpointError::Record(StateError::Fenced(_)),
+        ) = &written
+        {
+            self.let_go().await;
+        }
+        written
     }
 
     /// Ends the readers of this replica's copy: the run goes on elsewhere.
@@ -1403,24 +1671,40 @@ impl RedisPublisher {
 #[async_trait]
 impl RunPublisher for RedisPublisher {
     async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
+        self.publish_now_or_soon(events, false).await
+    }
+
+    async fn publish_soon(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
+        self.publish_now_or_soon(events, true).await
+    }
+
+    async fn release(&self) -> Result<(), BusError> {
+        let written = self.core.write().await;
+        self.let_go().await;
+        written
+    }
+
+    fn as_any(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        Some(self)
+    }
+}
+
+impl RedisPublisher {
+    /// Publishes `events`, or buffers them for the flusher when they may wait
+    /// (see [`PublisherCore::buffer`]).
+    async fn publish_now_or_soon(&self, events: Vec<RunEvent>, soon: bool) -> Result<(), BusError> {
         if self.core.state().fenced {
             return Err(BusError::Fenced(self.core.run_id.clone()));
         }
-        let deferred = self.core.buffer(events);
+        let deferred = self.core.buffer(events, soon);
         if deferred {
-            self.flush_soon.notify_one();
+            self.core.shared.flusher.schedule(&self.core);
             return Ok(());
         }
         let written = self.core.write().await;
         if let Err(BusError::Fenced(_)) = &written {
             self.let_go().await;
         }
-        written
-    }
-
-    async fn release(&self) -> Result<(), BusError> {
-        let written = self.core.write().await;
-        self.let_go().await;
         written
     }
 }
@@ -1431,7 +1715,6 @@ impl Drop for RedisPublisher {
     /// written in the background. A run let go, or taken by another replica, is left to
     /// its new owner.
     fn drop(&mut self) {
-        self.flush_soon.notify_one();
         let ended = {
             let state = self.core.state();
             state.fenced || (state.done && state.buffer.is_empty())
@@ -1445,7 +1728,7 @@ impl Drop for RedisPublisher {
         let core = self.core.clone();
         runtime.spawn(async move {
             if !core.state().done {
-                core.buffer(vec![RunEvent::ended_without_end()]);
+                core.buffer(vec![RunEvent::ended_without_end()], false);
             }
             if let Err(error) = core.write().await {
                 warn!(%error, "cannot end a run whose publisher went away");

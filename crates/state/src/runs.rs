@@ -8,6 +8,7 @@ use std::{
 };
 
 use agentrt_core::{StateError, StateResult, packed::Packer};
+use agentrt_events::{BusError, RunEvent, RunPublisher};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use tokio::{sync::broadcast, time::Instant};
@@ -135,6 +136,36 @@ pub fn agent_id(agent: &str) -> String {
         })
 }
 
+/// Why a checkpoint ([`RunStore::checkpoint`]) failed.
+#[derive(Debug, Clone)]
+pub enum CheckpointError {
+    /// The events were not written (nor, when both go in one call, the record).
+    Events(BusError),
+    /// The events were written, the record was not.
+    Record(StateError),
+}
+
+/// A checkpoint written as two calls sent at once (with a remote store they share the
+/// wait): the events through `publisher`, the record through `store`.
+pub async fn checkpoint_apart<S: RunStore + ?Sized>(
+    store: &S,
+    publisher: &dyn RunPublisher,
+    events: Vec<RunEvent>,
+    record: &RunRecord,
+    from_step: usize,
+    progress: Option<&Progress>,
+) -> Result<(), CheckpointError> {
+    let publish = async {
+        if events.is_empty() {
+            return Ok(());
+        }
+        publisher.publish(events).await
+    };
+    let (published, saved) = tokio::join!(publish, store.save(record, from_step, progress));
+    published.map_err(CheckpointError::Events)?;
+    saved.map_err(CheckpointError::Record)
+}
+
 /// Stop requests as they are made.
 pub type StopRequests = Pin<Box<dyn Stream<Item = StopRequest> + Send>>;
 
@@ -167,6 +198,21 @@ pub trait RunStore: Send + Sync {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<()>;
+
+    /// A run's checkpoint: publishes `events` through `publisher` and saves `record` as
+    /// [`RunStore::save`] does. A store kept in the same backend as the bus writes both
+    /// in one call, whole or not at all, after any events the publisher still holds;
+    /// otherwise both are sent at once (see [`checkpoint_apart`]).
+    async fn checkpoint(
+        &self,
+        publisher: &dyn RunPublisher,
+        events: Vec<RunEvent>,
+        record: &RunRecord,
+        from_step: usize,
+        progress: Option<&Progress>,
+    ) -> Result<(), CheckpointError> {
+        checkpoint_apart(self, publisher, events, record, from_step, progress).await
+    }
 
     /// Renews `leases` (in one call, whatever their number); answers the runs among them
     /// whose lease was lost: taken over by another replica, or ended.

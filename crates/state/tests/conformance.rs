@@ -232,3 +232,101 @@ async fn redis_bus_fences_a_replaced_owner_and_the_new_one_continues_the_log() {
         .await;
     assert_eq!(all, [1, 2, 3], "no gap, no repeat, one end");
 }
+
+/// A checkpoint writes the run's events and its record in one call: both are read on
+/// another replica at once, after any events the publisher held back, in order; an owner
+/// that lost the run writes neither.
+#[tokio::test]
+async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
+    let (a, b) = redis_pair("checkpoint", 100).await;
+    let publisher = a.bus().open("cp", "a.1").await.unwrap();
+    let mut record = RunRecord::new("cp", "e", "s", "m", "q");
+    record.owner = "a.1".into();
+    record.last_sequence = 1;
+    let progress = Progress {
+        spec: Some("{}".into()),
+        state: "{}".into(),
+        ..Progress::default()
+    };
+    a.runs()
+        .checkpoint(
+            publisher.as_ref(),
+            vec![started()],
+            &record,
+            0,
+            Some(&progress),
+        )
+        .await
+        .unwrap();
+    assert_eq!(b.runs().load("cp").await.unwrap().unwrap(), record);
+    let sequences = |redis: Redis| async move {
+        let mut reader = redis.bus().subscribe("cp", 0).await.unwrap();
+        let mut read = Vec::new();
+        while let Ok(Some(event)) =
+            tokio::time::timeout(Duration::from_millis(300), reader.next()).await
+        {
+            read.push(event.unwrap().sequence);
+        }
+        read
+    };
+    assert_eq!(sequences(b.clone()).await, [1]);
+
+    // A text delta the publisher holds back goes out first, with the checkpoint.
+    publisher
+        .publish(vec![RunEvent::new(
+            EventKind::FinalAnswer,
+            1,
+            "4".into(),
+            None,
+        )])
+        .await
+        .unwrap();
+    record.steps.push(agentrt_state::StepRecord {
+        iteration: 1,
+        answer: "4".into(),
+        ..Default::default()
+    });
+    record.last_sequence = 3;
+    a.runs()
+        .checkpoint(
+            publisher.as_ref(),
+            vec![started()],
+            &record,
+            0,
+            Some(&progress),
+        )
+        .await
+        .unwrap();
+    assert_eq!(b.runs().load("cp").await.unwrap().unwrap(), record);
+    assert_eq!(sequences(b.clone()).await, [1, 2, 3]);
+
+    // Taken over: the old owner's checkpoint writes nothing.
+    tokio::time::sleep(conformance::TEST_LEASE + Duration::from_millis(100)).await;
+    b.runs().take_over("cp", "b.1").await.unwrap().unwrap();
+    let mut stale = record.clone();
+    stale.last_sequence = 4;
+    stale.steps[0].answer = "stale".into();
+    let written = a
+        .runs()
+        .checkpoint(
+            publisher.as_ref(),
+            vec![started()],
+            &stale,
+            0,
+            Some(&progress),
+        )
+        .await;
+    assert!(
+        matches!(
+            written,
+            Err(agentrt_state::CheckpointError::Events(BusError::Fenced(_)))
+        ),
+        "{written:?}"
+    );
+    let kept = b.runs().load("cp").await.unwrap().unwrap();
+    assert_eq!(
+        (kept.last_sequence, kept.steps[0].answer.as_str()),
+        (3, "4")
+    );
+    assert_eq!(sequences(b).await, [1, 2, 3]);
+}

@@ -135,6 +135,34 @@ where
         );
     }
 
+    // Events published soon reach every replica's readers, in order, with nothing
+    // published after them.
+    let publisher = bus.open("soon", "").await.unwrap();
+    let started = RunEvent::new(
+        EventKind::RunStarted,
+        1,
+        String::new(),
+        Some(agentrt_events::EventData::RunStarted {
+            engine_id: "e".into(),
+            agent: "a".into(),
+        }),
+    );
+    publisher.publish(vec![started.clone()]).await.unwrap();
+    publisher
+        .publish_soon(vec![started, delta("a")])
+        .await
+        .unwrap();
+    let mut reader = other.subscribe("soon", 0).await.unwrap();
+    let mut read = Vec::new();
+    while read.len() < 3 {
+        let event = tokio::time::timeout(Duration::from_secs(2), reader.next())
+            .await
+            .expect("events published soon are read within moments");
+        read.push(event.unwrap().unwrap().sequence);
+    }
+    assert_eq!(read, [1, 2, 3]);
+    publisher.publish(vec![done()]).await.unwrap();
+
     // Ids are unique; unknown runs are reported.
     assert_eq!(
         bus.open("r2", "").await.err(),

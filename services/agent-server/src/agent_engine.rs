@@ -138,14 +138,14 @@ impl AgentEngineImpl {
     }
 
     /// The events of a run the server knows, after `after_sequence`.
-    async fn events(&self, run: &RunRecord, after_sequence: u64) -> Result<EventStream, Status> {
+    async fn events(&self, run_id: &str, after_sequence: u64) -> Result<EventStream, Status> {
         self.runs
-            .events(&run.run_id, after_sequence)
+            .events(run_id, after_sequence)
             .await
             .map_err(|error| match error {
                 // The run is known, so it ended and its log was dropped early to keep the
                 // ended runs' events within `runs.retained_events`.
-                BusError::UnknownRun(_) => Error::EventsExpired(run.run_id.clone()).into(),
+                BusError::UnknownRun(_) => Error::EventsExpired(run_id.to_owned()).into(),
                 error => Error::Bus(error).into(),
             })
     }
@@ -261,17 +261,36 @@ impl Drop for CancelOnDisconnect {
     }
 }
 
+/// What names a run in each event of its stream.
+struct RunIds {
+    run_id: String,
+    /// The session as stored (see `tenancy::client_session`).
+    session_id: String,
+    message_id: String,
+}
+
+impl RunIds {
+    fn of(record: &RunRecord) -> Self {
+        Self {
+            run_id: record.run_id.clone(),
+            session_id: record.session_id.clone(),
+            message_id: record.message_id.clone(),
+        }
+    }
+}
+
 fn stream_events(
     events: EventStream,
-    run: &RunRecord,
+    run: RunIds,
     mut guard: Option<CancelOnDisconnect>,
     draining: Option<tokio_util::sync::CancellationToken>,
     ticket: Option<StreamTicket>,
 ) -> EventResponseStream {
+    let run_id = run.run_id.clone();
     let ids = Arc::new((
-        run.run_id.clone(),
+        run.run_id,
         tenancy::client_session(&run.session_id).to_owned(),
-        run.message_id.clone(),
+        run.message_id,
     ));
     let events = events.map(move |event| {
         // The stream counts as its principal's while it is open.
@@ -283,7 +302,6 @@ fn stream_events(
     };
     // With shared state, a replica that shuts down ends its streams (its runs go on
     // elsewhere): the client resumes with `Subscribe` on another replica.
-    let run_id = run.run_id.clone();
     Box::pin(futures_util::stream::unfold(
         (Box::pin(events), Some(draining), 0_u64, run_id),
         |(mut events, draining, mut last, run_id)| async move {
@@ -433,30 +451,42 @@ impl AgentEngine for AgentEngineImpl {
         } else {
             request.message_id
         };
-        let spec = RunSpec {
+        let new = RunIds {
             run_id: uuid::Uuid::new_v4().to_string(),
-            engine_id: engine.id.clone(),
             session_id: engine.session_id.clone(),
             message_id,
+        };
+        let spec = RunSpec {
+            run_id: new.run_id.clone(),
+            engine_id: engine.id.clone(),
+            session_id: new.session_id.clone(),
+            message_id: new.message_id.clone(),
             query: request.query,
             llm_context,
             config: engine.config.clone(),
             tools: engine.tools.clone(),
         };
-        let (run_id, owner) = match self.runs.start(spec).await.map_err(Error::from)? {
-            Started::New(run_id) => (run_id, !request.detach),
-            Started::Existing(run_id) => (run_id, false),
+        let (run, events, owner) = match self.runs.start(spec).await.map_err(Error::from)? {
+            // A run started here exists already, and the caller may see it (it may act
+            // on its engine): no need to read its record back.
+            Started::New(run_id) => {
+                let events = self.events(&run_id, 0).await?;
+                (new, events, !request.detach)
+            }
+            Started::Existing(run_id) => {
+                let record = self.run(&caller, &run_id).await?;
+                let events = self.events(&record.run_id, 0).await?;
+                (RunIds::of(&record), events, false)
+            }
         };
         let guard = owner.then(|| CancelOnDisconnect {
             runs: self.runs.clone(),
-            run_id: run_id.clone(),
+            run_id: run.run_id.clone(),
             armed: true,
         });
-        let record = self.run(&caller, &run_id).await?;
-        let events = self.events(&record, 0).await?;
         Ok(Response::new(stream_events(
             events,
-            &record,
+            run,
             guard,
             self.runs.draining(),
             ticket,
@@ -471,10 +501,10 @@ impl AgentEngine for AgentEngineImpl {
         let request = request.into_inner();
         let record = self.run(&caller, &request.run_id).await?;
         let ticket = self.streams.open(&caller)?;
-        let events = self.events(&record, request.after_sequence).await?;
+        let events = self.events(&record.run_id, request.after_sequence).await?;
         Ok(Response::new(stream_events(
             events,
-            &record,
+            RunIds::of(&record),
             None,
             self.runs.draining(),
             ticket,
