@@ -248,16 +248,23 @@ async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
         state: "{}".into(),
         ..Progress::default()
     };
-    a.runs()
-        .checkpoint(
-            publisher.as_ref(),
-            vec![started()],
-            &record,
-            0,
-            Some(&progress),
-        )
-        .await
-        .unwrap();
+    // A checkpoint of replica A with one more event.
+    let runs = a.runs();
+    let checkpoint = |record: &RunRecord| {
+        let record = record.clone();
+        let (runs, publisher, progress) = (&runs, &publisher, &progress);
+        async move {
+            runs.checkpoint(
+                publisher.as_ref(),
+                vec![started()],
+                &record,
+                0,
+                Some(progress),
+            )
+            .await
+        }
+    };
+    checkpoint(&record).await.unwrap();
     assert_eq!(b.runs().load("cp").await.unwrap().unwrap(), record);
     let sequences = |redis: Redis| async move {
         let mut reader = redis.bus().subscribe("cp", 0).await.unwrap();
@@ -287,16 +294,7 @@ async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
         ..Default::default()
     });
     record.last_sequence = 3;
-    a.runs()
-        .checkpoint(
-            publisher.as_ref(),
-            vec![started()],
-            &record,
-            0,
-            Some(&progress),
-        )
-        .await
-        .unwrap();
+    checkpoint(&record).await.unwrap();
     assert_eq!(b.runs().load("cp").await.unwrap().unwrap(), record);
     assert_eq!(sequences(b.clone()).await, [1, 2, 3]);
 
@@ -306,16 +304,7 @@ async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
     let mut stale = record.clone();
     stale.last_sequence = 4;
     stale.steps[0].answer = "stale".into();
-    let written = a
-        .runs()
-        .checkpoint(
-            publisher.as_ref(),
-            vec![started()],
-            &stale,
-            0,
-            Some(&progress),
-        )
-        .await;
+    let written = checkpoint(&stale).await;
     assert!(
         matches!(
             written,

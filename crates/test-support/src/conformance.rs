@@ -21,6 +21,18 @@ fn delta(text: &str) -> RunEvent {
     RunEvent::new(EventKind::FinalAnswer, 1, text.into(), None)
 }
 
+fn started() -> RunEvent {
+    RunEvent::new(
+        EventKind::RunStarted,
+        1,
+        String::new(),
+        Some(agentrt_events::EventData::RunStarted {
+            engine_id: "e".into(),
+            agent: "a".into(),
+        }),
+    )
+}
+
 fn done() -> RunEvent {
     RunEvent {
         done: true,
@@ -105,16 +117,7 @@ where
     for round in 0..100u64 {
         let run_id = format!("many-{round}");
         let publisher = bus.open(&run_id, "").await.unwrap();
-        let started = RunEvent::new(
-            EventKind::RunStarted,
-            1,
-            String::new(),
-            Some(agentrt_events::EventData::RunStarted {
-                engine_id: "e".into(),
-                agent: "a".into(),
-            }),
-        );
-        publisher.publish(vec![started]).await.unwrap();
+        publisher.publish(vec![started()]).await.unwrap();
         let reader = {
             let other = other.clone();
             let run_id = run_id.clone();
@@ -138,18 +141,9 @@ where
     // Events published soon reach every replica's readers, in order, with nothing
     // published after them.
     let publisher = bus.open("soon", "").await.unwrap();
-    let started = RunEvent::new(
-        EventKind::RunStarted,
-        1,
-        String::new(),
-        Some(agentrt_events::EventData::RunStarted {
-            engine_id: "e".into(),
-            agent: "a".into(),
-        }),
-    );
-    publisher.publish(vec![started.clone()]).await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
     publisher
-        .publish_soon(vec![started, delta("a")])
+        .publish_soon(vec![started(), delta("a")])
         .await
         .unwrap();
     let mut reader = other.subscribe("soon", 0).await.unwrap();
