@@ -791,20 +791,9 @@ impl RunStore for RedisRuns {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<()> {
-        let save = self.save_call(record, from_step, progress)?;
-        let mut script = save_script().prepare_invoke();
-        for key in &save.keys {
-            script.key(key);
-        }
-        let written: u8 = script
-            .arg(save.args)
-            .invoke_async(&mut self.0.connection())
+        self.save_call(record, from_step, progress)?
+            .write(&self.0, &record.run_id)
             .await
-            .map_err(|e| self.0.unavailable(&e))?;
-        if written == 0 {
-            return Err(StateError::Fenced(record.run_id.clone()));
-        }
-        Ok(())
     }
 
     async fn checkpoint(
@@ -1288,6 +1277,25 @@ struct SaveCall {
     args: Vec<String>,
 }
 
+impl SaveCall {
+    /// Runs the save alone (with no events to go with it).
+    async fn write(self, shared: &Shared, run_id: &str) -> StateResult<()> {
+        let mut script = save_script().prepare_invoke();
+        for key in &self.keys {
+            script.key(key);
+        }
+        let written: u8 = script
+            .arg(self.args)
+            .invoke_async(&mut shared.connection())
+            .await
+            .map_err(|e| shared.unavailable(&e))?;
+        if written == 0 {
+            return Err(StateError::Fenced(run_id.to_owned()));
+        }
+        Ok(())
+    }
+}
+
 /// Writes the events publishers let wait, once they have waited [`DELTA_LINGER`]: one
 /// task for all the runs of a replica, rather than a task and a timer per run.
 #[derive(Default)]
@@ -1472,7 +1480,10 @@ impl PublisherCore {
         };
         let Some((last, _)) = batch.last() else {
             return match save {
-                Some(save) => self.save(save).await.map_err(CheckpointError::Record),
+                Some(save) => save
+                    .write(&self.shared, &self.run_id)
+                    .await
+                    .map_err(CheckpointError::Record),
                 None => Ok(()),
             };
         };
@@ -1485,27 +1496,21 @@ impl PublisherCore {
             })
         });
         let mut script = match &save {
-            Some(save) => {
-                let mut script = checkpoint_script().prepare_invoke();
-                script.key(&self.key);
-                script
-                    .key(self.shared.key("owner", &self.run_id))
-                    .key(self.shared.key("run", &self.run_id));
-                for key in &save.keys {
-                    script.key(key);
-                }
-                // The publish's arguments: 5, then 2 per event.
-                script.arg(5 + 2 * batch.len());
-                script
+            Some(_) => checkpoint_script(),
+            None => publish_script(),
+        }
+        .prepare_invoke();
+        script
+            .key(&self.key)
+            .key(self.shared.key("owner", &self.run_id))
+            .key(self.shared.key("run", &self.run_id));
+        if let Some(save) = &save {
+            for key in &save.keys {
+                script.key(key);
             }
-            None => {
-                let mut script = publish_script().key(&self.key);
-                script
-                    .key(self.shared.key("owner", &self.run_id))
-                    .key(self.shared.key("run", &self.run_id));
-                script
-            }
-        };
+            // The publish's arguments: 5, then 2 per event.
+            script.arg(5 + 2 * batch.len());
+        }
         script
             .arg(&self.run_id)
             .arg(&self.owner)
@@ -1579,23 +1584,6 @@ impl PublisherCore {
                 )
                 .await
                 .map_err(CheckpointError::Events)?;
-        }
-        Ok(())
-    }
-
-    /// Writes a record with no events to go with it.
-    async fn save(&self, save: SaveCall) -> StateResult<()> {
-        let mut script = save_script().prepare_invoke();
-        for key in &save.keys {
-            script.key(key);
-        }
-        let written: u8 = script
-            .arg(save.args)
-            .invoke_async(&mut self.shared.connection())
-            .await
-            .map_err(|e| self.shared.unavailable(&e))?;
-        if written == 0 {
-            return Err(StateError::Fenced(self.run_id.clone()));
         }
         Ok(())
     }
