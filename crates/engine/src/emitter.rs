@@ -189,7 +189,9 @@ impl Emitter {
             .await;
         match written {
             Ok(()) => {}
-            Err(CheckpointError::Events(error)) => return Err(unpublished(&error)),
+            Err(CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error)) => {
+                return Err(unpublished(&error));
+            }
             Err(CheckpointError::Record(error)) => {
                 self.published += count;
                 return Err(unsaved(&error));
@@ -543,36 +545,35 @@ impl Emitter {
         self.finish(event).await;
     }
 
-    /// Saves the ended record, then publishes the `done` event (in that order, so that a
-    /// client that sees `done` and asks `GetRun` sees the end too). When the store cannot
-    /// be reached, keeps trying for a while: a run must end where its readers look.
+    /// Writes the ended record and the `done` event as one checkpoint (a store apart
+    /// from the bus saves the record first, so that a client that sees `done` and asks
+    /// `GetRun` sees the end too). When the store cannot be reached, keeps trying for a
+    /// while, each part until it is written: a run must end where its readers look.
     async fn finish(mut self, done: RunEvent) {
         self.record.last_sequence = self.published + self.pending.len() as u64 + 1;
         self.record.update_time = done.time;
         self.pending.push(done);
         let started = tokio::time::Instant::now();
         let mut wait = Duration::from_millis(100);
-        let mut saved = false;
-        let mut published = false;
-        let mut events = std::mem::take(&mut self.pending);
+        let first = self
+            .store
+            .checkpoint(
+                self.publisher.as_ref(),
+                std::mem::take(&mut self.pending),
+                &self.record,
+                self.saved_steps,
+                None,
+            )
+            .await;
+        let (mut saved, mut published, mut failure) = match first {
+            Ok(()) => return,
+            Err(CheckpointError::Record(error)) => (false, true, Some(unsaved(&error))),
+            Err(CheckpointError::EventsAfterRecord(error)) => {
+                (true, false, Some(unpublished(&error)))
+            }
+            Err(CheckpointError::Events(error)) => (false, false, Some(unpublished(&error))),
+        };
         loop {
-            let mut failure = None;
-            if !saved {
-                match self.store.save(&self.record, self.saved_steps, None).await {
-                    Ok(()) => saved = true,
-                    Err(error) => failure = Some(unsaved(&error)),
-                }
-            }
-            // Published even when the record could not be saved: a store that is down
-            // answers no GetRun either, and the run's readers learn how it ended at once.
-            // A publisher keeps a batch it could not write and writes it with the next
-            // call: a retry publishes nothing new.
-            if !published || failure.is_none() {
-                match self.publisher.publish(std::mem::take(&mut events)).await {
-                    Ok(()) => published = true,
-                    Err(error) => failure = Some(unpublished(&error)),
-                }
-            }
             match failure {
                 None if saved && published => return,
                 None => {}
@@ -591,6 +592,23 @@ impl Emitter {
             }
             tokio::time::sleep(wait).await;
             wait = (wait * 2).min(Duration::from_secs(5));
+            failure = None;
+            if !saved {
+                match self.store.save(&self.record, self.saved_steps, None).await {
+                    Ok(()) => saved = true,
+                    Err(error) => failure = Some(unsaved(&error)),
+                }
+            }
+            // Published even when the record could not be saved: a store that is down
+            // answers no GetRun either, and the run's readers learn how it ended at once.
+            // A publisher keeps a batch it could not write and writes it with the next
+            // call: a retry publishes nothing new.
+            if !published || failure.is_none() {
+                match self.publisher.publish(Vec::new()).await {
+                    Ok(()) => published = true,
+                    Err(error) => failure = Some(unpublished(&error)),
+                }
+            }
         }
     }
 

@@ -811,10 +811,17 @@ impl RunStore for RedisRuns {
         let Some(publisher) = ours else {
             return checkpoint_apart(self, publisher, events, record, from_step, progress).await;
         };
-        let save = self
-            .save_call(record, from_step, progress)
-            .map_err(CheckpointError::Record)?;
-        publisher.checkpoint(events, save).await
+        match self.save_call(record, from_step, progress) {
+            Ok(save) => publisher.checkpoint(events, save).await,
+            // A record that cannot be encoded does not keep its events from the log.
+            Err(error) => {
+                publisher
+                    .publish(events)
+                    .await
+                    .map_err(CheckpointError::Events)?;
+                Err(CheckpointError::Record(error))
+            }
+        }
     }
 
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>> {
@@ -1459,7 +1466,7 @@ impl PublisherCore {
     /// replica that lost the run never shows them events its new owner does not have.
     async fn write(&self) -> Result<(), BusError> {
         self.write_with(None).await.map_err(|error| match error {
-            CheckpointError::Events(error) => error,
+            CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error) => error,
             CheckpointError::Record(error) => error.into(),
         })
     }

@@ -139,14 +139,19 @@ pub fn agent_id(agent: &str) -> String {
 /// Why a checkpoint ([`RunStore::checkpoint`]) failed.
 #[derive(Debug, Clone)]
 pub enum CheckpointError {
-    /// The events were not written (nor, when both go in one call, the record).
+    /// Neither the events nor the record were written.
     Events(BusError),
+    /// The record was written, the events were not (a store apart from the bus).
+    EventsAfterRecord(BusError),
     /// The events were written, the record was not.
     Record(StateError),
 }
 
-/// A checkpoint written as two calls sent at once (with a remote store they share the
-/// wait): the events through `publisher`, the record through `store`.
+/// A checkpoint written as two calls (with a remote store they share the wait): the
+/// events through `publisher`, the record through `store`. Both are tried whatever the
+/// other's outcome. Sent at once, except a run's end: its record is saved before its
+/// `done` event is published, so that a reader who sees `done` and asks for the run sees
+/// it ended.
 pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     store: &S,
     publisher: &dyn RunPublisher,
@@ -155,15 +160,26 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     from_step: usize,
     progress: Option<&Progress>,
 ) -> Result<(), CheckpointError> {
+    let ends = events.last().is_some_and(|event| event.done);
     let publish = async {
         if events.is_empty() {
             return Ok(());
         }
         publisher.publish(events).await
     };
-    let (published, saved) = tokio::join!(publish, store.save(record, from_step, progress));
-    published.map_err(CheckpointError::Events)?;
-    saved.map_err(CheckpointError::Record)
+    let save = store.save(record, from_step, progress);
+    let (published, saved) = if ends {
+        let saved = save.await;
+        (publish.await, saved)
+    } else {
+        tokio::join!(publish, save)
+    };
+    match (published, saved) {
+        (Ok(()), Ok(())) => Ok(()),
+        (Ok(()), Err(error)) => Err(CheckpointError::Record(error)),
+        (Err(error), Ok(())) => Err(CheckpointError::EventsAfterRecord(error)),
+        (Err(error), Err(_)) => Err(CheckpointError::Events(error)),
+    }
 }
 
 /// Stop requests as they are made.

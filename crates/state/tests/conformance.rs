@@ -319,3 +319,53 @@ async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
     );
     assert_eq!(sequences(b).await, [1, 2, 3]);
 }
+
+/// A store apart from the bus writes a run's end before its `done` event: a reader who
+/// sees `done` and asks for the run finds it ended.
+#[tokio::test]
+async fn memory_checkpoint_saves_a_run_end_before_its_done_event() {
+    /// Notes, as each batch is published, whether the run's record had ended.
+    struct Watching {
+        inner: Box<dyn agentrt_events::RunPublisher>,
+        runs: Arc<dyn RunStore>,
+        seen: std::sync::Mutex<Vec<bool>>,
+    }
+    #[async_trait::async_trait]
+    impl agentrt_events::RunPublisher for Watching {
+        async fn publish(&self, events: Vec<RunEvent>) -> Result<(), BusError> {
+            let record = self.runs.load("end").await.unwrap();
+            let ended = record.is_some_and(|r| r.ended());
+            self.seen.lock().unwrap().push(ended);
+            self.inner.publish(events).await
+        }
+        async fn release(&self) -> Result<(), BusError> {
+            self.inner.release().await
+        }
+    }
+    let runs = memory_runs();
+    let bus = InMemoryBus::new(BusLimits::default());
+    let publisher = Watching {
+        inner: bus.open("end", "a.1").await.unwrap(),
+        runs: runs.clone(),
+        seen: std::sync::Mutex::default(),
+    };
+    let mut record = RunRecord::new("end", "e", "s", "m", "q");
+    record.owner = "a.1".into();
+    record.last_sequence = 1;
+    runs.checkpoint(&publisher, vec![started()], &record, 0, None)
+        .await
+        .unwrap();
+    let reason = agentrt_state::StopReason::FinalAnswer;
+    record.status = reason.status();
+    record.stop_reason = Some(reason);
+    record.last_sequence = 2;
+    let done = RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+    };
+    runs.checkpoint(&publisher, vec![done], &record, 0, None)
+        .await
+        .unwrap();
+    assert_eq!(*publisher.seen.lock().unwrap(), [false, true]);
+    assert!(runs.load("end").await.unwrap().unwrap().ended());
+}
