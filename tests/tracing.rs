@@ -152,12 +152,23 @@ async fn one_trace_spans_client_agent_server_model_call_and_tool_executor() {
         assert_ne!(event.unwrap().r#type, v1::EventType::Error as i32);
     }
 
-    // Spans are exported in batches every 100 ms; wait for the last ones.
+    // Spans are exported in batches every 100 ms, and a span is exported when it ends: the
+    // `Execute` span ends after the run's, when its response stream is dropped, so it can come
+    // in a later batch. Wait for every span the test reads.
+    const EXPECTED: [(&str, &str); 6] = [
+        ("agent-server", "agent.v1.AgentEngine/Execute"),
+        ("agent-server", "invoke_agent tracer"),
+        ("agent-server", "chat adder"),
+        ("agent-server", "execute_tool calculator"),
+        ("tool-executor", "agent.v1.ToolExecutor/ExecuteTool"),
+        ("tool-executor", "execute_tool"),
+    ];
     let mut spans = Vec::new();
     for _ in 0..100 {
         spans = receiver.spans.lock().unwrap().clone();
-        if find(&spans, "tool-executor", "execute_tool").is_some()
-            && find(&spans, "agent-server", "invoke_agent tracer").is_some()
+        if EXPECTED
+            .iter()
+            .all(|(service, name)| find(&spans, service, name).is_some())
         {
             break;
         }
