@@ -20,6 +20,6 @@ pub use record::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
 pub use runs::{
-    Answered, Answers, CheckpointError, Claim, Lease, MemoryRunStore, Progress, Resumable,
-    RunRetention, RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
+    Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, MemoryRunStore, Progress,
+    Resumable, RunRetention, RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
 };

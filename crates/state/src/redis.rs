@@ -53,8 +53,8 @@ use tracing::{debug, info, warn};
 use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
     runs::{
-        Answered, Answers, CheckpointError, Claim, Lease, Progress, Resumable, RunStore,
-        StopRequest, StopRequests, agent_id, checkpoint_apart,
+        Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, Progress, Resumable,
+        RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
     },
 };
 
@@ -103,6 +103,8 @@ pub struct Redis {
 }
 
 struct Shared {
+    /// For connections made apart from the two shared ones (a replica's lease renewals).
+    client: Client,
     commands: ConnectionManager,
     subscriptions: ConnectionManager,
     prefix: String,
@@ -140,11 +142,7 @@ impl Redis {
             StateError::Unavailable(format!("the Redis URL {target} is not valid: {e}"))
         };
         let client = Client::open(url).map_err(invalid)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(COMMAND_TIMEOUT))
-            .set_response_timeout(Some(RESPONSE_TIMEOUT))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_secs(1));
+        let config = connection_config(RESPONSE_TIMEOUT);
         let commands = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
             .map_err(invalid)?;
         let info = client.get_connection_info().clone();
@@ -173,6 +171,7 @@ impl Redis {
         .map_err(invalid)?;
         Ok(Self {
             shared: Arc::new(Shared {
+                client,
                 commands,
                 subscriptions,
                 prefix: prefix.to_owned(),
@@ -296,6 +295,16 @@ impl Shared {
     }
 }
 
+/// How the connections to Redis are made and kept: remade when lost, a command failing
+/// after `response_timeout` without its answer.
+fn connection_config(response_timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(COMMAND_TIMEOUT))
+        .set_response_timeout(Some(response_timeout))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_secs(1))
+}
+
 /// `prefix` followed by `n`: a field name, made for every write.
 fn numbered(prefix: &str, n: usize) -> String {
     let mut name = String::with_capacity(prefix.len() + 8);
@@ -314,6 +323,41 @@ fn corrupt(what: &'static str, error: &dyn std::fmt::Display) -> StateError {
     StateError::Corrupt {
         what,
         detail: error.to_string(),
+    }
+}
+
+impl Shared {
+    /// Renews `leases` with one script on `connection`.
+    async fn renew(
+        &self,
+        mut connection: ConnectionManager,
+        leases: &[Lease],
+    ) -> StateResult<Vec<String>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut script = renew_script().key(self.key("leases", "all"));
+        script.arg(&self.prefix).arg(millis(self.limits.lease));
+        for lease in leases {
+            script.arg(&lease.run_id).arg(&lease.token);
+        }
+        script
+            .invoke_async(&mut connection)
+            .await
+            .map_err(|e| self.unavailable(&e))
+    }
+}
+
+/// Lease renewals on a connection of their own.
+struct RedisRenewer {
+    shared: Arc<Shared>,
+    connection: ConnectionManager,
+}
+
+#[async_trait::async_trait]
+impl LeaseRenewer for RedisRenewer {
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
+        self.shared.renew(self.connection.clone(), leases).await
     }
 }
 
@@ -894,18 +938,18 @@ impl RunStore for RedisRuns {
     }
 
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut script = renew_script().key(self.0.key("leases", "all"));
-        script.arg(&self.0.prefix).arg(millis(self.0.limits.lease));
-        for lease in leases {
-            script.arg(&lease.run_id).arg(&lease.token);
-        }
-        script
-            .invoke_async(&mut self.0.connection())
-            .await
-            .map_err(|e| self.0.unavailable(&e))
+        self.0.renew(self.0.connection(), leases).await
+    }
+
+    fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>> {
+        // A renewal answered after the lease is too late anyway: the next one is sent.
+        let config = connection_config(self.0.limits.lease.min(RESPONSE_TIMEOUT));
+        let connection = ConnectionManager::new_lazy_with_config(self.0.client.clone(), config)
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(Box::new(RedisRenewer {
+            shared: self.0.clone(),
+            connection,
+        }))
     }
 
     async fn release(&self, leases: &[Lease]) -> StateResult<()> {

@@ -182,6 +182,13 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     }
 }
 
+/// Renews leases, apart from a store's other calls (see [`RunStore::lease_renewer`]).
+#[async_trait::async_trait]
+pub trait LeaseRenewer: Send + Sync {
+    /// As [`RunStore::renew`].
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>>;
+}
+
 /// Stop requests as they are made.
 pub type StopRequests = Pin<Box<dyn Stream<Item = StopRequest> + Send>>;
 
@@ -233,6 +240,13 @@ pub trait RunStore: Send + Sync {
     /// Renews `leases` (in one call, whatever their number); answers the runs among them
     /// whose lease was lost: taken over by another replica, or ended.
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>>;
+
+    /// A handle that renews leases as [`RunStore::renew`] does, on a connection of its
+    /// own, made on the runtime that calls this. A replica renews its leases from a thread
+    /// and runtime of their own with it, so that nothing else it does (hundreds of runs
+    /// taken over at once, a busy runtime, commands queued on the shared connection)
+    /// delays a renewal past the lease and lets another replica take its runs.
+    fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>>;
 
     /// Lets `leases` go at once: other replicas may take the runs over now.
     async fn release(&self, leases: &[Lease]) -> StateResult<()>;
@@ -755,6 +769,16 @@ impl Inner {
     }
 }
 
+/// The in-memory store's renewals: the store itself (it has no connection to wait on).
+struct MemoryRenewer(Arc<MemoryRunStore>);
+
+#[async_trait::async_trait]
+impl LeaseRenewer for MemoryRenewer {
+    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
+        RunStore::renew(self.0.as_ref(), leases).await
+    }
+}
+
 impl MemoryRunStore {
     /// A store keeping ended runs for `retention`.
     pub fn new(retention: RunRetention) -> Self {
@@ -1048,6 +1072,10 @@ impl RunStore for MemoryRunStore {
             }
         }
         Ok(lost)
+    }
+
+    fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>> {
+        Ok(Box::new(MemoryRenewer(self)))
     }
 
     async fn release(&self, leases: &[Lease]) -> StateResult<()> {

@@ -456,6 +456,17 @@ where
         vec!["lr".to_owned(), "unknown".to_owned()],
         "a lease another holds, or none holds, is lost"
     );
+    // A renewer (on a connection of its own) renews as the store does.
+    let renewer = store.clone().lease_renewer().unwrap();
+    assert_eq!(
+        renewer.renew(&[lease("lr", "a.1")]).await.unwrap(),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        renewer.renew(&[lease("lr", "b.1")]).await.unwrap(),
+        vec!["lr".to_owned()],
+        "a renewer loses the leases others hold"
+    );
     assert!(other.lapsed(10).await.unwrap().is_empty());
     assert_eq!(
         other.take_over("lr", "b.1").await.unwrap(),

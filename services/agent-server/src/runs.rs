@@ -18,7 +18,7 @@ use agentrt_metrics::Metrics;
 use agentrt_state::{Action, Answered, Claim, Lease, RunRecord, RunStatus, RunStore, StateError};
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{Instrument, debug, error, info, warn};
 
 /// Why a run could not start.
@@ -171,17 +171,66 @@ pub struct RunManager {
     usage: Mutex<Usage>,
     /// Woken when the last active run ends.
     idle: tokio::sync::Notify,
-    local: Mutex<HashMap<String, LocalRun>>,
-    /// Runs taken over and still resuming (not in `local` yet), by id, with their lease
-    /// tokens: their leases are renewed meanwhile, for resuming many runs at once can take
-    /// longer than a lease, and a lapsed lease would let a third replica take them.
-    resuming: Mutex<HashMap<String, String>>,
+    /// The runs it holds the leases of, shared with the thread that renews them.
+    held: Arc<Held>,
     /// This process's part of the lease tokens.
     replica: String,
     /// Tokens made so far.
     tokens: AtomicUsize,
     /// Cancelled when the replica hands its runs over: the streams it serves end.
     draining: CancellationToken,
+    /// Stops the lease renewals when the manager goes.
+    _renewals: DropGuard,
+}
+
+/// The runs whose leases this replica holds.
+#[derive(Default)]
+struct Held {
+    local: Mutex<HashMap<String, LocalRun>>,
+    /// Runs taken over and still resuming (not in `local` yet), by id, with their lease
+    /// tokens: their leases are renewed meanwhile, for resuming many runs at once can take
+    /// longer than a lease, and a lapsed lease would let a third replica take them.
+    resuming: Mutex<HashMap<String, String>>,
+}
+
+impl Held {
+    fn local(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
+        // Each critical section leaves the map consistent before anything can panic.
+        self.local.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn resuming(&self) -> MutexGuard<'_, HashMap<String, String>> {
+        self.resuming.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The leases of the runs executing here, and of those resuming here.
+    fn leases(&self) -> Vec<Lease> {
+        let mut leases: Vec<Lease> = self
+            .local()
+            .iter()
+            .filter(|(_, run)| !run.token.is_empty())
+            .map(|(run_id, run)| Lease {
+                run_id: run_id.clone(),
+                token: run.token.clone(),
+            })
+            .collect();
+        leases.extend(self.resuming().iter().map(|(run_id, token)| Lease {
+            run_id: run_id.clone(),
+            token: token.clone(),
+        }));
+        leases
+    }
+
+    /// Stops here, without ending it, a run whose lease another replica took (this one
+    /// was paused past it).
+    fn lost(&self, run_id: &str) {
+        let control = self.local().get(run_id).map(|r| r.control.clone());
+        if let Some(control) = control {
+            Metrics::global().lease_lost();
+            warn!(%run_id, "lost the run's lease to another replica: stopping it here");
+            control.let_go();
+        }
+    }
 }
 
 /// A slot of `max_active`, with the run's charge on the budgets, given back when
@@ -203,6 +252,8 @@ impl RunManager {
         store: Arc<dyn RunStore>,
         limits: RunLimits,
     ) -> Result<Arc<Self>, StateError> {
+        let held = Arc::new(Held::default());
+        let renewals = CancellationToken::new();
         let manager = Arc::new(Self {
             engine,
             bus,
@@ -211,11 +262,11 @@ impl RunManager {
             active: AtomicUsize::new(0),
             usage: Mutex::new(Usage::default()),
             idle: tokio::sync::Notify::new(),
-            local: Mutex::new(HashMap::new()),
-            resuming: Mutex::new(HashMap::new()),
+            held: held.clone(),
             replica: uuid::Uuid::new_v4().simple().to_string(),
             tokens: AtomicUsize::new(0),
             draining: CancellationToken::new(),
+            _renewals: renewals.clone().drop_guard(),
         });
         let mut requests = store.stop_requests().await?;
         let weak: Weak<Self> = Arc::downgrade(&manager);
@@ -232,7 +283,7 @@ impl RunManager {
         });
         // With state in memory too: a run that waited is continued from the store, by
         // this replica, when it is answered, cancelled or out of time.
-        tokio::spawn(renew_leases(Arc::downgrade(&manager), limits.lease));
+        spawn_lease_renewals(held, store, limits.lease, renewals)?;
         tokio::spawn(take_over_runs(Arc::downgrade(&manager), limits.lease));
         Ok(manager)
     }
@@ -248,26 +299,8 @@ impl RunManager {
         self.limits.takeover_after.map(|_| self.draining.clone())
     }
 
-    /// The leases of the runs executing here, and of those resuming here.
-    fn leases(&self) -> Vec<Lease> {
-        let mut leases: Vec<Lease> = self
-            .lock()
-            .iter()
-            .filter(|(_, run)| !run.token.is_empty())
-            .map(|(run_id, run)| Lease {
-                run_id: run_id.clone(),
-                token: run.token.clone(),
-            })
-            .collect();
-        leases.extend(self.resuming().iter().map(|(run_id, token)| Lease {
-            run_id: run_id.clone(),
-            token: token.clone(),
-        }));
-        leases
-    }
-
     fn resuming(&self) -> MutexGuard<'_, HashMap<String, String>> {
-        self.resuming.lock().unwrap_or_else(PoisonError::into_inner)
+        self.held.resuming()
     }
 
     /// Takes over, and continues here, the runs whose lease lapsed, as many as there is
@@ -409,8 +442,7 @@ impl RunManager {
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
-        // Each critical section leaves the map consistent before anything can panic.
-        self.local.lock().unwrap_or_else(PoisonError::into_inner)
+        self.held.local()
     }
 
     fn usage(&self) -> MutexGuard<'_, Usage> {
@@ -820,39 +852,67 @@ fn status_name(status: RunStatus) -> &'static str {
     }
 }
 
-/// Renews the leases of the runs executing here, all in one call, three times per lease;
-/// a run whose lease was lost (this replica was paused past it, and another took the run
-/// over) stops here at once, without ending.
-async fn renew_leases(manager: Weak<RunManager>, lease: Duration) {
-    let mut tick = tokio::time::interval(lease / 3);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let Some(manager) = manager.upgrade() else {
-            return;
-        };
-        // Also while the replica hands its runs over: those still stopping keep theirs.
-        let leases = manager.leases();
-        if leases.is_empty() {
-            continue;
-        }
-        match manager.store.renew(&leases).await {
-            Ok(lost) => {
-                for run_id in lost {
-                    let control = manager.lock().get(&run_id).map(|r| r.control.clone());
-                    if let Some(control) = control {
-                        Metrics::global().lease_lost();
-                        warn!(%run_id, "lost the run's lease to another replica: stopping it here");
-                        control.let_go();
+/// Renews the leases of the runs `held` here, all in one call, three times per lease,
+/// until `stop` is cancelled; a run whose lease was lost (this replica was paused past it,
+/// and another took the run over) stops here at once, without ending.
+///
+/// The renewals run on a thread with a runtime and a store connection of their own: a
+/// replica busy with other work (hundreds of runs taken over at once, each read back and
+/// decoded, on a loaded machine) delayed renewals made on its runtime past the lease, and
+/// another replica took over runs that were alive.
+fn spawn_lease_renewals(
+    held: Arc<Held>,
+    store: Arc<dyn RunStore>,
+    lease: Duration,
+    stop: CancellationToken,
+) -> Result<(), StateError> {
+    let cannot = |e: std::io::Error| {
+        StateError::Unavailable(format!("cannot start the thread that renews leases: {e}"))
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(cannot)?;
+    // Its connection is made on the renewals' runtime, and driven there.
+    let renewer = {
+        let _entered = runtime.enter();
+        store.lease_renewer()?
+    };
+    let renewals = async move {
+        let mut tick = tokio::time::interval(lease / 3);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            // Also while the replica hands its runs over: those still stopping keep theirs.
+            let leases = held.leases();
+            if leases.is_empty() {
+                continue;
+            }
+            let renewed = tokio::select! {
+                () = stop.cancelled() => return,
+                renewed = renewer.renew(&leases) => renewed,
+            };
+            match renewed {
+                Ok(lost) => {
+                    for run_id in lost {
+                        held.lost(&run_id);
                     }
                 }
-            }
-            Err(error) => {
-                Metrics::global().lease_renewal_failed();
-                warn!(%error, runs = leases.len(), "cannot renew the runs' leases");
+                Err(error) => {
+                    Metrics::global().lease_renewal_failed();
+                    warn!(%error, runs = leases.len(), "cannot renew the runs' leases");
+                }
             }
         }
-    }
+    };
+    std::thread::Builder::new()
+        .name("lease-renewals".into())
+        .spawn(move || runtime.block_on(renewals))
+        .map_err(cannot)?;
+    Ok(())
 }
 
 /// Looks for runs whose lease lapsed (their replica died, or handed them over) and
@@ -872,5 +932,50 @@ async fn take_over_runs(manager: Weak<RunManager>, lease: Duration) {
         if let Err(error) = manager.take_over_lapsed().await {
             debug!(%error, "cannot look for runs to take over");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use agentrt_state::{MemoryRunStore, Progress, RunRetention};
+
+    use super::*;
+
+    /// A replica whose runtime is kept from running anything for several leases (as a
+    /// burst of runs taken over did on a loaded machine) still holds its runs' leases:
+    /// they are renewed from a thread of their own. Once the manager goes, they lapse.
+    #[tokio::test(flavor = "current_thread")]
+    async fn leases_are_renewed_while_the_runtime_is_busy() {
+        let lease = Duration::from_millis(300);
+        let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(60),
+            lease,
+        )));
+        // The first save of an owned run takes its lease.
+        let mut record = RunRecord::new("r1", "e", "s", "m", "q");
+        record.owner = "here.1".into();
+        let progress = Progress {
+            spec: Some("{}".into()),
+            agent: Some("{}".into()),
+            state: "{}".into(),
+            ..Progress::default()
+        };
+        store.save(&record, 0, Some(&progress)).await.unwrap();
+        let held = Arc::new(Held::default());
+        held.resuming().insert("r1".into(), "here.1".into());
+        let stop = CancellationToken::new();
+        spawn_lease_renewals(held, store.clone(), lease, stop.clone()).unwrap();
+
+        // Nothing else runs on this runtime for four leases.
+        std::thread::sleep(lease * 4);
+        assert_eq!(
+            store.lapsed(10).await.unwrap(),
+            Vec::<String>::new(),
+            "the lease was renewed while the runtime was busy"
+        );
+
+        stop.cancel();
+        tokio::time::sleep(lease * 2).await;
+        assert_eq!(store.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
     }
 }
