@@ -15,7 +15,9 @@ use std::{
 use agentrt_engine::{Engine, RunControl, RunError, RunSpec, StartedRun, StopReason, ToolAnswer};
 use agentrt_events::{BusError, EventBus, EventStream};
 use agentrt_metrics::Metrics;
-use agentrt_state::{Action, Answered, Claim, Lease, RunRecord, RunStatus, RunStore, StateError};
+use agentrt_state::{
+    Action, Answered, Claim, Lease, LeaseRenewer, RunRecord, RunStatus, RunStore, StateError,
+};
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::watch;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -283,7 +285,7 @@ impl RunManager {
         });
         // With state in memory too: a run that waited is continued from the store, by
         // this replica, when it is answered, cancelled or out of time.
-        spawn_lease_renewals(held, store, limits.lease, renewals)?;
+        spawn_lease_renewals(held, store, limits.lease, renewals).await?;
         tokio::spawn(take_over_runs(Arc::downgrade(&manager), limits.lease));
         Ok(manager)
     }
@@ -860,59 +862,86 @@ fn status_name(status: RunStatus) -> &'static str {
 /// replica busy with other work (hundreds of runs taken over at once, each read back and
 /// decoded, on a loaded machine) delayed renewals made on its runtime past the lease, and
 /// another replica took over runs that were alive.
-fn spawn_lease_renewals(
+async fn spawn_lease_renewals(
     held: Arc<Held>,
     store: Arc<dyn RunStore>,
     lease: Duration,
     stop: CancellationToken,
 ) -> Result<(), StateError> {
-    let cannot = |e: std::io::Error| {
+    fn cannot(e: &dyn std::fmt::Display) -> StateError {
         StateError::Unavailable(format!("cannot start the thread that renews leases: {e}"))
-    };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(cannot)?;
-    // Its connection is made on the renewals' runtime, and driven there.
-    let renewer = {
-        let _entered = runtime.enter();
-        store.lease_renewer()?
-    };
-    let renewals = async move {
-        let mut tick = tokio::time::interval(lease / 3);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                _ = tick.tick() => {}
-            }
-            // Also while the replica hands its runs over: those still stopping keep theirs.
-            let leases = held.leases();
-            if leases.is_empty() {
-                continue;
-            }
-            let renewed = tokio::select! {
-                () = stop.cancelled() => return,
-                renewed = renewer.renew(&leases) => renewed,
-            };
-            match renewed {
-                Ok(lost) => {
-                    for run_id in lost {
-                        held.lost(&run_id);
-                    }
-                }
-                Err(error) => {
-                    Metrics::global().lease_renewal_failed();
-                    warn!(%error, runs = leases.len(), "cannot renew the runs' leases");
-                }
-            }
-        }
-    };
+    }
+    // The runtime and its connection are made, used and dropped on the thread (a runtime
+    // cannot be dropped on another's); it says when it is ready, or why it cannot be.
+    let (ready, started) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("lease-renewals".into())
-        .spawn(move || runtime.block_on(renewals))
-        .map_err(cannot)?;
-    Ok(())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    let _ = ready.send(Err(cannot(&e)));
+                    return;
+                }
+            };
+            let renewer = {
+                let _entered = runtime.enter();
+                store.lease_renewer()
+            };
+            match renewer {
+                Ok(renewer) => {
+                    let _ = ready.send(Ok(()));
+                    runtime.block_on(renew_leases(&held, renewer.as_ref(), lease, &stop));
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| cannot(&e))?;
+    started
+        .await
+        .unwrap_or_else(|_| Err(cannot(&"the thread ended")))
+}
+
+/// The renewals, three times per lease, until `stop` is cancelled.
+async fn renew_leases(
+    held: &Held,
+    renewer: &dyn LeaseRenewer,
+    lease: Duration,
+    stop: &CancellationToken,
+) {
+    let mut tick = tokio::time::interval(lease / 3);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        // Also while the replica hands its runs over: those still stopping keep theirs.
+        let leases = held.leases();
+        if leases.is_empty() {
+            continue;
+        }
+        let renewed = tokio::select! {
+            () = stop.cancelled() => return,
+            renewed = renewer.renew(&leases) => renewed,
+        };
+        match renewed {
+            Ok(lost) => {
+                for run_id in lost {
+                    held.lost(&run_id);
+                }
+            }
+            Err(error) => {
+                Metrics::global().lease_renewal_failed();
+                warn!(%error, runs = leases.len(), "cannot renew the runs' leases");
+            }
+        }
+    }
 }
 
 /// Looks for runs whose lease lapsed (their replica died, or handed them over) and
@@ -964,7 +993,9 @@ mod tests {
         let held = Arc::new(Held::default());
         held.resuming().insert("r1".into(), "here.1".into());
         let stop = CancellationToken::new();
-        spawn_lease_renewals(held, store.clone(), lease, stop.clone()).unwrap();
+        spawn_lease_renewals(held, store.clone(), lease, stop.clone())
+            .await
+            .unwrap();
 
         // Nothing else runs on this runtime for four leases.
         std::thread::sleep(lease * 4);
