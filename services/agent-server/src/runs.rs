@@ -205,10 +205,13 @@ impl Held {
         self.resuming.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The leases of the runs executing here, and of those resuming here.
+    /// The leases of the runs executing here, and of those resuming here (a run taken
+    /// over from this replica itself, which had lost its lease, keeps the lease of its
+    /// copy still executing until the one resuming replaces it: a lease reported lost
+    /// stops the copy that executes).
     fn leases(&self) -> Vec<Lease> {
-        let mut leases: Vec<Lease> = self
-            .local()
+        let local = self.local();
+        let mut leases: Vec<Lease> = local
             .iter()
             .filter(|(_, run)| !run.token.is_empty())
             .map(|(run_id, run)| Lease {
@@ -216,10 +219,15 @@ impl Held {
                 token: run.token.clone(),
             })
             .collect();
-        leases.extend(self.resuming().iter().map(|(run_id, token)| Lease {
-            run_id: run_id.clone(),
-            token: token.clone(),
-        }));
+        leases.extend(
+            self.resuming()
+                .iter()
+                .filter(|(run_id, _)| !local.contains_key(*run_id))
+                .map(|(run_id, token)| Lease {
+                    run_id: run_id.clone(),
+                    token: token.clone(),
+                }),
+        );
         leases
     }
 
@@ -344,12 +352,15 @@ impl RunManager {
             return Ok(false);
         }
         let token = self.new_token();
+        // Its lease is renewed from before it is taken until the run is spawned (or not
+        // resumed): the renewals, on their own thread, keep it from the moment Redis gives
+        // it, however late this runtime reads the answer (a renewal before that is refused,
+        // and does nothing).
+        self.resuming().insert(run_id.clone(), token.clone());
+        let _resuming = Resuming(self, &run_id);
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
-        // Its lease is renewed from now on, until the run is spawned (or not resumed).
-        self.resuming().insert(run_id.clone(), token.clone());
-        let _resuming = Resuming(self, &run_id);
         // Accepted before: charged, never refused.
         let charge = Charge {
             principal: agentrt_state::principal_of(&taken.record.session_id).to_owned(),
