@@ -977,9 +977,25 @@ async fn take_over_runs(manager: Weak<RunManager>, lease: Duration) {
 
 #[cfg(test)]
 mod tests {
-    use agentrt_state::{MemoryRunStore, Progress, RunRetention};
+    use agentrt_state::{
+        Answered, InMemoryBus, InMemorySessionStore, MemoryRunStore, Progress, Resumable,
+        RunRetention, StopRequests,
+    };
 
     use super::*;
+
+    /// A record of run `run_id` owned by `owner`: its first save takes the lease.
+    async fn owned_run(store: &MemoryRunStore, run_id: &str, owner: &str) {
+        let mut record = RunRecord::new(run_id, "e", "s", "m", "q");
+        record.owner = owner.into();
+        let progress = Progress {
+            spec: Some("{}".into()),
+            agent: Some("{}".into()),
+            state: "{}".into(),
+            ..Progress::default()
+        };
+        store.save(&record, 0, Some(&progress)).await.unwrap();
+    }
 
     /// A replica whose runtime is kept from running anything for several leases (as a
     /// burst of runs taken over did on a loaded machine) still holds its runs' leases:
@@ -991,16 +1007,7 @@ mod tests {
             Duration::from_secs(60),
             lease,
         )));
-        // The first save of an owned run takes its lease.
-        let mut record = RunRecord::new("r1", "e", "s", "m", "q");
-        record.owner = "here.1".into();
-        let progress = Progress {
-            spec: Some("{}".into()),
-            agent: Some("{}".into()),
-            state: "{}".into(),
-            ..Progress::default()
-        };
-        store.save(&record, 0, Some(&progress)).await.unwrap();
+        owned_run(&store, "r1", "here.1").await;
         let held = Arc::new(Held::default());
         held.resuming().insert("r1".into(), "here.1".into());
         let stop = CancellationToken::new();
@@ -1019,5 +1026,160 @@ mod tests {
         stop.cancel();
         tokio::time::sleep(lease * 2).await;
         assert_eq!(store.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
+    }
+
+    /// A run store whose take-overs are read late: the call returns only after the
+    /// runtime was kept from running anything for four leases, and notes which runs had
+    /// lapsed by then.
+    struct SlowTakeOver {
+        inner: Arc<MemoryRunStore>,
+        stall: Duration,
+        lapsed_after_take_over: Mutex<Option<Vec<String>>>,
+    }
+
+    #[async_trait::async_trait]
+    impl RunStore for SlowTakeOver {
+        async fn claim(
+            &self,
+            session_id: &str,
+            message_id: &str,
+            run_id: &str,
+            replacing: Option<&str>,
+        ) -> agentrt_state::StateResult<Claim> {
+            self.inner
+                .claim(session_id, message_id, run_id, replacing)
+                .await
+        }
+        async fn save(
+            &self,
+            record: &RunRecord,
+            from_step: usize,
+            progress: Option<&Progress>,
+        ) -> agentrt_state::StateResult<()> {
+            self.inner.save(record, from_step, progress).await
+        }
+        async fn renew(&self, leases: &[Lease]) -> agentrt_state::StateResult<Vec<String>> {
+            self.inner.renew(leases).await
+        }
+        fn lease_renewer(self: Arc<Self>) -> agentrt_state::StateResult<Box<dyn LeaseRenewer>> {
+            self.inner.clone().lease_renewer()
+        }
+        async fn release(&self, leases: &[Lease]) -> agentrt_state::StateResult<()> {
+            self.inner.release(leases).await
+        }
+        async fn lapsed(&self, limit: usize) -> agentrt_state::StateResult<Vec<String>> {
+            self.inner.lapsed(limit).await
+        }
+        async fn take_over(
+            &self,
+            run_id: &str,
+            token: &str,
+        ) -> agentrt_state::StateResult<Option<Resumable>> {
+            let taken = self.inner.take_over(run_id, token).await;
+            std::thread::sleep(self.stall);
+            let lapsed = self.inner.lapsed(10).await?;
+            *self
+                .lapsed_after_take_over
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(lapsed);
+            taken
+        }
+        async fn answer(
+            &self,
+            run_id: &str,
+            answers: &[(String, String)],
+        ) -> agentrt_state::StateResult<Answered> {
+            self.inner.answer(run_id, answers).await
+        }
+        async fn cancel_waiting(&self, run_id: &str) -> agentrt_state::StateResult<bool> {
+            self.inner.cancel_waiting(run_id).await
+        }
+        async fn load(&self, run_id: &str) -> agentrt_state::StateResult<Option<RunRecord>> {
+            self.inner.load(run_id).await
+        }
+        async fn request_stop(
+            &self,
+            run_id: &str,
+            reason: StopReason,
+        ) -> agentrt_state::StateResult<()> {
+            self.inner.request_stop(run_id, reason).await
+        }
+        async fn stop_requests(&self) -> agentrt_state::StateResult<StopRequests> {
+            self.inner.stop_requests().await
+        }
+    }
+
+    struct NoTools;
+
+    #[async_trait::async_trait]
+    impl agentrt_core::ToolRunner for NoTools {
+        async fn run(
+            &self,
+            _call: agentrt_core::ToolInvocation,
+            _timeout: Duration,
+        ) -> agentrt_core::ToolResult {
+            agentrt_core::ToolResult::error("no tools here")
+        }
+    }
+
+    /// A run taken over holds its lease from the moment the store gives it, however late
+    /// the replica's runtime reads the answer: its lease is renewed (from the renewals'
+    /// thread) from before the take-over.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_run_taken_over_keeps_its_lease_while_the_answer_is_read_late() {
+        let lease = Duration::from_millis(300);
+        let inner = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(60),
+            lease,
+        )));
+        // A run of another replica, which died: its lease lapses.
+        owned_run(&inner, "r1", "gone.1").await;
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        assert_eq!(inner.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
+
+        let store = Arc::new(SlowTakeOver {
+            inner: inner.clone(),
+            stall: lease * 4,
+            lapsed_after_take_over: Mutex::new(None),
+        });
+        let engine = Engine::new(
+            agentrt_models::ChatModels::default(),
+            Arc::new(NoTools),
+            Arc::new(InMemorySessionStore::new(
+                agentrt_context::SessionLimits::default(),
+            )),
+        );
+        // This replica looks for lapsed runs at once, and takes r1 over.
+        let manager = RunManager::new(
+            engine,
+            Arc::new(InMemoryBus::new(agentrt_events::BusLimits::default())),
+            store.clone(),
+            RunLimits {
+                max_active: 10,
+                takeover_after: Some(lease),
+                lease,
+                max_active_per_principal: 10,
+                max_active_bytes: 1 << 20,
+            },
+        )
+        .await
+        .unwrap();
+        let lapsed = loop {
+            let noted = store
+                .lapsed_after_take_over
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(lapsed) = noted {
+                break lapsed;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(
+            lapsed,
+            Vec::<String>::new(),
+            "the lease of the run taken over was renewed while the runtime could not read the take-over's answer"
+        );
+        drop(manager);
     }
 }
