@@ -326,28 +326,6 @@ fn corrupt(what: &'static str, error: &dyn std::fmt::Display) -> StateError {
     }
 }
 
-impl Shared {
-    /// Renews `leases` with one script on `connection`.
-    async fn renew(
-        &self,
-        mut connection: ConnectionManager,
-        leases: &[Lease],
-    ) -> StateResult<Vec<String>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut script = renew_script().key(self.key("leases", "all"));
-        script.arg(&self.prefix).arg(millis(self.limits.lease));
-        for lease in leases {
-            script.arg(&lease.run_id).arg(&lease.token);
-        }
-        script
-            .invoke_async(&mut connection)
-            .await
-            .map_err(|e| self.unavailable(&e))
-    }
-}
-
 /// Lease renewals on a connection of their own.
 struct RedisRenewer {
     shared: Arc<Shared>,
@@ -357,7 +335,19 @@ struct RedisRenewer {
 #[async_trait::async_trait]
 impl LeaseRenewer for RedisRenewer {
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
-        self.shared.renew(self.connection.clone(), leases).await
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let shared = &self.shared;
+        let mut script = renew_script().key(shared.key("leases", "all"));
+        script.arg(&shared.prefix).arg(millis(shared.limits.lease));
+        for lease in leases {
+            script.arg(&lease.run_id).arg(&lease.token);
+        }
+        script
+            .invoke_async(&mut self.connection.clone())
+            .await
+            .map_err(|e| shared.unavailable(&e))
     }
 }
 
@@ -935,10 +925,6 @@ impl RunStore for RedisRuns {
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(cancelled == 1)
-    }
-
-    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
-        self.0.renew(self.0.connection(), leases).await
     }
 
     fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>> {

@@ -185,7 +185,8 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
 /// Renews leases, apart from a store's other calls (see [`RunStore::lease_renewer`]).
 #[async_trait::async_trait]
 pub trait LeaseRenewer: Send + Sync {
-    /// As [`RunStore::renew`].
+    /// Renews `leases` (in one call, whatever their number); answers the runs among them
+    /// whose lease was lost: taken over by another replica, or ended.
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>>;
 }
 
@@ -237,15 +238,11 @@ pub trait RunStore: Send + Sync {
         checkpoint_apart(self, publisher, events, record, from_step, progress).await
     }
 
-    /// Renews `leases` (in one call, whatever their number); answers the runs among them
-    /// whose lease was lost: taken over by another replica, or ended.
-    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>>;
-
-    /// A handle that renews leases as [`RunStore::renew`] does, on a connection of its
-    /// own, made on the runtime that calls this. A replica renews its leases from a thread
-    /// and runtime of their own with it, so that nothing else it does (hundreds of runs
-    /// taken over at once, a busy runtime, commands queued on the shared connection)
-    /// delays a renewal past the lease and lets another replica take its runs.
+    /// What renews leases ([`LeaseRenewer::renew`]), on a connection of its own, made on
+    /// the runtime that calls this. A replica renews its leases from a thread and runtime
+    /// of their own with it, so that nothing else it does (hundreds of runs taken over at
+    /// once, a busy runtime, commands queued on the shared connection) delays a renewal
+    /// past the lease and lets another replica take its runs.
     fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>>;
 
     /// Lets `leases` go at once: other replicas may take the runs over now.
@@ -775,7 +772,19 @@ struct MemoryRenewer(Arc<MemoryRunStore>);
 #[async_trait::async_trait]
 impl LeaseRenewer for MemoryRenewer {
     async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
-        RunStore::renew(self.0.as_ref(), leases).await
+        let store = &self.0;
+        let mut inner = store.lock();
+        let lapses = Instant::now() + store.retention.lease;
+        let mut lost = Vec::new();
+        for lease in leases {
+            if !inner
+                .leases
+                .moved(&lease.run_id, Some(&lease.token), lapses, None)
+            {
+                lost.push(lease.run_id.clone());
+            }
+        }
+        Ok(lost)
     }
 }
 
@@ -1057,21 +1066,6 @@ impl RunStore for MemoryRunStore {
             inner.leases.moved(run_id, None, Instant::now(), Some(true));
             Ok(true)
         })
-    }
-
-    async fn renew(&self, leases: &[Lease]) -> StateResult<Vec<String>> {
-        let mut inner = self.lock();
-        let lapses = Instant::now() + self.retention.lease;
-        let mut lost = Vec::new();
-        for lease in leases {
-            if !inner
-                .leases
-                .moved(&lease.run_id, Some(&lease.token), lapses, None)
-            {
-                lost.push(lease.run_id.clone());
-            }
-        }
-        Ok(lost)
     }
 
     fn lease_renewer(self: Arc<Self>) -> StateResult<Box<dyn LeaseRenewer>> {

@@ -410,6 +410,11 @@ where
     Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn RunStore>)>,
 {
     let (store, other) = new().await;
+    // Each replica renews its leases with a renewer of its own.
+    let renewers = (
+        store.clone().lease_renewer().unwrap(),
+        other.clone().lease_renewer().unwrap(),
+    );
     let lease = |run: &str, token: &str| Lease {
         run_id: run.into(),
         token: token.into(),
@@ -445,27 +450,17 @@ where
         .await
         .unwrap();
     assert_eq!(
-        store.renew(&[lease("lr", "a.1")]).await.unwrap(),
+        renewers.0.renew(&[lease("lr", "a.1")]).await.unwrap(),
         Vec::<String>::new()
     );
     assert_eq!(
-        store
+        renewers
+            .0
             .renew(&[lease("lr", "b.1"), lease("unknown", "a.1")])
             .await
             .unwrap(),
         vec!["lr".to_owned(), "unknown".to_owned()],
         "a lease another holds, or none holds, is lost"
-    );
-    // A renewer (on a connection of its own) renews as the store does.
-    let renewer = store.clone().lease_renewer().unwrap();
-    assert_eq!(
-        renewer.renew(&[lease("lr", "a.1")]).await.unwrap(),
-        Vec::<String>::new()
-    );
-    assert_eq!(
-        renewer.renew(&[lease("lr", "b.1")]).await.unwrap(),
-        vec!["lr".to_owned()],
-        "a renewer loses the leases others hold"
     );
     assert!(other.lapsed(10).await.unwrap().is_empty());
     assert_eq!(
@@ -502,13 +497,14 @@ where
         Err(StateError::Fenced("lr".into()))
     );
     assert_eq!(
-        store.renew(&[lease("lr", "a.1")]).await.unwrap(),
+        renewers.0.renew(&[lease("lr", "a.1")]).await.unwrap(),
         vec!["lr".to_owned()]
     );
     let mut record = taken.record.clone();
     other.save(&record, 0, None).await.unwrap();
     assert!(
-        other
+        renewers
+            .1
             .renew(&[lease("lr", &winner)])
             .await
             .unwrap()
@@ -534,7 +530,7 @@ where
     assert!(other.lapsed(10).await.unwrap().is_empty());
     assert_eq!(other.take_over("lr", "d.1").await.unwrap(), None);
     assert_eq!(
-        other.renew(&[lease("lr", "c.1")]).await.unwrap(),
+        renewers.1.renew(&[lease("lr", "c.1")]).await.unwrap(),
         vec!["lr".to_owned()]
     );
     record.owner = winner;
@@ -708,6 +704,11 @@ where
 {
     const LONG: Duration = Duration::from_secs(60);
     let (store, other) = new().await;
+    // Each replica renews its leases with a renewer of its own.
+    let renewers = (
+        store.clone().lease_renewer().unwrap(),
+        other.clone().lease_renewer().unwrap(),
+    );
     let lease = |run: &str, token: &str| Lease {
         run_id: run.into(),
         token: token.into(),
@@ -774,7 +775,7 @@ where
         "the owner that made it wait owns it no more"
     );
     assert_eq!(
-        store.renew(&[lease("w1", "w1.a")]).await.unwrap(),
+        renewers.0.renew(&[lease("w1", "w1.a")]).await.unwrap(),
         vec!["w1".to_owned()]
     );
     store.release(&[lease("w1", "w1.a")]).await.unwrap();
@@ -943,7 +944,8 @@ where
         .await
         .unwrap();
     assert!(
-        other
+        renewers
+            .1
             .renew(&[lease("w1", &winner)])
             .await
             .unwrap()

@@ -984,6 +984,14 @@ mod tests {
 
     use super::*;
 
+    /// An in-memory run store whose leases last `lease`.
+    fn store(lease: Duration) -> Arc<MemoryRunStore> {
+        Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+            Duration::from_secs(60),
+            lease,
+        )))
+    }
+
     /// A record of run `run_id` owned by `owner`: its first save takes the lease.
     async fn owned_run(store: &MemoryRunStore, run_id: &str, owner: &str) {
         let mut record = RunRecord::new(run_id, "e", "s", "m", "q");
@@ -1003,10 +1011,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn leases_are_renewed_while_the_runtime_is_busy() {
         let lease = Duration::from_millis(300);
-        let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
-            Duration::from_secs(60),
-            lease,
-        )));
+        let store = store(lease);
         owned_run(&store, "r1", "here.1").await;
         let held = Arc::new(Held::default());
         held.resuming().insert("r1".into(), "here.1".into());
@@ -1057,9 +1062,6 @@ mod tests {
             progress: Option<&Progress>,
         ) -> agentrt_state::StateResult<()> {
             self.inner.save(record, from_step, progress).await
-        }
-        async fn renew(&self, leases: &[Lease]) -> agentrt_state::StateResult<Vec<String>> {
-            self.inner.renew(leases).await
         }
         fn lease_renewer(self: Arc<Self>) -> agentrt_state::StateResult<Box<dyn LeaseRenewer>> {
             self.inner.clone().lease_renewer()
@@ -1128,10 +1130,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_run_taken_over_keeps_its_lease_while_the_answer_is_read_late() {
         let lease = Duration::from_millis(300);
-        let inner = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
-            Duration::from_secs(60),
-            lease,
-        )));
+        let inner = store(lease);
         // A run of another replica, which died: its lease lapses.
         owned_run(&inner, "r1", "gone.1").await;
         tokio::time::sleep(lease + Duration::from_millis(100)).await;
