@@ -219,6 +219,23 @@ async fn tool_failures_go_back_to_the_model() {
     assert!(answer.contains("not available to this agent"), "{answer}");
     assert!(answer.contains("not valid JSON"), "{answer}");
     assert_eq!(done(&events)["stop_reason"], "final_answer");
+    // Arguments that are not a JSON object are an object all the same, in the call's
+    // event and in GetRun: the model's text under `raw`.
+    let calls = of_kind(&events, v1::EventType::ToolCall);
+    assert_eq!(
+        calls[2]["arguments"],
+        json!({"raw": "{\"expression\": \"2 +"})
+    );
+    assert!(
+        calls.iter().all(|c| c["arguments"].is_object()),
+        "{calls:?}"
+    );
+    let state = s.state(&events[0].run_id).await;
+    let recorded = &state.steps[0].tool_calls[2];
+    assert_eq!(
+        agentrt::json::struct_to_json(recorded.arguments.as_ref().unwrap()),
+        json!({"raw": "{\"expression\": \"2 +"})
+    );
 }
 
 #[tokio::test]

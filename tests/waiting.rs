@@ -745,3 +745,45 @@ async fn with_redis_a_waiting_run_outlives_a_restart_of_every_replica() {
     assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
     follow_and_answer(&mut c.engine, &mut d.engine, &run_id, before.len()).await;
 }
+
+/// With state in memory, SIGTERM ends a run that waits for answers at once, with an ERROR
+/// `done` event (stop reason shutdown) on its `Execute` stream and on a `Subscribe` to it,
+/// rather than leaving its clients with broken streams; the process exits 0.
+#[tokio::test]
+async fn sigterm_ends_a_run_waiting_in_memory_with_a_done_event() {
+    let mut stack = Stack::up(SCENARIOS, &["--drain-grace", "10s"]).await;
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
+    let mut follower = stack
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: before.last().unwrap().sequence,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let terminated = std::time::Instant::now();
+    stack.agents.terminate();
+    let mut events = before;
+    events.extend(rest(stream).await);
+    assert_well_formed(&events);
+    let last = events.last().unwrap();
+    assert_eq!(kind(last), v1::EventType::Error, "{events:#?}");
+    assert_eq!(done(&events)["stop_reason"], "shutdown");
+    assert!(
+        terminated.elapsed() < Duration::from_secs(5),
+        "ended at once, not at the end of the grace: {:?}",
+        terminated.elapsed()
+    );
+    let followed = tokio::time::timeout(Duration::from_secs(10), follower.next())
+        .await
+        .expect("the subscriber hears of the end")
+        .expect("an event")
+        .expect("not an error");
+    assert!(followed.done, "{followed:?}");
+    assert_eq!(followed.sequence, last.sequence);
+    assert_eq!(
+        stack.agents.wait(Duration::from_secs(15)).await.code(),
+        Some(0)
+    );
+}

@@ -9,6 +9,7 @@
 
 use std::{sync::Arc, time::Duration};
 
+use agentrt_context::TokenCounter;
 use agentrt_core::ToolResult;
 use agentrt_events::BusError;
 use agentrt_events::{
@@ -39,6 +40,10 @@ pub(crate) struct Emitter {
     /// Steps before this one are saved as they are.
     saved_steps: usize,
     iteration: u32,
+    /// The prompt tokens of a model call that is answering and whose usage is not counted
+    /// yet: a run that ends before the call finishes estimates it (see
+    /// [`Emitter::settle_unreported`]).
+    unreported: Option<u64>,
 }
 
 /// How long the end of a run keeps trying to reach the store when it cannot.
@@ -114,6 +119,7 @@ impl Emitter {
             published: 0,
             saved_steps: 0,
             iteration: 0,
+            unreported: None,
         }
     }
 
@@ -134,6 +140,7 @@ impl Emitter {
             pending: Vec::new(),
             published,
             iteration,
+            unreported: None,
         }
     }
 
@@ -379,6 +386,7 @@ impl Emitter {
     /// Adds a model call's usage; `estimated` when the server counted it because the
     /// provider reported none.
     pub(crate) fn usage(&mut self, usage: Usage, estimated: bool) {
+        self.unreported = None;
         let record = &mut self.record;
         record.usage.prompt_tokens = record
             .usage
@@ -389,6 +397,40 @@ impl Emitter {
             .completion_tokens
             .saturating_add(usage.completion_tokens);
         record.usage.estimated |= estimated;
+    }
+
+    /// Says that the model answers a call whose prompt counts `prompt_tokens`: the
+    /// provider works on it from now on, and its usage counts even if the run ends before
+    /// the call does.
+    pub(crate) fn model_answering(&mut self, prompt_tokens: u32) {
+        self.unreported = Some(u64::from(prompt_tokens));
+    }
+
+    /// Counts the usage of a model call the run ended during (failed, cancelled, timed
+    /// out, stopped), which its provider never reported: the prompt, and the text it
+    /// streamed in this round, marked as estimated rather than left at zero.
+    fn settle_unreported(&mut self) {
+        let Some(prompt_tokens) = self.unreported.take() else {
+            return;
+        };
+        let counter = TokenCounter::shared();
+        let iteration = self.iteration;
+        let completion_tokens = self
+            .record
+            .steps
+            .iter()
+            .rev()
+            .find(|s| s.iteration == iteration)
+            .map_or(0, |s| {
+                u64::from(counter.text(&s.thought)) + u64::from(counter.text(&s.answer))
+            });
+        self.usage(
+            Usage {
+                prompt_tokens,
+                completion_tokens,
+            },
+            true,
+        );
     }
 
     /// Makes room in the round's record for `count` tool calls.
@@ -484,6 +526,7 @@ impl Emitter {
     }
 
     pub(crate) async fn finish_answered(mut self, reason: StopReason) {
+        self.settle_unreported();
         let record = &mut self.record;
         record.status = reason.status();
         record.stop_reason = Some(reason);
@@ -517,6 +560,7 @@ impl Emitter {
     }
 
     pub(crate) async fn finish_failed(mut self, reason: StopReason, error: RunError) {
+        self.settle_unreported();
         let record = &mut self.record;
         // A run that failed is failed, whatever its stop reason would end it with when
         // it has an answer (a token limit reached before any answer text).

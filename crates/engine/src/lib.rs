@@ -216,6 +216,11 @@ impl RunControl {
         self.abandoned.load(Ordering::Acquire)
     }
 
+    /// Whether the run went to wait for answers (or was about to).
+    pub fn is_waiting(&self) -> bool {
+        self.waiting.load(Ordering::Acquire)
+    }
+
     /// Whether the run was asked to stop.
     pub fn is_stopped(&self) -> bool {
         self.stopped.load(Ordering::Acquire)
@@ -966,6 +971,7 @@ impl Engine {
                 .stream(request, cancel.child_token())
                 .await
                 .map_err(model_failure)?;
+            em.model_answering(prompt_tokens);
             let mut parser = strategy.reply_parser();
             let mut stop_cut = react::StopCut::default();
             let mut pieces = Vec::new();
@@ -1404,11 +1410,7 @@ impl Engine {
         if !announced {
             match &arguments {
                 Ok(parsed) => em.tool_call(&call.id, &call.name, parsed),
-                Err(_) => em.tool_call(
-                    &call.id,
-                    &call.name,
-                    &serde_json::Value::String(call.arguments.clone()),
-                ),
+                Err(_) => em.tool_call(&call.id, &call.name, &unreadable_arguments(call)),
             }
         }
         let arguments = match arguments {
@@ -1673,8 +1675,8 @@ fn estimate_completion(reasoning: &str, content: &str, calls: &[ModelToolCall]) 
 fn refuse_calls(em: &mut Emitter, calls: &[ModelToolCall], why: &str) {
     em.expect_tool_calls(calls.len());
     for call in calls {
-        let arguments = parse_arguments(&call.arguments)
-            .unwrap_or_else(|_| serde_json::Value::String(call.arguments.clone()));
+        let arguments =
+            parse_arguments(&call.arguments).unwrap_or_else(|_| unreadable_arguments(call));
         em.tool_call(&call.id, &call.name, &arguments);
         em.tool_result(
             &call.id,
@@ -1684,6 +1686,13 @@ fn refuse_calls(em: &mut Emitter, calls: &[ModelToolCall], why: &str) {
             None,
         );
     }
+}
+
+/// What a call's event and record say of arguments that are not a JSON object (the
+/// call does not run): `{"raw": <the model's text>}`, an object as every call's
+/// arguments are.
+fn unreadable_arguments(call: &ModelToolCall) -> serde_json::Value {
+    serde_json::json!({ "raw": call.arguments })
 }
 
 /// Parses a model's argument text: an object, or empty for none; anything else is an

@@ -33,6 +33,9 @@ struct Scripted {
     rounds: Mutex<VecDeque<Result<Vec<ChatDelta>, ModelError>>>,
     requests: Mutex<Vec<ChatRequest>>,
     hang: bool,
+    /// What the stream of the last scripted round does after its deltas: ends (`None`),
+    /// breaks with this error, or (`Some(None)`) never ends.
+    then: Option<Option<ModelError>>,
 }
 
 #[async_trait::async_trait]
@@ -46,16 +49,19 @@ impl ChatModel for Scripted {
         if self.hang {
             std::future::pending::<()>().await;
         }
-        let round = self
-            .rounds
-            .lock()
-            .unwrap()
-            .pop_front()
-            .unwrap_or_else(|| Ok(answer("out of script")));
-        let deltas = round?;
-        Ok(Box::pin(futures_util::stream::iter(
-            deltas.into_iter().map(Ok),
-        )))
+        let (round, last) = {
+            let mut rounds = self.rounds.lock().unwrap();
+            let round = rounds
+                .pop_front()
+                .unwrap_or_else(|| Ok(answer("out of script")));
+            (round, rounds.is_empty())
+        };
+        let deltas = futures_util::stream::iter(round?.into_iter().map(Ok));
+        Ok(match self.then.clone().filter(|_| last) {
+            None => Box::pin(deltas),
+            Some(Some(error)) => Box::pin(deltas.chain(futures_util::stream::iter([Err(error)]))),
+            Some(None) => Box::pin(deltas.chain(futures_util::stream::pending())),
+        })
     }
 }
 
@@ -429,8 +435,8 @@ async fn bad_calls_become_results_the_model_can_read() {
     );
     assert_eq!(
         events[2].data.as_ref().unwrap().to_json()["arguments"],
-        r#"{"x": "#,
-        "truncated arguments are shown raw"
+        serde_json::json!({"raw": r#"{"x": "#}),
+        "truncated arguments are shown raw, in an object as all arguments are"
     );
 }
 
@@ -988,7 +994,7 @@ async fn arguments_nested_too_deep_are_a_bad_call_the_model_reads() {
         .find(|e| e.kind == EventKind::ToolCall)
         .unwrap();
     assert!(
-        call.data.as_ref().unwrap().to_json()["arguments"].is_string(),
+        call.data.as_ref().unwrap().to_json()["arguments"]["raw"].is_string(),
         "the event carries the raw text, not a tree too deep to decode"
     );
     assert_eq!(h.tools.peak.load(Ordering::SeqCst), 0);
@@ -1256,4 +1262,67 @@ async fn a_rerank_that_keeps_no_reference_still_says_so() {
     assert_eq!(data["rerank"]["status"], "reranked");
     assert_eq!(data["references"], serde_json::json!([]));
     assert!(record.steps[0].tool_calls[0].references.is_empty());
+}
+
+#[tokio::test]
+async fn a_model_call_a_failed_run_ends_during_counts_as_estimated_usage() {
+    // The provider streams text, then its stream breaks: it never reports usage.
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(vec![ChatDelta::Content(
+            "the beginning of an answer".into(),
+        )])])),
+        then: Some(Some(ModelError::Incomplete("cut off".into()))),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+    assert_eq!(done["stop_reason"], "model_error", "{done}");
+    let usage = &done["usage"];
+    assert_eq!(usage["estimated"], true, "{usage}");
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 5, "{usage}");
+    assert!(usage["completion_tokens"].as_u64().unwrap() >= 4, "{usage}");
+    assert!(record.usage.estimated);
+    assert_eq!(
+        record.usage.prompt_tokens,
+        usage["prompt_tokens"].as_u64().unwrap()
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_call_a_cancelled_run_ends_during_counts_as_estimated_usage() {
+    // The first round is reported; the second streams text and is cancelled.
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![call("a", "calc", "{}")])),
+            Ok(vec![ChatDelta::Content("half of an".into())]),
+        ])),
+        then: Some(None),
+        ..Default::default()
+    });
+    let control = Arc::new(RunControl::default());
+    let stopper = control.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        stopper.stop(StopReason::Cancelled);
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &["calc"]), control)
+        .await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+    assert_eq!(done["stop_reason"], "cancelled", "{done}");
+    let usage = &done["usage"];
+    assert_eq!(usage["estimated"], true, "{usage}");
+    assert!(
+        usage["prompt_tokens"].as_u64().unwrap() > 10,
+        "both prompts count: {usage}"
+    );
+    assert!(
+        usage["completion_tokens"].as_u64().unwrap() > 5,
+        "the reported round and the cancelled one's text: {usage}"
+    );
+    assert!(record.usage.estimated);
 }

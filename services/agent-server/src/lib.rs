@@ -257,6 +257,9 @@ pub async fn serve(
             if shared {
                 std::future::pending::<()>().await;
             }
+            // Runs that wait for a person or for the caller's tools cannot go on after the
+            // process: they end at once, and their streams have the grace to say so.
+            runs.end_waiting(StopReason::Shutdown).await;
             let finish_within = grace.saturating_sub((grace / 4).min(RUN_STOP_MARGIN));
             if tokio::time::timeout(finish_within, runs.all_ended())
                 .await

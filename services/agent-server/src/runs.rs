@@ -4,7 +4,7 @@
 //! on which replica it asks.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     sync::{
         Arc, Mutex, MutexGuard, PoisonError, Weak,
         atomic::{AtomicUsize, Ordering},
@@ -181,6 +181,9 @@ pub struct RunManager {
     tokens: AtomicUsize,
     /// Cancelled when the replica hands its runs over: the streams it serves end.
     draining: CancellationToken,
+    /// With state in memory, the runs that went to wait here (some may have gone on
+    /// since): they end when the process does (see [`RunManager::end_waiting`]).
+    waiting: Mutex<HashSet<String>>,
     /// Stops the lease renewals when the manager goes.
     _renewals: DropGuard,
 }
@@ -276,6 +279,7 @@ impl RunManager {
             replica: uuid::Uuid::new_v4().simple().to_string(),
             tokens: AtomicUsize::new(0),
             draining: CancellationToken::new(),
+            waiting: Mutex::new(HashSet::new()),
             _renewals: renewals.clone().drop_guard(),
         });
         let mut requests = store.stop_requests().await?;
@@ -330,7 +334,7 @@ impl RunManager {
                 return Ok(());
             }
             let taken: Vec<Result<bool, StateError>> = futures_util::stream::iter(lapsed)
-                .map(|run_id| self.take_over(run_id))
+                .map(|run_id| self.take_over(run_id, None))
                 .buffer_unordered(TAKEOVER_CONCURRENCY)
                 .collect()
                 .await;
@@ -341,8 +345,13 @@ impl RunManager {
         }
     }
 
-    /// Takes `run_id` over and continues it here; true when it did.
-    async fn take_over(self: &Arc<Self>, run_id: String) -> Result<bool, StateError> {
+    /// Takes `run_id` over and continues it here, or with `stop`, ends it here at once
+    /// for that reason; true when it did.
+    async fn take_over(
+        self: &Arc<Self>,
+        run_id: String,
+        stop: Option<StopReason>,
+    ) -> Result<bool, StateError> {
         if self.draining.is_cancelled() {
             return Ok(false);
         }
@@ -373,6 +382,9 @@ impl RunManager {
         let handover = taken.handed_over;
         let waited = taken.waited.is_some();
         let control = Arc::new(RunControl::default());
+        if let Some(reason) = stop {
+            control.stop(reason);
+        }
         match self
             .engine
             .resume(
@@ -385,6 +397,7 @@ impl RunManager {
             .await
         {
             Ok(started) => {
+                self.waiting().remove(&run_id);
                 if waited {
                     info!(%run_id, "run that waited goes on");
                 } else {
@@ -456,6 +469,11 @@ impl RunManager {
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
         self.held.local()
+    }
+
+    fn waiting(&self) -> MutexGuard<'_, HashSet<String>> {
+        // Each critical section leaves the set consistent before anything can panic.
+        self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn usage(&self) -> MutexGuard<'_, Usage> {
@@ -565,6 +583,7 @@ impl RunManager {
         mut slot: Slot<'_>,
     ) {
         let (done, ended) = watch::channel(false);
+        let task_control = control.clone();
         self.lock().insert(
             run_id.to_owned(),
             LocalRun {
@@ -588,11 +607,15 @@ impl RunManager {
                 let outcome = std::panic::AssertUnwindSafe(started.run())
                     .catch_unwind()
                     .await;
+                let waits = outcome.is_ok() && task_control.is_waiting();
                 if outcome.is_err() {
                     error!(run_id = %task_run_id, "the run panicked");
                     manager.record_panic(&task_run_id).await;
                 }
                 manager.lock().remove(&task_run_id);
+                if waits && manager.limits.takeover_after.is_none() {
+                    manager.waiting().insert(task_run_id.clone());
+                }
                 manager.release(&charge);
                 let _ = done.send(true);
             }
@@ -762,7 +785,7 @@ impl RunManager {
                 if completed {
                     // Goes on here at once; should this replica not get it (another took
                     // it first, or there is no room), the take-over loops will.
-                    match self.take_over(run_id.to_owned()).await {
+                    match self.take_over(run_id.to_owned(), None).await {
                         Ok(_) => {}
                         Err(error) => {
                             warn!(%run_id, %error, "cannot continue an answered run here yet");
@@ -796,7 +819,7 @@ impl RunManager {
         if record.waiting() && self.store.cancel_waiting(run_id).await? {
             // Nobody executes a waiting run: it ends here, or on whichever replica takes
             // it first.
-            if let Err(error) = self.take_over(run_id.to_owned()).await {
+            if let Err(error) = self.take_over(run_id.to_owned(), None).await {
                 warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
             }
         }
@@ -837,6 +860,34 @@ impl RunManager {
                 return;
             }
             idle.await;
+        }
+    }
+
+    /// With state in memory, ends every run that waits here for answers, for `reason`,
+    /// with its `done` event: its state does not outlive the process, and its clients
+    /// learn how it ended rather than losing their streams. With shared state waiting runs
+    /// hold nothing here and go on through any replica: nothing to do.
+    pub async fn end_waiting(self: &Arc<Self>, reason: StopReason) {
+        let runs: Vec<String> = self.waiting().drain().collect();
+        let mut ended = 0;
+        for run_id in runs {
+            // A run answered meanwhile goes on (and ends with the others in progress).
+            match self.store.cancel_waiting(&run_id).await {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(error) => {
+                    warn!(%run_id, %error, "cannot end a waiting run");
+                    continue;
+                }
+            }
+            match self.take_over(run_id.clone(), Some(reason)).await {
+                Ok(true) => ended += 1,
+                Ok(false) => warn!(%run_id, "cannot end a waiting run here"),
+                Err(error) => warn!(%run_id, %error, "cannot end a waiting run"),
+            }
+        }
+        if ended > 0 {
+            info!(ended, "ended the runs that waited for answers");
         }
     }
 
