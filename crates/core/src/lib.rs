@@ -19,7 +19,7 @@ pub use secret::{Secret, mask_url_credentials};
 pub use state::{StateError, StateResult};
 pub use tool::{
     Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError,
-    ToolSource, ToolSpec,
+    ToolSource, ToolSpec, json_depth,
 };
 pub use violation::Violation;
 

@@ -1702,7 +1702,9 @@ fn parse_arguments(text: &str) -> Result<serde_json::Value, String> {
         return Ok(serde_json::Value::Object(serde_json::Map::new()));
     }
     match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(value @ serde_json::Value::Object(_)) if depth(&value) > MAX_ARGUMENT_DEPTH => {
+        Ok(value @ serde_json::Value::Object(_))
+            if agentrt_core::json_depth(&value) > MAX_ARGUMENT_DEPTH =>
+        {
             Err(format!(
                 "the arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels; send flatter JSON"
             ))
@@ -1712,16 +1714,6 @@ fn parse_arguments(text: &str) -> Result<serde_json::Value, String> {
         Err(e) => Err(format!(
             "the arguments are not valid JSON ({e}); send a complete JSON object: {text}"
         )),
-    }
-}
-
-/// How deep `value` nests: 1 for a scalar or an empty container.
-fn depth(value: &serde_json::Value) -> usize {
-    // serde_json stops parsing at 128 levels, so this recursion is bounded.
-    match value {
-        serde_json::Value::Array(items) => 1 + items.iter().map(depth).max().unwrap_or(0),
-        serde_json::Value::Object(map) => 1 + map.values().map(depth).max().unwrap_or(0),
-        _ => 1,
     }
 }
 

@@ -11,6 +11,11 @@ use tracing::{info, warn};
 
 use crate::{CallError, Changes, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset};
 
+/// How deep a tool's input schema may nest. As a `google.protobuf.Struct` in the tool
+/// list, each level of JSON is up to three levels of Protobuf messages, and Protobuf
+/// decoders (prost, Python, Go, Java) refuse more than 100.
+const MAX_SCHEMA_DEPTH: usize = 24;
+
 /// Why a call did not run.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum ExecuteError {
@@ -117,6 +122,22 @@ impl Catalogue {
                         second: tool.origin.clone(),
                     };
                     if strict {
+                        return Err(error);
+                    }
+                    warn!(%error, "tool left out of the catalogue");
+                    continue;
+                }
+                let depth = agentrt_core::json_depth(&tool.spec.input_schema);
+                if depth > MAX_SCHEMA_DEPTH {
+                    // Offered, it would make the whole list unreadable to gRPC clients.
+                    let error = Error::InvalidSchema {
+                        tool: tool.origin.clone(),
+                        reason: format!(
+                            "it nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}: \
+                             Protobuf decoders (100 levels) could not read the tool list"
+                        ),
+                    };
+                    if toolset.name() == crate::builtin::SOURCE_NAME {
                         return Err(error);
                     }
                     warn!(%error, "tool left out of the catalogue");
@@ -319,6 +340,58 @@ mod tests {
                 "required property is missing"
             )]
         );
+    }
+
+    /// A source offering a tool `shallow` and a tool `deep` whose schema nests 30 levels.
+    struct Nested;
+
+    #[async_trait::async_trait]
+    impl Toolset for Nested {
+        fn name(&self) -> &str {
+            "nested"
+        }
+
+        async fn list(&self) -> Result<Vec<ListedTool>> {
+            let mut deep = json!({"type": "string"});
+            for _ in 0..15 {
+                deep = json!({"type": "object", "properties": {"next": deep}});
+            }
+            Ok([("shallow", json!({"type": "object"})), ("deep", deep)]
+                .into_iter()
+                .map(|(name, schema)| ListedTool {
+                    spec: ToolSpec {
+                        name: format!("nested__{name}"),
+                        description: String::new(),
+                        input_schema: schema.into(),
+                        source: agentrt_core::ToolSource::Mcp,
+                    },
+                    source_name: name.to_owned(),
+                    origin: format!("MCP server \"nested\", tool {name:?}"),
+                })
+                .collect())
+        }
+
+        async fn call(
+            &self,
+            _: &str,
+            _: serde_json::Value,
+            _: &ToolContext,
+        ) -> std::result::Result<ToolOutput, CallError> {
+            Ok(ToolOutput::default())
+        }
+
+        async fn refresh(&self) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_schema_too_deep_for_protobuf_decoders_is_left_out_alone() {
+        let catalogue = Catalogue::new(vec![Arc::new(Nested) as Arc<dyn Toolset>], Changes::new())
+            .await
+            .unwrap();
+        let names: Vec<String> = catalogue.specs().into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["nested__shallow"]);
     }
 
     #[tokio::test]

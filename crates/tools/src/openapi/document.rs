@@ -2,10 +2,14 @@
 //! becomes one tool whose input schema joins its path, query and header parameters and
 //! its JSON request body (under `body`) as one object schema.
 
+use std::collections::HashMap;
+
 use serde_json::{Map, Value, json};
 
-/// How deep `$ref`s are followed; a schema nested deeper (a recursive one) accepts
-/// anything below that depth.
+/// How deep `$ref`s are followed; a schema nested deeper accepts anything below that
+/// depth. A recursive reference (one met again inside its own expansion: a tree, a
+/// linked list) accepts anything at once, so that the schema stays shallow enough for
+/// every gRPC client to decode (Protobuf decoders stop at 100 levels of nesting).
 const MAX_REF_DEPTH: usize = 16;
 /// Most schema nodes one operation's input schema may hold once `$ref`s are inlined.
 const MAX_NODES: usize = 20_000;
@@ -100,13 +104,28 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
             skipped,
         });
     };
+    // Where each operationId is, to refuse one used twice: a tool per operation.
+    let mut ids: HashMap<String, String> = HashMap::new();
     for (path, item) in paths {
-        let item = resolve_ref(&doc, item);
+        let item = match resolve_ref(&doc, item) {
+            Ok(item) => item,
+            Err(why) => {
+                skipped.push(format!("path {path}: {why}"));
+                continue;
+            }
+        };
         for method in METHODS {
             let Some(op) = item.get(method) else { continue };
             let Some(id) = op["operationId"].as_str() else {
                 continue;
             };
+            let place = format!("{} {path}", method.to_ascii_uppercase());
+            if let Some(first) = ids.insert(id.to_owned(), place.clone()) {
+                return Err(format!(
+                    "operationId {id:?} is used twice, by {first} and by {place}: each \
+                     operation is one tool, named by its operationId"
+                ));
+            }
             match operation(&doc, legacy, path, method, &item, op, id) {
                 Ok(operation) => operations.push(operation),
                 Err(why) => skipped.push(format!("{id}: {why}")),
@@ -135,7 +154,7 @@ fn operation(
     let mut raw: Vec<Value> = Vec::new();
     for list in [&item["parameters"], &op["parameters"]] {
         for p in list.as_array().into_iter().flatten() {
-            let p = resolve_ref(doc, p);
+            let p = resolve_ref(doc, p)?;
             raw.retain(|q| !(q["name"] == p["name"] && q["in"] == p["in"]));
             raw.push(p);
         }
@@ -162,7 +181,7 @@ fn operation(
             .or_else(|| p["content"].as_object()?.values().next()?.get("schema"))
             .cloned()
             .unwrap_or_else(|| json!({}));
-        let mut schema = inline(doc, &schema, 0, &mut budget, legacy)?;
+        let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
         if let (Some(description), Some(obj)) = (p["description"].as_str(), schema.as_object_mut())
         {
             obj.entry("description")
@@ -188,7 +207,7 @@ fn operation(
     }
     let mut has_body = false;
     if let Some(body) = op.get("requestBody") {
-        let body = resolve_ref(doc, body);
+        let body = resolve_ref(doc, body)?;
         let content = body["content"].as_object();
         let json_schema = content.and_then(|c| {
             c.iter()
@@ -197,7 +216,7 @@ fn operation(
         });
         match json_schema {
             Some(schema) => {
-                let mut schema = inline(doc, &schema, 0, &mut budget, legacy)?;
+                let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
                 {
@@ -251,19 +270,28 @@ fn is_json(media: &str) -> bool {
 }
 
 /// The value `value` stands for when it is a local `$ref`, followed a bounded number of
-/// times; anything else as it is.
-fn resolve_ref(doc: &Value, value: &Value) -> Value {
+/// times; anything else as it is. A reference to nothing, to another document, or in a
+/// chain too long is an error naming it.
+fn resolve_ref(doc: &Value, value: &Value) -> Result<Value, String> {
     let mut current = value;
     for _ in 0..MAX_REF_DEPTH {
         match current.get("$ref").and_then(Value::as_str) {
-            Some(reference) => match lookup(doc, reference) {
-                Some(target) => current = target,
-                None => return json!({}),
-            },
-            None => return current.clone(),
+            Some(reference) => {
+                current = lookup(doc, reference).ok_or_else(|| unresolved(reference))?
+            }
+            None => return Ok(current.clone()),
         }
     }
-    json!({})
+    Err(format!("its `$ref`s chain more than {MAX_REF_DEPTH} deep"))
+}
+
+/// Why `reference` cannot be followed.
+fn unresolved(reference: &str) -> String {
+    if reference.starts_with('#') {
+        format!("`$ref` {reference:?} points at nothing in the document")
+    } else {
+        format!("`$ref` {reference:?} is in another document, which is not read")
+    }
 }
 
 /// The value at a local reference (`#/components/schemas/Pet`).
@@ -272,13 +300,14 @@ fn lookup<'a>(doc: &'a Value, reference: &str) -> Option<&'a Value> {
     doc.pointer(pointer)
 }
 
-/// A copy of `schema` with every local `$ref` inlined (deeper than [`MAX_REF_DEPTH`]
-/// refs, and refs to other documents, become `{}`), and OpenAPI 3.0's dialect turned into
-/// JSON Schema (`nullable`, boolean `exclusiveMinimum`/`exclusiveMaximum`).
-fn inline(
-    doc: &Value,
-    schema: &Value,
-    depth: usize,
+/// A copy of `schema` with every local `$ref` inlined (recursive refs, refs deeper than
+/// [`MAX_REF_DEPTH`] and refs to other documents become `{}`), and OpenAPI 3.0's dialect
+/// turned into JSON Schema (`nullable`, boolean `exclusiveMinimum`/`exclusiveMaximum`).
+/// `expanding` holds the refs being inlined around `schema`.
+fn inline<'d>(
+    doc: &'d Value,
+    schema: &'d Value,
+    expanding: &mut Vec<&'d str>,
     budget: &mut usize,
     legacy: bool,
 ) -> Result<Value, String> {
@@ -291,13 +320,20 @@ fn inline(
     match schema {
         Value::Object(map) => {
             if let Some(reference) = map.get("$ref").and_then(Value::as_str) {
-                if depth >= MAX_REF_DEPTH {
+                if expanding.len() >= MAX_REF_DEPTH || expanding.contains(&reference) {
                     return Ok(json!({}));
                 }
-                return match lookup(doc, reference) {
-                    Some(target) => inline(doc, target, depth + 1, budget, legacy),
-                    None => Ok(json!({})),
+                let Some(target) = lookup(doc, reference) else {
+                    // Another document's schema is not read: it accepts anything.
+                    if reference.starts_with('#') {
+                        return Err(unresolved(reference));
+                    }
+                    return Ok(json!({}));
                 };
+                expanding.push(reference);
+                let inlined = inline(doc, target, expanding, budget, legacy);
+                expanding.pop();
+                return inlined;
             }
             let mut out = Map::with_capacity(map.len());
             for (key, value) in map {
@@ -305,7 +341,7 @@ fn inline(
                 if key.starts_with("x-") || key == "example" || key == "examples" {
                     continue;
                 }
-                out.insert(key.clone(), inline(doc, value, depth, budget, legacy)?);
+                out.insert(key.clone(), inline(doc, value, expanding, budget, legacy)?);
             }
             if legacy {
                 dialect_3_0(&mut out);
@@ -314,7 +350,7 @@ fn inline(
         }
         Value::Array(items) => items
             .iter()
-            .map(|v| inline(doc, v, depth, budget, legacy))
+            .map(|v| inline(doc, v, expanding, budget, legacy))
             .collect::<Result<Vec<_>, _>>()
             .map(Value::Array),
         other => Ok(other.clone()),
@@ -480,12 +516,64 @@ components:
         assert_eq!(create.input_schema["required"], json!(["body"]));
         let body = &create.input_schema["properties"]["body"];
         assert_eq!(body["required"], json!(["name"]));
-        assert_eq!(
-            body["properties"]["parent"]["properties"]["name"]["type"],
-            "string"
-        );
+        // `Pet.parent` is a Pet: a recursive reference accepts anything, rather than
+        // unrolling the tree into a schema too deep for gRPC clients to decode.
+        assert_eq!(body["properties"]["parent"], json!({}));
+        assert!(agentrt_core::json_depth(&create.input_schema) < 8);
         jsonschema::validator_for(&create.input_schema).unwrap();
         jsonschema::validator_for(&show.input_schema).unwrap();
+    }
+
+    #[test]
+    fn mutually_recursive_schemas_stay_shallow() {
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {"/t": {"post": {"operationId": "tree",
+                "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Node"}}}}}}},
+              "components": {"schemas": {
+                "Node": {"type": "object", "properties": {"value": {"type": "string"},
+                  "children": {"type": "array", "items": {"$ref": "#/components/schemas/Edge"}}}},
+                "Edge": {"type": "object", "properties": {"to": {"$ref": "#/components/schemas/Node"}}}}}}"##,
+        )
+        .unwrap();
+        let schema = &doc.operations[0].input_schema;
+        let edge = &schema["properties"]["body"]["properties"]["children"]["items"];
+        assert_eq!(edge["properties"]["to"], json!({}), "{schema}");
+        assert!(agentrt_core::json_depth(schema) < 10, "{schema}");
+    }
+
+    #[test]
+    fn a_reference_to_nothing_is_named_and_an_operation_id_used_twice_refused() {
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {
+                "/a": {"get": {"operationId": "a", "parameters": [{"$ref": "#/components/parameters/Missing"}]}},
+                "/b": {"post": {"operationId": "b", "requestBody": {"content": {"application/json":
+                  {"schema": {"type": "object", "properties": {"x": {"$ref": "#/components/schemas/Gone"}}}}}}}},
+                "/c": {"get": {"operationId": "c"}}}}"##,
+        )
+        .unwrap();
+        let ids: Vec<_> = doc.operations.iter().map(|o| o.id.as_str()).collect();
+        assert_eq!(ids, ["c"]);
+        assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
+        assert!(
+            doc.skipped[0].starts_with("a: ")
+                && doc.skipped[0].contains("\"#/components/parameters/Missing\" points at nothing"),
+            "{:?}",
+            doc.skipped
+        );
+        assert!(
+            doc.skipped[1].contains("\"#/components/schemas/Gone\""),
+            "{:?}",
+            doc.skipped
+        );
+        let twice = parse(
+            r#"{"openapi": "3.1.0", "paths": {"/a": {"get": {"operationId": "same"}},
+                "/b": {"get": {"operationId": "same"}}}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            twice.contains("\"same\" is used twice, by GET /a and by GET /b"),
+            "{twice}"
+        );
     }
 
     #[test]
