@@ -212,6 +212,42 @@ async fn the_deadline_bounds_the_call() {
     assert!(!out.is_error, "{}", out.output);
 }
 
+/// SIGTERM gives calls in progress the drain grace: a call that finishes within it
+/// answers as usual; one that would outlast it is stopped before the grace is over.
+#[tokio::test]
+async fn sigterm_lets_calls_in_progress_finish_within_the_grace() {
+    let mut server = tool_executor(&["--drain-grace", "6s"]).await;
+    let client = ToolExecutorClient::new(connect(&server.url()).await);
+    let start = |seconds: f64| {
+        let mut caller = client.clone();
+        tokio::spawn(async move {
+            caller
+                .execute_tool(call("sleep", json!({"seconds": seconds})))
+                .await
+        })
+    };
+    let short = start(1.5);
+    let long = start(60.0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let terminated = Instant::now();
+    server.terminate();
+    let out = short.await.unwrap().unwrap().into_inner();
+    assert!(
+        !out.is_error,
+        "the call finished in the grace: {}",
+        out.output
+    );
+    let stopped = long.await.unwrap();
+    let elapsed = terminated.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(3) && elapsed < Duration::from_secs(6),
+        "the long call was stopped within the grace, not at once: {elapsed:?}"
+    );
+    let out = stopped.unwrap().into_inner();
+    assert!(out.is_error, "{}", out.output);
+    assert!(server.wait(Duration::from_secs(20)).await.success());
+}
+
 #[tokio::test]
 async fn a_cancelled_call_stops_its_work() {
     let (server, client) = client().await;

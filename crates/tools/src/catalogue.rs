@@ -199,7 +199,7 @@ impl Catalogue {
         let entry = snapshot
             .tools
             .get(name)
-            .ok_or_else(|| ExecuteError::NotFound(name.to_owned()))?;
+            .ok_or_else(|| self.not_listed(name))?;
         let violations: Vec<Violation> = entry
             .validator
             .iter_errors(&arguments)
@@ -226,6 +226,25 @@ impl Catalogue {
                 },
                 CallError::Gone(_) => ExecuteError::NotFound(name.to_owned()),
             })
+    }
+
+    /// Why no listed tool is `name`: it is not found, unless it is named as a tool of a
+    /// source that is down (one not connected yet lists nothing): then it is unavailable.
+    fn not_listed(&self, name: &str) -> ExecuteError {
+        let down = self.toolsets.iter().find_map(|toolset| {
+            name.strip_prefix(toolset.name())
+                .and_then(|rest| rest.strip_prefix("__"))
+                .and_then(|_| toolset.down())
+                .map(|reason| (toolset.name().to_owned(), reason))
+        });
+        match down {
+            Some((source_name, reason)) => ExecuteError::Unavailable {
+                tool: name.to_owned(),
+                source_name,
+                reason: format!("{reason}; its tools are known once it is up"),
+            },
+            None => ExecuteError::NotFound(name.to_owned()),
+        }
     }
 
     /// Stops every toolset: child processes exit, connections close.
@@ -382,6 +401,65 @@ mod tests {
 
         async fn refresh(&self) -> Result<()> {
             Ok(())
+        }
+    }
+
+    /// A source that never connected: it lists nothing yet.
+    struct Down;
+
+    #[async_trait::async_trait]
+    impl Toolset for Down {
+        fn name(&self) -> &str {
+            "late"
+        }
+
+        async fn list(&self) -> Result<Vec<ListedTool>> {
+            Ok(Vec::new())
+        }
+
+        async fn call(
+            &self,
+            tool: &str,
+            _: serde_json::Value,
+            _: &ToolContext,
+        ) -> std::result::Result<ToolOutput, CallError> {
+            Err(CallError::Gone(tool.to_owned()))
+        }
+
+        async fn refresh(&self) -> Result<()> {
+            Ok(())
+        }
+
+        fn down(&self) -> Option<String> {
+            Some("MCP server \"late\" is down: not connected yet".into())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tool_of_a_source_that_is_down_is_unavailable_naming_it() {
+        let catalogue = Catalogue::new(vec![Arc::new(Down) as Arc<dyn Toolset>], Changes::new())
+            .await
+            .unwrap();
+        let err = catalogue
+            .execute("late__hello", json!({}), &ToolContext::default())
+            .await
+            .unwrap_err();
+        let ExecuteError::Unavailable {
+            source_name,
+            reason,
+            ..
+        } = &err
+        else {
+            panic!("{err:?}");
+        };
+        assert_eq!(source_name, "late");
+        assert!(reason.contains("\"late\" is down"), "{reason}");
+        for name in ["lately__hello", "other__hello", "late"] {
+            let err = catalogue
+                .execute(name, json!({}), &ToolContext::default())
+                .await
+                .unwrap_err();
+            assert_eq!(err, ExecuteError::NotFound(name.into()));
         }
     }
 

@@ -40,6 +40,13 @@ pub trait Toolset: Send + Sync {
     /// Asks the source for its tools again.
     async fn refresh(&self) -> Result<()>;
 
+    /// Why the source cannot be reached now, when it cannot (a server down, or not
+    /// connected yet): a call of a tool it does not list (yet) is then `UNAVAILABLE`
+    /// rather than `NOT_FOUND`.
+    fn down(&self) -> Option<String> {
+        None
+    }
+
     /// Stops what the toolset runs (child processes, connections); calls after this
     /// are `UNAVAILABLE`.
     async fn shutdown(&self) {}

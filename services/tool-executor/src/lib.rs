@@ -71,6 +71,10 @@ async fn stop_all(toolsets: &[Arc<dyn Toolset>]) {
     futures_util::future::join_all(toolsets.iter().map(|t| t.shutdown())).await;
 }
 
+/// How long before the end of the drain grace calls still running are told to stop (at
+/// most a quarter of the grace), so that their answers go out within it.
+const CALL_STOP_MARGIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Serves `ToolExecutor` on `listener` until `shutdown` resolves, then drains.
 pub async fn serve(
     settings: Settings,
@@ -87,7 +91,20 @@ pub async fn serve(
         async move { catalogue.keep_fresh(stop).await }
     });
     let drain = CancellationToken::new();
-    let service = service::ToolExecutorService::new(catalogue.clone(), drain.clone());
+    // Calls in progress get the drain grace to finish; those still running then are told
+    // to stop, leaving the rest of the grace for their answers to go out.
+    let stop_calls = CancellationToken::new();
+    let grace = settings.server.drain_grace;
+    let stopper = tokio::spawn({
+        let drain = drain.clone();
+        let stop_calls = stop_calls.clone();
+        async move {
+            drain.cancelled().await;
+            tokio::time::sleep(grace.saturating_sub((grace / 4).min(CALL_STOP_MARGIN))).await;
+            stop_calls.cancel();
+        }
+    });
+    let service = service::ToolExecutorService::new(catalogue.clone(), stop_calls);
     let max = settings.server.max_message_bytes;
     let routes = Routes::new(
         agentrt::v1::tool_executor_server::ToolExecutorServer::new(service)
@@ -99,6 +116,7 @@ pub async fn serve(
         .serve(routes, listener, shutdown, drain)
         .await;
     // Drained (or failed): stop the refresher, then MCP servers' child processes.
+    stopper.abort();
     stop.cancel();
     let _ = refresher.await;
     catalogue.shutdown().await;

@@ -21,7 +21,7 @@ const DEADLINE_MARGIN: Duration = Duration::from_millis(50);
 /// `agent.v1.ToolExecutor` over a tool catalogue.
 pub struct ToolExecutorService {
     catalogue: Arc<Catalogue>,
-    /// Cancelled when the server drains: running tools are told to stop.
+    /// Cancelled near the end of the drain grace: tools still running are told to stop.
     drain: CancellationToken,
 }
 

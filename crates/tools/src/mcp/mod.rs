@@ -15,7 +15,10 @@ use std::{
     collections::{BTreeMap, HashMap},
     path::{Path, PathBuf},
     process::Stdio,
-    sync::{Arc, RwLock},
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -223,6 +226,9 @@ struct State {
     down: String,
     /// The tools it last listed.
     tools: Vec<ListedTool>,
+    /// Which connection `peer` is (counted from 1): a call that saw its connection fail
+    /// asks for that one to be dropped, not a newer one.
+    connection: u64,
 }
 
 struct Shared {
@@ -235,6 +241,8 @@ struct Shared {
     relist: Notify,
     /// A call saw the connection fail: drop it and connect again.
     reconnect: Notify,
+    /// The connection the last such call saw fail (see [`State::connection`]).
+    failed_connection: AtomicU64,
 }
 
 impl Shared {
@@ -308,10 +316,12 @@ impl McpToolset {
                 peer: None,
                 down: "not connected yet".into(),
                 tools: Vec::new(),
+                connection: 0,
             }),
             changes,
             relist: Notify::new(),
             reconnect: Notify::new(),
+            failed_connection: AtomicU64::new(0),
             config,
         });
         let stop = CancellationToken::new();
@@ -357,10 +367,10 @@ impl Toolset for McpToolset {
         ctx: &ToolContext,
     ) -> Result<ToolOutput, CallError> {
         let shared = &self.shared;
-        let peer = {
+        let (peer, connection) = {
             let state = shared.state.read().unwrap_or_else(|e| e.into_inner());
             match &state.peer {
-                Some(peer) => peer.clone(),
+                Some(peer) => (peer.clone(), state.connection),
                 None => {
                     return Err(CallError::Unavailable {
                         source_name: shared.name().to_owned(),
@@ -413,6 +423,11 @@ impl Toolset for McpToolset {
                 Ok(ToolOutput::error(message))
             }
             Ok(Err(error @ (ServiceError::TransportClosed | ServiceError::TransportSend(_)))) => {
+                // Only that connection is dropped: a failure noticed after the server was
+                // connected again leaves the new connection alone.
+                shared
+                    .failed_connection
+                    .store(connection, Ordering::Release);
                 shared.reconnect.notify_one();
                 Err(CallError::Unavailable {
                     source_name: shared.name().to_owned(),
@@ -433,6 +448,17 @@ impl Toolset for McpToolset {
     async fn refresh(&self) -> Result<()> {
         self.shared.relist.notify_one();
         Ok(())
+    }
+
+    fn down(&self) -> Option<String> {
+        let state = self.shared.state.read().unwrap_or_else(|e| e.into_inner());
+        state.peer.is_none().then(|| {
+            format!(
+                "MCP server {:?} is down: {}",
+                self.shared.name(),
+                state.down
+            )
+        })
     }
 
     async fn shutdown(&self) {
@@ -651,6 +677,9 @@ async fn list_tools(
 fn install(shared: &Shared, peer: Peer<RoleClient>, tools: Vec<ListedTool>) {
     let changed = {
         let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
+        if state.peer.is_none() {
+            state.connection += 1;
+        }
         state.peer = Some(peer);
         state.down.clear();
         let changed = state.tools != tools;
@@ -666,6 +695,11 @@ fn install(shared: &Shared, peer: Peer<RoleClient>, tools: Vec<ListedTool>) {
 async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &CancellationToken) -> String {
     let Connection { service, mut child } = connection;
     let peer = service.peer().clone();
+    let connection = shared
+        .state
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .connection;
     let mut cancel = Some(service.cancellation_token());
     let waiting = service.waiting();
     tokio::pin!(waiting);
@@ -686,10 +720,12 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                 };
             }
             () = shared.reconnect.notified() => {
-                if let Some(cancel) = cancel.take() {
-                    cancel.cancel();
+                if shared.failed_connection.load(Ordering::Acquire) == connection {
+                    if let Some(cancel) = cancel.take() {
+                        cancel.cancel();
+                    }
+                    break "the connection failed during a call".to_owned();
                 }
-                break "the connection failed during a call".to_owned();
             }
             () = shared.relist.notified() => {
                 match tokio::time::timeout(shared.config.connect_timeout, list_tools(shared, &peer)).await {

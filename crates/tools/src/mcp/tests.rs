@@ -344,6 +344,14 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
         toolset.is_connected() && fake.pid() != first
     })
     .await;
+    // The failed call's report of its connection is not taken for one about the new
+    // connection: that one stays up (it was once dropped at once, and its child with it).
+    let second = fake.pid();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        toolset.is_connected() && fake.pid() == second && alive(second),
+        "the new connection was dropped"
+    );
     let out = toolset
         .call("echo", json!({"text": "back"}), &ToolContext::default())
         .await
@@ -415,4 +423,44 @@ fn configs_are_checked() {
     let mut bad_name = good;
     bad_name.name = "9lives".into();
     assert!(bad_name.check().unwrap_err().contains("letter"));
+}
+
+#[tokio::test]
+async fn a_call_that_saw_its_connection_fail_leaves_the_next_connection_alone() {
+    let fake = Fake::new("stale");
+    let toolset = Arc::new(
+        McpToolset::start(fake.config("good"), Changes::new())
+            .await
+            .unwrap(),
+    );
+    let first = fake.pid();
+    let caller = toolset.clone();
+    let call = tokio::spawn(async move {
+        caller
+            .call("slow", json!({}), &ToolContext::default())
+            .await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &first.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let err = call.await.unwrap().unwrap_err();
+    assert!(matches!(err, CallError::Unavailable { .. }), "{err:?}");
+    eventually("the restart", || {
+        toolset.is_connected() && fake.pid() != first
+    })
+    .await;
+    let second = fake.pid();
+    // A call on the first connection reports its failure late, after the server was
+    // connected again (as one did, 6 ms after a restart): the new connection stays.
+    toolset.shared.failed_connection.store(1, Ordering::Release);
+    toolset.shared.reconnect.notify_one();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        toolset.is_connected() && fake.pid() == second && alive(second),
+        "the new connection was dropped for the old one's failure"
+    );
+    toolset.shutdown().await;
 }
