@@ -418,6 +418,70 @@ async fn an_http_server_that_goes_away_is_unavailable_then_reconnected() {
     }
 }
 
+/// server-everything restarted at once behind the same URL refuses the old session with
+/// a 400 that names no request: calls on it would wait for their timeout, on and on. The
+/// executor's periodic `tools/list` finds the session dead and makes a new one.
+#[tokio::test]
+async fn an_http_server_restarted_behind_the_same_url_is_reached_again() {
+    let (everything, url) = everything_over_http().await;
+    let dir = TempDir::new("http-restart");
+    let config =
+        format!("[[mcp_servers]]\nname = \"docs\"\nurl = {url:?}\nconnect_timeout = \"2s\"\n");
+    let (_server, mut client) = executor_with(&dir, &config, &[]).await;
+    let out = execute(&mut client, "docs__echo", json!({"message": "one"})).await;
+    assert_eq!(out.output, "Echo: one");
+    drop(everything);
+    let port = url
+        .trim_start_matches("http://127.0.0.1:")
+        .trim_end_matches("/mcp")
+        .to_owned();
+    // Wait until the port is free, then start it again at once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap()))
+        .await
+        .is_ok()
+    {
+        assert!(Instant::now() < deadline, "server-everything did not stop");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _again = tokio::process::Command::new("node")
+        .args([mcp_server("server-everything").as_str(), "streamableHttp"])
+        .env("PORT", &port)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    // The executor's next call goes to the new server, on the old session.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap()))
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "server-everything did not listen"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let restarted = Instant::now();
+    loop {
+        let mut request = tonic::Request::new(call("docs__echo", json!({"message": "two"})));
+        request.set_timeout(Duration::from_secs(3));
+        match client.execute_tool(request).await {
+            Ok(out) if !out.get_ref().is_error => {
+                assert_eq!(out.into_inner().output, "Echo: two");
+                break;
+            }
+            other => assert!(
+                restarted.elapsed() < Duration::from_secs(30),
+                "not reached again: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test]
 async fn server_filesystem_reads_a_directory() {
     let dir = TempDir::new("fs");

@@ -5,7 +5,9 @@
 //! each bounded by `connect_timeout`), then waits: for `notifications/tools/list_changed`
 //! (it lists again and the catalogue is refreshed), for the connection to end (it
 //! reconnects with backoff; meanwhile the server's tools answer `UNAVAILABLE` naming it),
-//! or for shutdown (it stops the child process). Calls go straight to the current
+//! or for shutdown (it stops the child process). An HTTP server is asked for its tools
+//! again every [`HTTP_CHECK_EVERY`]: one that stopped answering on its session is
+//! reconnected, and tools it changed are found. Calls go straight to the current
 //! connection; a call abandoned by its caller, or past its deadline or the server's
 //! `timeout`, sends `notifications/cancelled` (rmcp does when the call's future is dropped).
 
@@ -68,6 +70,13 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const STABLE: Duration = Duration::from_secs(60);
 /// How long a child process may take to exit once its stdin is closed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
+/// How often an HTTP server is asked for its tools while connected. A server restarted
+/// behind the same URL may refuse the old session without saying which request it
+/// refuses (server-everything answers 400 with a JSON-RPC error without an id): its calls
+/// would wait for their timeout, on and on. When `tools/list` gets no answer within
+/// `connect_timeout`, the connection is dropped and made again, with a new session; and
+/// a server that made a new session by itself (after a 404) may offer other tools.
+const HTTP_CHECK_EVERY: Duration = Duration::from_secs(10);
 /// Environment variables a child process inherits from the tool executor; everything
 /// else it gets from its `env` setting, so that the executor's own secrets stay its own.
 const INHERITED_ENV: [&str; 9] = [
@@ -423,16 +432,22 @@ impl Toolset for McpToolset {
                 Ok(ToolOutput::error(message))
             }
             Ok(Err(error @ (ServiceError::TransportClosed | ServiceError::TransportSend(_)))) => {
+                debug!(source = %shared.name(), %error, "the connection failed during a call");
                 // Only that connection is dropped: a failure noticed after the server was
                 // connected again leaves the new connection alone.
                 shared
                     .failed_connection
                     .store(connection, Ordering::Release);
                 shared.reconnect.notify_one();
+                // The SDK's message names its transport's types: said plainly instead.
+                let what = match error {
+                    ServiceError::TransportClosed => "it closed",
+                    _ => "the call could not be sent",
+                };
                 Err(CallError::Unavailable {
                     source_name: shared.name().to_owned(),
                     reason: format!(
-                        "the connection to MCP server {:?} failed during the call ({error}); \
+                        "the connection to MCP server {:?} failed during the call ({what}); \
                          reconnecting",
                         shared.name()
                     ),
@@ -703,6 +718,12 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
     let mut cancel = Some(service.cancellation_token());
     let waiting = service.waiting();
     tokio::pin!(waiting);
+    let http = child.is_none();
+    let mut check = tokio::time::interval_at(
+        tokio::time::Instant::now() + HTTP_CHECK_EVERY,
+        HTTP_CHECK_EVERY,
+    );
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let reason = loop {
         tokio::select! {
             () = stop.cancelled() => {
@@ -725,6 +746,14 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                         cancel.cancel();
                     }
                     break "the connection failed during a call".to_owned();
+                }
+            }
+            _ = check.tick(), if http => {
+                let limit = shared.config.connect_timeout;
+                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
+                    Ok(Ok(tools)) => install(shared, peer.clone(), tools),
+                    Ok(Err(reason)) => break format!("the server stopped answering: {reason}"),
+                    Err(_) => break format!("the server did not answer `tools/list` within {limit:?}"),
                 }
             }
             () = shared.relist.notified() => {
