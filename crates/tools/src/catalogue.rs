@@ -231,12 +231,16 @@ impl Catalogue {
     /// Why no listed tool is `name`: it is not found, unless it is named as a tool of a
     /// source that is down (one not connected yet lists nothing): then it is unavailable.
     fn not_listed(&self, name: &str) -> ExecuteError {
-        let down = self.toolsets.iter().find_map(|toolset| {
-            name.strip_prefix(toolset.name())
-                .and_then(|rest| rest.strip_prefix("__"))
-                .and_then(|_| toolset.down())
-                .map(|reason| (toolset.name().to_owned(), reason))
-        });
+        // The source whose name is the longest prefix (`a__b` rather than `a`).
+        let down = self
+            .toolsets
+            .iter()
+            .filter(|toolset| {
+                name.strip_prefix(toolset.name())
+                    .is_some_and(|rest| rest.starts_with("__"))
+            })
+            .max_by_key(|toolset| toolset.name().len())
+            .and_then(|toolset| Some((toolset.name().to_owned(), toolset.down()?)));
         match down {
             Some((source_name, reason)) => ExecuteError::Unavailable {
                 tool: name.to_owned(),
