@@ -184,6 +184,15 @@ pub trait ToolRunner: Send + Sync {
     async fn run(&self, call: ToolInvocation, timeout: std::time::Duration) -> ToolResult;
 }
 
+/// How deep a JSON value nests: 1 for a scalar or an empty container.
+pub fn json_depth(value: &serde_json::Value) -> usize {
+    match value {
+        serde_json::Value::Array(items) => 1 + items.iter().map(json_depth).max().unwrap_or(0),
+        serde_json::Value::Object(map) => 1 + map.values().map(json_depth).max().unwrap_or(0),
+        _ => 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,14 +222,5 @@ mod tests {
             "{written}"
         );
         assert_eq!(shared.clone(), shared);
-    }
-}
-
-/// How deep a JSON value nests: 1 for a scalar or an empty container.
-pub fn json_depth(value: &serde_json::Value) -> usize {
-    match value {
-        serde_json::Value::Array(items) => 1 + items.iter().map(json_depth).max().unwrap_or(0),
-        serde_json::Value::Object(map) => 1 + map.values().map(json_depth).max().unwrap_or(0),
-        _ => 1,
     }
 }
