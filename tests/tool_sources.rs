@@ -314,6 +314,13 @@ async fn a_server_killed_mid_call_is_unavailable_then_restarted() {
 /// Starts server-everything over streamable HTTP on a free port; killed when dropped.
 async fn everything_over_http() -> (tokio::process::Child, String) {
     let port = unused_addr().port();
+    let child = everything_on(port).await;
+    (child, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+/// Starts server-everything over streamable HTTP on `port`, once it listens; killed when
+/// dropped.
+async fn everything_on(port: u16) -> tokio::process::Child {
     let child = tokio::process::Command::new("node")
         .args([mcp_server("server-everything").as_str(), "streamableHttp"])
         .env("PORT", port.to_string())
@@ -333,7 +340,15 @@ async fn everything_over_http() -> (tokio::process::Child, String) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    (child, format!("http://127.0.0.1:{port}/mcp"))
+    child
+}
+
+/// The port of an `everything_over_http` URL.
+fn port_of(url: &str) -> u16 {
+    url.trim_start_matches("http://127.0.0.1:")
+        .trim_end_matches("/mcp")
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test]
@@ -390,18 +405,7 @@ async fn an_http_server_that_goes_away_is_unavailable_then_reconnected() {
     assert!(status.message().contains("\"docs\""), "{status:?}");
 
     // Back on the same port: the executor reconnects.
-    let port = url
-        .trim_start_matches("http://127.0.0.1:")
-        .trim_end_matches("/mcp")
-        .to_owned();
-    let _again = tokio::process::Command::new("node")
-        .args([mcp_server("server-everything").as_str(), "streamableHttp"])
-        .env("PORT", &port)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
+    let _again = everything_on(port_of(&url)).await;
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
         match client
@@ -431,39 +435,18 @@ async fn an_http_server_restarted_behind_the_same_url_is_reached_again() {
     let out = execute(&mut client, "docs__echo", json!({"message": "one"})).await;
     assert_eq!(out.output, "Echo: one");
     drop(everything);
-    let port = url
-        .trim_start_matches("http://127.0.0.1:")
-        .trim_end_matches("/mcp")
-        .to_owned();
-    // Wait until the port is free, then start it again at once.
+    let port = port_of(&url);
+    // Wait until the port is free, then start it again at once: the executor's next call
+    // goes to the new server, on the old session.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap()))
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .is_ok()
     {
         assert!(Instant::now() < deadline, "server-everything did not stop");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let _again = tokio::process::Command::new("node")
-        .args([mcp_server("server-everything").as_str(), "streamableHttp"])
-        .env("PORT", &port)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    // The executor's next call goes to the new server, on the old session.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap()))
-        .await
-        .is_err()
-    {
-        assert!(
-            Instant::now() < deadline,
-            "server-everything did not listen"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let _again = everything_on(port).await;
     let restarted = Instant::now();
     loop {
         let mut request = tonic::Request::new(call("docs__echo", json!({"message": "two"})));

@@ -525,6 +525,17 @@ async fn a_model_repeating_itself_is_stopped() {
     );
 }
 
+/// A run's control, cancelled after `delay`.
+fn cancelled_after(delay: Duration) -> Arc<RunControl> {
+    let control = Arc::new(RunControl::default());
+    let stopper = control.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(delay).await;
+        stopper.stop(StopReason::Cancelled);
+    });
+    control
+}
+
 #[tokio::test(start_paused = true)]
 async fn cancelling_stops_running_tools_at_once() {
     let h = harness(Scripted {
@@ -535,12 +546,7 @@ async fn cancelling_stops_running_tools_at_once() {
         )]))])),
         ..Default::default()
     });
-    let control = Arc::new(RunControl::default());
-    let stopper = control.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        stopper.stop(StopReason::Cancelled);
-    });
+    let control = cancelled_after(Duration::from_millis(50));
     let started = tokio::time::Instant::now();
     let (events, record) = h
         .run("r", config(Strategy::FunctionCall, &["calc"]), control)
@@ -1302,12 +1308,7 @@ async fn a_model_call_a_cancelled_run_ends_during_counts_as_estimated_usage() {
         then: Some(None),
         ..Default::default()
     });
-    let control = Arc::new(RunControl::default());
-    let stopper = control.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        stopper.stop(StopReason::Cancelled);
-    });
+    let control = cancelled_after(Duration::from_millis(50));
     let (events, record) = h
         .run("r", config(Strategy::FunctionCall, &["calc"]), control)
         .await;
