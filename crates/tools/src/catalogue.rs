@@ -39,6 +39,8 @@ pub enum ExecuteError {
         source_name: String,
         /// What is wrong.
         reason: String,
+        /// When the source may be back.
+        retry_after: std::time::Duration,
     },
 }
 
@@ -219,10 +221,12 @@ impl Catalogue {
                 CallError::Unavailable {
                     source_name,
                     reason,
+                    retry_after,
                 } => ExecuteError::Unavailable {
                     tool: name.to_owned(),
                     source_name,
                     reason,
+                    retry_after,
                 },
                 CallError::Gone(_) => ExecuteError::NotFound(name.to_owned()),
             })
@@ -240,14 +244,19 @@ impl Catalogue {
                     .is_some_and(|rest| rest.starts_with("__"))
             })
             .max_by_key(|toolset| toolset.name().len())
-            .and_then(|toolset| Some((toolset.name().to_owned(), toolset.down()?)));
+            .and_then(|toolset| toolset.down());
         match down {
-            Some((source_name, reason)) => ExecuteError::Unavailable {
+            Some(CallError::Unavailable {
+                source_name,
+                reason,
+                retry_after,
+            }) => ExecuteError::Unavailable {
                 tool: name.to_owned(),
                 source_name,
                 reason: format!("{reason}; its tools are known once it is up"),
+                retry_after,
             },
-            None => ExecuteError::NotFound(name.to_owned()),
+            _ => ExecuteError::NotFound(name.to_owned()),
         }
     }
 
@@ -434,8 +443,12 @@ mod tests {
             Ok(())
         }
 
-        fn down(&self) -> Option<String> {
-            Some("MCP server \"late\" is down: not connected yet".into())
+        fn down(&self) -> Option<CallError> {
+            Some(CallError::Unavailable {
+                source_name: "late".into(),
+                reason: "MCP server \"late\" is down: not connected yet".into(),
+                retry_after: std::time::Duration::from_secs(4),
+            })
         }
     }
 
@@ -451,12 +464,14 @@ mod tests {
         let ExecuteError::Unavailable {
             source_name,
             reason,
+            retry_after,
             ..
         } = &err
         else {
             panic!("{err:?}");
         };
         assert_eq!(source_name, "late");
+        assert_eq!(*retry_after, std::time::Duration::from_secs(4));
         assert!(reason.contains("\"late\" is down"), "{reason}");
         for name in ["lately__hello", "other__hello", "late"] {
             let err = catalogue

@@ -41,9 +41,9 @@ pub trait Toolset: Send + Sync {
     async fn refresh(&self) -> Result<()>;
 
     /// Why the source cannot be reached now, when it cannot (a server down, or not
-    /// connected yet): a call of a tool it does not list (yet) is then `UNAVAILABLE`
-    /// rather than `NOT_FOUND`.
-    fn down(&self) -> Option<String> {
+    /// connected yet), as [`CallError::Unavailable`]: a call of a tool it does not list
+    /// (yet) is then `UNAVAILABLE` rather than `NOT_FOUND`.
+    fn down(&self) -> Option<CallError> {
         None
     }
 
@@ -73,6 +73,8 @@ pub enum CallError {
         source_name: String,
         /// What is wrong, and what is being done about it.
         reason: String,
+        /// When the source may be back: its next reconnect, as far as it knows.
+        retry_after: std::time::Duration,
     },
     /// The source no longer has the tool.
     #[error("tool {0:?} is no longer offered by its source")]

@@ -122,10 +122,15 @@ fn execute_error_to_status(error: &ExecuteError) -> Status {
             &format!("arguments do not match the input schema of tool {tool:?}"),
             violations,
         ),
-        ExecuteError::Unavailable { tool, reason, .. } => status::unavailable(
+        ExecuteError::Unavailable {
+            tool,
+            reason,
+            retry_after,
+            ..
+        } => status::unavailable(
             "TOOL_SOURCE_UNAVAILABLE",
             format!("tool {tool:?} is unavailable: {reason}"),
-            Duration::from_secs(1),
+            *retry_after,
         ),
     }
 }

@@ -70,6 +70,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const STABLE: Duration = Duration::from_secs(60);
 /// How long a child process may take to exit once its stdin is closed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
+/// When a client may try a server's tool again while the server is being connected (the
+/// `RetryInfo` of `UNAVAILABLE`); while it waits to reconnect, when it will.
+const RETRY_WHILE_CONNECTING: Duration = Duration::from_secs(1);
 /// How often an HTTP server is asked for its tools while connected. A server restarted
 /// behind the same URL may refuse the old session without saying which request it
 /// refuses (server-everything answers 400 with a JSON-RPC error without an id): its calls
@@ -233,6 +236,8 @@ struct State {
     peer: Option<Peer<RoleClient>>,
     /// Why it is down, for `UNAVAILABLE` messages.
     down: String,
+    /// When the supervisor tries to connect again, while it waits to.
+    retry_at: Option<Instant>,
     /// The tools it last listed.
     tools: Vec<ListedTool>,
     /// Which connection `peer` is (counted from 1): a call that saw its connection fail
@@ -257,6 +262,21 @@ struct Shared {
 impl Shared {
     fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// A call refused while the server is down (`state`): why, and when it is tried
+    /// again.
+    fn unavailable(&self, state: &State) -> CallError {
+        let retry_after = state
+            .retry_at
+            .map(|at| at.saturating_duration_since(Instant::now()))
+            .filter(|wait| !wait.is_zero())
+            .unwrap_or(RETRY_WHILE_CONNECTING);
+        CallError::Unavailable {
+            source_name: self.name().to_owned(),
+            reason: format!("MCP server {:?} is down: {}", self.name(), state.down),
+            retry_after,
+        }
     }
 
     fn set_down(&self, reason: String) {
@@ -324,6 +344,7 @@ impl McpToolset {
             state: RwLock::new(State {
                 peer: None,
                 down: "not connected yet".into(),
+                retry_at: None,
                 tools: Vec::new(),
                 connection: 0,
             }),
@@ -380,12 +401,7 @@ impl Toolset for McpToolset {
             let state = shared.state.read().unwrap_or_else(|e| e.into_inner());
             match &state.peer {
                 Some(peer) => (peer.clone(), state.connection),
-                None => {
-                    return Err(CallError::Unavailable {
-                        source_name: shared.name().to_owned(),
-                        reason: format!("MCP server {:?} is down: {}", shared.name(), state.down),
-                    });
-                }
+                None => return Err(shared.unavailable(&state)),
             }
         };
         let arguments = match arguments {
@@ -451,6 +467,7 @@ impl Toolset for McpToolset {
                          reconnecting",
                         shared.name()
                     ),
+                    retry_after: RETRY_WHILE_CONNECTING,
                 })
             }
             Ok(Err(error)) => Ok(ToolOutput::error(format!(
@@ -465,15 +482,12 @@ impl Toolset for McpToolset {
         Ok(())
     }
 
-    fn down(&self) -> Option<String> {
+    fn down(&self) -> Option<CallError> {
         let state = self.shared.state.read().unwrap_or_else(|e| e.into_inner());
-        state.peer.is_none().then(|| {
-            format!(
-                "MCP server {:?} is down: {}",
-                self.shared.name(),
-                state.down
-            )
-        })
+        state
+            .peer
+            .is_none()
+            .then(|| self.shared.unavailable(&state))
     }
 
     async fn shutdown(&self) {
@@ -559,10 +573,20 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
         if let Some(first) = first.take() {
             let _ = first.send(());
         }
+        shared
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retry_at = Some(Instant::now() + backoff);
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(backoff) => {}
         }
+        shared
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retry_at = None;
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }

@@ -332,13 +332,24 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
     let CallError::Unavailable {
         source_name,
         reason,
+        retry_after,
     } = &err
     else {
         panic!("{err:?}");
     };
     assert_eq!(source_name, "fake");
     assert!(reason.contains("\"fake\""), "{reason}");
-    // Meanwhile calls are refused at once, naming the server; the tools stay listed.
+    assert!(*retry_after <= Duration::from_secs(1), "{retry_after:?}");
+    // Meanwhile calls are refused at once, naming the server, saying when it is tried
+    // again; the tools stay listed.
+    let err = toolset
+        .call("echo", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable { retry_after, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(*retry_after <= RETRY_WHILE_CONNECTING, "{retry_after:?}");
     assert_eq!(names(&toolset).await.len(), 7);
     eventually("the restart", || {
         toolset.is_connected() && fake.pid() != first
