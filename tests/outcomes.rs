@@ -228,7 +228,7 @@ async fn arguments_nested_too_deep_go_back_to_the_model_as_a_bad_call() {
             .contains("nest deeper")
     );
     assert!(
-        of_kind(&events, v1::EventType::ToolCall)[0]["arguments"].is_string(),
+        of_kind(&events, v1::EventType::ToolCall)[0]["arguments"]["raw"].is_string(),
         "the call event carries the raw text, which every client decodes"
     );
     assert_eq!(done(&events)["stop_reason"], "final_answer");
