@@ -471,6 +471,26 @@ impl RunManager {
         self.held.local()
     }
 
+    /// Forgets the run whose task (stopped by `control`) ended, and with state in memory,
+    /// remembers it when it `waits`. The run's entry is that task's own unless the run,
+    /// answered or taken over meanwhile, already goes on here in a task of its own: that
+    /// one's entry stays (it is how the run is stopped and its lease renewed).
+    fn run_ended(&self, run_id: &str, control: &Arc<RunControl>, waits: bool) {
+        let ours = {
+            let mut local = self.lock();
+            let ours = local
+                .get(run_id)
+                .is_some_and(|run| Arc::ptr_eq(&run.control, control));
+            if ours {
+                local.remove(run_id);
+            }
+            ours
+        };
+        if ours && waits && self.limits.takeover_after.is_none() {
+            self.waiting().insert(run_id.to_owned());
+        }
+    }
+
     fn waiting(&self) -> MutexGuard<'_, HashSet<String>> {
         // Each critical section leaves the set consistent before anything can panic.
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
@@ -612,10 +632,7 @@ impl RunManager {
                     error!(run_id = %task_run_id, "the run panicked");
                     manager.record_panic(&task_run_id).await;
                 }
-                manager.lock().remove(&task_run_id);
-                if waits && manager.limits.takeover_after.is_none() {
-                    manager.waiting().insert(task_run_id.clone());
-                }
+                manager.run_ended(&task_run_id, &task_control, waits);
                 manager.release(&charge);
                 let _ = done.send(true);
             }
@@ -1173,6 +1190,59 @@ mod tests {
         ) -> agentrt_core::ToolResult {
             agentrt_core::ToolResult::error("no tools here")
         }
+    }
+
+    /// The task of a run that went to wait ends after the run, answered at once, goes on
+    /// here in a new task: the new task's entry stays (it was once removed by the old
+    /// task, leaving the run beyond `Cancel` and its lease unrenewed).
+    #[tokio::test]
+    async fn an_old_task_ending_late_leaves_the_new_task_of_its_run_alone() {
+        let manager = RunManager::new(
+            Engine::new(
+                agentrt_models::ChatModels::default(),
+                Arc::new(NoTools),
+                Arc::new(InMemorySessionStore::new(
+                    agentrt_context::SessionLimits::default(),
+                )),
+            ),
+            Arc::new(InMemoryBus::new(agentrt_events::BusLimits::default())),
+            store(Duration::from_secs(10)),
+            RunLimits {
+                max_active: 10,
+                takeover_after: None,
+                lease: Duration::from_secs(10),
+                max_active_per_principal: 10,
+                max_active_bytes: 1 << 20,
+            },
+        )
+        .await
+        .unwrap();
+        let old = Arc::new(RunControl::default());
+        let new = Arc::new(RunControl::default());
+        let (_done, ended) = watch::channel(false);
+        manager.lock().insert(
+            "r".into(),
+            LocalRun {
+                control: new.clone(),
+                ended,
+                token: "t2".into(),
+            },
+        );
+        manager.run_ended("r", &old, true);
+        assert!(
+            manager
+                .lock()
+                .get("r")
+                .is_some_and(|run| Arc::ptr_eq(&run.control, &new)),
+            "the new task's entry stays"
+        );
+        assert!(
+            manager.waiting().is_empty(),
+            "a run that goes on is not waiting"
+        );
+        manager.run_ended("r", &new, true);
+        assert!(manager.lock().is_empty());
+        assert!(manager.waiting().contains("r"), "it waits again");
     }
 
     /// A run taken over holds its lease from the moment the store gives it, however late
