@@ -126,7 +126,8 @@ where
         };
         let response = self.inner.call(request);
         Box::pin(async move {
-            let response = response.await?;
+            let mut response = response.await?;
+            oversize_is_resource_exhausted(response.headers_mut());
             let call = Some(Call {
                 service,
                 method,
@@ -152,6 +153,30 @@ impl Call {
     }
 }
 
+/// tonic refuses a request message beyond its decoding limit (`server.max_message_bytes`)
+/// with `OUT_OF_RANGE`, before the handler sees it, as a trailers-only response. gRPC's
+/// status codes give `RESOURCE_EXHAUSTED` for a message larger than the limit, which is what
+/// clients and their retry policies expect: such a response is rewritten to it, naming the
+/// setting.
+fn oversize_is_resource_exhausted(headers: &mut HeaderMap) {
+    const TONIC_TOO_LARGE: &str = "Error, decoded message length too large: ";
+    if grpc_status(headers) != Some(OUT_OF_RANGE) {
+        return;
+    }
+    let Some(status) = tonic::Status::from_header_map(headers) else {
+        return;
+    };
+    let Some(found) = status.message().strip_prefix(TONIC_TOO_LARGE) else {
+        return;
+    };
+    let exhausted = tonic::Status::resource_exhausted(format!(
+        "request message larger than the server accepts (server.max_message_bytes): {found}"
+    ));
+    if exhausted.add_header(headers).is_err() {
+        debug!("could not rewrite the status of an oversize request");
+    }
+}
+
 fn grpc_status(headers: &HeaderMap) -> Option<i32> {
     headers.get("grpc-status")?.to_str().ok()?.parse().ok()
 }
@@ -165,6 +190,8 @@ pub struct MeteredBody<B> {
 
 /// gRPC's CANCELLED.
 const CANCELLED: i32 = 1;
+/// gRPC's OUT_OF_RANGE.
+const OUT_OF_RANGE: i32 = 11;
 
 impl<B: Body + Unpin> Body for MeteredBody<B> {
     type Data = B::Data;
