@@ -34,6 +34,7 @@ const SCENARIOS: &str = r#"{"scenarios": {
   "not_sse": {"turns": [{"plain_body": "{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}", "plain_content_type": "application/json"}]},
   "unterminated": {"turns": [{"content": "cut", "unterminated_last_line": true}]},
   "cut_short": {"turns": [{"content": "The answer is forty", "finish_reason": "length"}]},
+  "filtered": {"turns": [{"content": "The answer is", "finish_reason": "content_filter"}]},
   "quiet": {"turns": [{"content": "hello world", "omit_usage": true}]},
   "endless": {"turns": [{"content": "start", "endless_line": true}]},
   "huge_delta": {"turns": [{"content": "abcd", "repeat_content": 1310720, "chunk_chars": 6000000}]},
@@ -195,6 +196,20 @@ async fn a_token_limit_ends_with_the_partial_answer_and_says_so() {
     assert_eq!(state.stop_reason, v1::StopReason::MaxTokens as i32);
     assert_eq!(state.status, v1::RunStatus::Incomplete as i32);
     assert_eq!(state.final_answer, "The answer is forty");
+}
+
+#[tokio::test]
+async fn an_answer_the_content_filter_stopped_is_an_error_without_an_answer() {
+    let mut s = stack().await;
+    let events = run(&mut s, agent("filtered", &[]), "hi").await;
+    let last = events.last().unwrap();
+    assert_eq!(kind(last), v1::EventType::Error);
+    assert_eq!(done(&events)["stop_reason"], "model_error");
+    assert_eq!(done(&events)["code"], "MODEL_CONTENT_FILTERED");
+    let state = s.state(&last.run_id).await;
+    assert_eq!(state.stop_reason, v1::StopReason::ModelError as i32);
+    assert_eq!(state.status, v1::RunStatus::Failed as i32);
+    assert_eq!(state.final_answer, "");
 }
 
 #[tokio::test]

@@ -399,11 +399,17 @@ impl Emitter {
         record.usage.estimated |= estimated;
     }
 
-    /// Says that the model answers a call whose prompt counts `prompt_tokens`: the
-    /// provider works on it from now on, and its usage counts even if the run ends before
-    /// the call does.
+    /// Says that a model call whose prompt counts `prompt_tokens` is sent: its usage
+    /// counts even if the run ends before the provider reports it (unless the provider
+    /// never processed it, [`Emitter::model_not_answering`]).
     pub(crate) fn model_answering(&mut self, prompt_tokens: u32) {
         self.unreported = Some(u64::from(prompt_tokens));
+    }
+
+    /// The model call failed without the provider processing it (refused, unreachable):
+    /// it used nothing.
+    pub(crate) fn model_not_answering(&mut self) {
+        self.unreported = None;
     }
 
     /// Counts the usage of a model call the run ended during (failed, cancelled, timed

@@ -967,11 +967,19 @@ impl Engine {
         let mut first_delta = None;
         let work = async {
             em.flush_soon().await?;
-            let mut stream = model
-                .stream(request, cancel.child_token())
-                .await
-                .map_err(model_failure)?;
+            // From here the prompt is on its way: a run that ends before the call reports
+            // its usage counts it, estimated, unless the provider refused or was never
+            // reached.
             em.model_answering(prompt_tokens);
+            let mut stream = match model.stream(request, cancel.child_token()).await {
+                Ok(stream) => stream,
+                Err(error) => {
+                    if error.never_processed() {
+                        em.model_not_answering();
+                    }
+                    return Err(model_failure(error));
+                }
+            };
             let mut parser = strategy.reply_parser();
             let mut stop_cut = react::StopCut::default();
             let mut pieces = Vec::new();
@@ -1042,6 +1050,20 @@ impl Engine {
                 estimated,
                 "model round finished"
             );
+            if finish == FinishReason::ContentFilter {
+                // The provider withheld the rest: what streamed is not an answer.
+                return Err(Outcome::Failed(
+                    StopReason::ModelError,
+                    RunError {
+                        code: "MODEL_CONTENT_FILTERED".into(),
+                        message: "the provider's content filter stopped the model's response \
+                                  (finish_reason: content_filter)"
+                            .into(),
+                        category: "model",
+                        retryable: false,
+                    },
+                ));
+            }
             let cut_short = finish == FinishReason::Length;
             let Some(mut parser) = parser else {
                 if !calls.is_empty() {

@@ -33,6 +33,8 @@ struct Scripted {
     rounds: Mutex<VecDeque<Result<Vec<ChatDelta>, ModelError>>>,
     requests: Mutex<Vec<ChatRequest>>,
     hang: bool,
+    /// Hang from this call on (0 is the first).
+    hang_from: Option<usize>,
     /// What the stream of the last scripted round does after its deltas: ends (`None`),
     /// breaks with this error, or (`Some(None)`) never ends.
     then: Option<Option<ModelError>>,
@@ -45,8 +47,12 @@ impl ChatModel for Scripted {
         request: ChatRequest,
         _cancel: CancellationToken,
     ) -> Result<ChatStream, ModelError> {
-        self.requests.lock().unwrap().push(request);
-        if self.hang {
+        let call = {
+            let mut requests = self.requests.lock().unwrap();
+            requests.push(request);
+            requests.len() - 1
+        };
+        if self.hang || self.hang_from.is_some_and(|from| call >= from) {
             std::future::pending::<()>().await;
         }
         let (round, last) = {
@@ -1326,4 +1332,75 @@ async fn a_model_call_a_cancelled_run_ends_during_counts_as_estimated_usage() {
         "the reported round and the cancelled one's text: {usage}"
     );
     assert!(record.usage.estimated);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_model_call_that_never_answers_counts_its_prompt_as_estimated_usage() {
+    // A first round reported, then a provider that takes the request and never answers
+    // (not even its headers) until the model call's timeout.
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(tools_round(vec![call(
+            "a", "calc", "{}",
+        )]))])),
+        hang_from: Some(1),
+        ..Default::default()
+    });
+    let mut cfg = config(Strategy::FunctionCall, &["calc"]);
+    cfg.timeouts.model_call = Duration::from_secs(5);
+    let (events, record) = h.run("r", cfg, Arc::default()).await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+    assert_eq!(done["code"], "MODEL_TIMEOUT", "{done}");
+    let usage = &done["usage"];
+    assert_eq!(usage["estimated"], true, "{usage}");
+    assert!(
+        usage["prompt_tokens"].as_u64().unwrap() > 7,
+        "the reported round's 7 and the second prompt: {usage}"
+    );
+    assert!(record.usage.estimated);
+}
+
+#[tokio::test]
+async fn a_refused_model_call_counts_no_usage() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Err(ModelError::Http {
+            status: 400,
+            message: "bad request".into(),
+            retry_after: None,
+        })])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+    assert_eq!(done["code"], "MODEL_HTTP_400", "{done}");
+    assert_eq!(record.usage.prompt_tokens, 0, "{:?}", record.usage);
+    assert!(!record.usage.estimated);
+}
+
+#[tokio::test]
+async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(vec![
+            ChatDelta::Content("Hello world,".into()),
+            ChatDelta::Finish {
+                reason: FinishReason::ContentFilter,
+                usage: None,
+            },
+        ])])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap();
+    assert_eq!(done.kind, EventKind::Error);
+    let data = done.data.as_ref().unwrap().to_json();
+    assert_eq!(data["code"], "MODEL_CONTENT_FILTERED", "{data}");
+    assert_eq!(data["stop_reason"], "model_error", "{data}");
+    assert_eq!(record.stop_reason, Some(StopReason::ModelError));
+    assert_eq!(record.final_answer, "", "not an answer");
+    assert!(record.usage.estimated && record.usage.completion_tokens > 0);
 }

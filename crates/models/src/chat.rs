@@ -136,6 +136,9 @@ pub enum ModelError {
     /// The stream broke or carried something unreadable.
     #[error("model stream failed: {0}")]
     Stream(String),
+    /// The connection was lost while the answer streamed.
+    #[error("model stream failed: connection lost mid-stream: {0}")]
+    Lost(String),
     /// The response ended before the model did: no finish reason and no `[DONE]`, or a
     /// last line or event cut off. What streamed before is not a whole answer.
     #[error("model response incomplete: {0}")]
@@ -204,6 +207,7 @@ impl ModelError {
                 *status == 408 || *status == 429 || (*status >= 500 && !refused_as_invalid(message))
             }
             Self::Stream(_)
+            | Self::Lost(_)
             | Self::Incomplete(_)
             | Self::InvalidResponse(_)
             | Self::TooLarge { .. }
@@ -212,12 +216,22 @@ impl ModelError {
         }
     }
 
+    /// Whether the provider certainly did not process the request, so that it used no
+    /// tokens: it refused it (an HTTP error), or was never reached, or is not what the
+    /// provider's settings say.
+    pub fn never_processed(&self) -> bool {
+        matches!(
+            self,
+            Self::Connect(_) | Self::Http { .. } | Self::Misconfigured(_)
+        )
+    }
+
     /// A stable code for clients, e.g. `MODEL_HTTP_429`.
     pub fn code(&self) -> String {
         match self {
             Self::Connect(_) => "MODEL_UNREACHABLE".into(),
             Self::Http { status, .. } => format!("MODEL_HTTP_{status}"),
-            Self::Stream(_) => "MODEL_STREAM_ERROR".into(),
+            Self::Stream(_) | Self::Lost(_) => "MODEL_STREAM_ERROR".into(),
             Self::Incomplete(_) => "MODEL_INCOMPLETE_RESPONSE".into(),
             Self::InvalidResponse(_) => "MODEL_INVALID_RESPONSE".into(),
             Self::TooLarge { .. } => "MODEL_RESPONSE_TOO_LARGE".into(),

@@ -321,6 +321,19 @@ impl OpenAiChat {
         }
         // A server that does not stream (a JSON completion, an HTML page from a proxy)
         // answers something else; no content type at all is given the benefit of the doubt.
+        // No encoding is asked for: one the body has anyway cannot be read.
+        if let Some(encoding) = headers
+            .get(http::header::CONTENT_ENCODING)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()))
+            .filter(|v| !v.trim().eq_ignore_ascii_case("identity"))
+        {
+            return Err(ModelError::InvalidResponse(format!(
+                "{} answered POST {} with content-encoding {encoding:?}, which was not asked \
+                 for (the answer is read as it is sent)",
+                self.site.who(),
+                self.site.path
+            )));
+        }
         let content_type = headers
             .get(CONTENT_TYPE)
             .map(|v| v.to_str().unwrap_or("(not text)"));
@@ -406,7 +419,22 @@ impl ChatModel for OpenAiChat {
                 () = cancel.cancelled() => return Err(ModelError::Cancelled),
             };
             let error = match outcome {
-                Ok(body) => return Ok(Box::pin(decode(body, self.limits))),
+                Ok(body) => {
+                    // Nothing has streamed before the first delta: a connection lost
+                    // until then is as transient as one lost before the answer began.
+                    let mut deltas = decode(body, self.limits);
+                    let first = tokio::select! {
+                        first = std::future::poll_fn(|cx| deltas.poll_first(cx)) => first,
+                        () = cancel.cancelled() => return Err(ModelError::Cancelled),
+                    };
+                    match first {
+                        Ok(()) => return Ok(Box::pin(deltas)),
+                        Err(lost) => ModelError::Connect(format!(
+                            "{}: the connection was lost before the answer began: {lost}",
+                            self.site.who()
+                        )),
+                    }
+                }
                 Err(error) => error,
             };
             if !error.is_retryable() || attempt >= self.retry.max_retries {
@@ -454,8 +482,7 @@ where
     let retry_after = headers
         .get(RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .and_then(|s| Duration::try_from_secs_f64(s).ok());
+        .and_then(retry_after_delay);
     if (300..400).contains(&status) {
         let location = headers
             .get(http::header::LOCATION)
@@ -504,6 +531,20 @@ where
         message,
         retry_after,
     }
+}
+
+/// The wait a `Retry-After` value asks for: seconds, or an HTTP date (RFC 9110, section
+/// 10.2.3), a date already past asking for none.
+fn retry_after_delay(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<f64>() {
+        return Duration::try_from_secs_f64(seconds).ok();
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
 }
 
 /// The JSON body of a streaming chat completions request, serialized straight from the
@@ -778,9 +819,7 @@ where
                     limit: this.limit,
                 }
             }
-            Some(Err(e)) => {
-                ModelError::Stream(format!("connection lost mid-stream: {}", error_chain(&e)))
-            }
+            Some(Err(e)) => ModelError::Lost(error_chain(&e)),
             None if this.line > 0 => ModelError::Incomplete(format!(
                 "the stream ended inside a line ({} bytes after the last line end)",
                 this.line
@@ -813,6 +852,31 @@ enum DecodeState {
     },
     /// Nothing more is read; the deltas still ready go out, then the stream ends.
     Ended,
+}
+
+impl<S> Decoder<S>
+where
+    S: Stream<Item = Result<bytes::Bytes, ModelError>> + Unpin,
+{
+    /// Waits for the first delta, or the end, and leaves it to be taken; the connection's
+    /// loss (the text of [`ModelError::Lost`]) when it came first.
+    fn poll_first(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), String>> {
+        use std::task::Poll;
+        if !self.ready.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        match std::task::ready!(std::pin::Pin::new(&mut *self).poll_next(cx)) {
+            Some(Ok(delta)) => self.ready.push_front(delta),
+            Some(Err(ModelError::Lost(lost))) => return Poll::Ready(Err(lost)),
+            // Given by the next poll, as it would have been.
+            Some(Err(error)) => self.failure = Some(error),
+            None => {}
+        }
+        Poll::Ready(Ok(()))
+    }
 }
 
 impl<S> Stream for Decoder<S>
@@ -878,10 +942,7 @@ where
                     this.state = DecodeState::Ended;
                     this.failure = Some(match e.downcast::<ModelError>() {
                         Ok(error) => *error,
-                        Err(e) => ModelError::Stream(format!(
-                            "connection lost mid-stream: {}",
-                            error_chain(&*e)
-                        )),
+                        Err(e) => ModelError::Lost(error_chain(&*e)),
                     });
                     continue;
                 }
@@ -999,8 +1060,58 @@ struct CallDelta<'a> {
 struct FunctionDelta<'a> {
     #[serde(default, borrow)]
     name: Option<Cow<'a, str>>,
-    #[serde(default, borrow)]
+    /// A string of JSON, as the API has it; some servers send the JSON object itself,
+    /// which is taken as its text.
+    #[serde(default, borrow, deserialize_with = "arguments_text")]
     arguments: Option<Cow<'a, str>>,
+}
+
+/// Tool-call arguments as text: a string as it is, an object or array as its JSON.
+fn arguments_text<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Cow<'de, str>>, D::Error> {
+    struct Text;
+    impl<'de> serde::de::Visitor<'de> for Text {
+        type Value = Option<Cow<'de, str>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("tool-call arguments: a string of JSON, or a JSON object")
+        }
+
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Borrowed(text)))
+        }
+
+        fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Owned(text.to_owned())))
+        }
+
+        fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Owned(text)))
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            let value =
+                serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+            let value: Value = value;
+            Ok(Some(Cow::Owned(value.to_string())))
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+            let value: Value =
+                serde::Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))?;
+            Ok(Some(Cow::Owned(value.to_string())))
+        }
+    }
+    deserializer.deserialize_any(Text)
 }
 
 #[derive(serde::Deserialize)]
@@ -1569,6 +1680,42 @@ mod tests {
             json!({"model": "m", "messages": [{"role": "assistant", "content": "a"}],
                 "stream": true, "stream_options": {"include_usage": true}})
         );
+    }
+
+    #[tokio::test]
+    async fn tool_call_arguments_sent_as_an_object_are_taken_as_their_json() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"t\",\"arguments\":{\"x\":[1,\"two\"]}}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let deltas = ok(run(sse).await);
+        assert_eq!(
+            deltas[0],
+            ChatDelta::ToolCall(ModelToolCall {
+                id: "a".into(),
+                name: "t".into(),
+                arguments: r#"{"x":[1,"two"]}"#.into(),
+            })
+        );
+    }
+
+    #[test]
+    fn retry_after_is_read_in_seconds_or_as_an_http_date() {
+        assert_eq!(retry_after_delay(" 2 "), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after_delay("0.5"), Some(Duration::from_millis(500)));
+        let later = std::time::SystemTime::now() + Duration::from_secs(30);
+        let delay = retry_after_delay(&httpdate::fmt_http_date(later)).unwrap();
+        assert!(
+            (Duration::from_secs(28)..=Duration::from_secs(30)).contains(&delay),
+            "{delay:?}"
+        );
+        assert_eq!(
+            retry_after_delay("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO),
+            "a date past asks for no wait"
+        );
+        assert_eq!(retry_after_delay("soon"), None);
+        assert_eq!(retry_after_delay("-1"), None);
     }
 
     #[test]

@@ -209,15 +209,26 @@ async fn broken_streams_end_with_an_error() {
 async fn broken_streams_end_with_an_error_over(http2: bool) {
     let (url, _stop) = simulator(json!({"scenarios": {
         "dropped": {"turns": [{"content": "a long answer that will not arrive whole", "chunk_chars": 4, "drop_after_chunks": 3}]},
+        "dropped_at_once": {"turns": [{"content": "never sent", "drop_after_chunks": 0}]},
         "garbage": {"turns": [{"content": "hello", "malformed": true}]},
         "abrupt": {"turns": [{"content": "no finish chunk", "omit_finish": true}]}
     }})).await;
     let model = client_with(&url, http2);
     let deltas = collect(&model, request("dropped")).await.unwrap();
     assert!(
-        matches!(deltas.last().unwrap(), Err(ModelError::Stream(_))),
+        matches!(deltas.last().unwrap(), Err(ModelError::Lost(_))),
         "{deltas:?}"
     );
+    // Lost before the first delta: nothing streamed, so it is retried, and in the end
+    // reported as transient.
+    let err = collect(&model, request("dropped_at_once"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ModelError::Connect(m) if m.contains("lost before the answer began")),
+        "{err:?}"
+    );
+    assert!(err.is_retryable());
     let deltas = collect(&model, request("garbage")).await.unwrap();
     assert!(
         matches!(deltas.last().unwrap(), Err(ModelError::Stream(m)) if m.contains("invalid JSON")),
@@ -809,4 +820,37 @@ mod rerank {
             "{err}"
         );
     }
+}
+
+/// A body in an encoding that was not asked for is said to be one, not misread as a broken
+/// event stream.
+#[tokio::test]
+async fn an_answer_in_an_encoding_not_asked_for_is_named() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // The request's headers and body, enough of them to answer after.
+                let mut request = vec![0; 64 * 1024];
+                let _ = socket.read(&mut request).await;
+                let body = [0x1f, 0x8b, 0x08, 0x00, 0x00, 0x00, 0x00, 0x00];
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                     content-encoding: gzip\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(&body).await;
+            });
+        }
+    });
+    let err = collect(&named(&url, false), request("any"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ModelError::InvalidResponse(m) if m.contains("content-encoding \"gzip\"")),
+        "{err:?}"
+    );
 }
