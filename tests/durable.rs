@@ -588,6 +588,42 @@ async fn killed_mid_round_the_run_is_taken_over_and_the_client_resumes_on_anothe
     assert_succeeded(&log, &state, SLOW_ANSWER);
 }
 
+/// Needs Redis. `Cancel` on replica B of a run whose owner A was just killed (-9), before
+/// any replica took it over: the request is kept, and the replica that takes the run over
+/// ends it cancelled (it used to be lost, and the run went on to its answer).
+#[tokio::test]
+async fn a_run_cancelled_after_its_owner_died_ends_cancelled_once_taken_over() {
+    let mut c = Cluster::up("durable-cancel-orphan", 2).await;
+    let (stream, received) = slow_run_streaming(&mut c).await;
+    let run_id = received[0].run_id.clone();
+    c.replicas[0].kill().await;
+    drop(stream);
+
+    let b = &mut c.replicas[1];
+    b.engine
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap();
+    let state = ended(&mut b.engine, &run_id).await;
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (
+            v1::RunStatus::Cancelled as i32,
+            v1::StopReason::Cancelled as i32
+        ),
+        "{state:#?}"
+    );
+    let log = whole_log(&mut b.engine, &run_id).await;
+    let done = log.last().unwrap();
+    assert_eq!(kind(done), v1::EventType::Error, "{log:#?}");
+    assert_eq!(log.iter().filter(|e| e.done).count(), 1);
+    for (i, event) in log.iter().enumerate() {
+        assert_eq!(event.sequence, i as u64 + 1, "{log:#?}");
+    }
+}
+
 /// Needs Redis. The owner is killed (-9) while a tool call is in flight, with the run's
 /// `Execute` stream kept open until then (dropping it would cancel the run). Replica B
 /// takes the run over and sends the call again with the same `call_id`; the log read on B

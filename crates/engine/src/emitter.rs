@@ -643,17 +643,44 @@ impl Emitter {
             tokio::time::sleep(wait).await;
             wait = (wait * 2).min(Duration::from_secs(5));
             failure = None;
+            // A publisher keeps a batch it could not write and writes it with the next
+            // call: a retry publishes nothing new. While neither part is written, both go
+            // again as one checkpoint, so that a store that writes them together (Redis)
+            // never holds the end of a run without its record, nor the other way round:
+            // a replica that takes the run over meanwhile goes on from one consistent
+            // point, and this one's late end is fenced off.
+            if !saved && !published {
+                match self
+                    .store
+                    .checkpoint(
+                        self.publisher.as_ref(),
+                        Vec::new(),
+                        &self.record,
+                        self.saved_steps,
+                        None,
+                    )
+                    .await
+                {
+                    Ok(()) => (saved, published) = (true, true),
+                    Err(CheckpointError::Record(error)) => {
+                        published = true;
+                        failure = Some(unsaved(&error));
+                    }
+                    Err(CheckpointError::EventsAfterRecord(error)) => {
+                        saved = true;
+                        failure = Some(unpublished(&error));
+                    }
+                    Err(CheckpointError::Events(error)) => failure = Some(unpublished(&error)),
+                }
+                continue;
+            }
             if !saved {
                 match self.store.save(&self.record, self.saved_steps, None).await {
                     Ok(()) => saved = true,
                     Err(error) => failure = Some(unsaved(&error)),
                 }
             }
-            // Published even when the record could not be saved: a store that is down
-            // answers no GetRun either, and the run's readers learn how it ended at once.
-            // A publisher keeps a batch it could not write and writes it with the next
-            // call: a retry publishes nothing new.
-            if !published || failure.is_none() {
+            if !published {
                 match self.publisher.publish(Vec::new()).await {
                     Ok(()) => published = true,
                     Err(error) => failure = Some(unpublished(&error)),

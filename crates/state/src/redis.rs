@@ -205,7 +205,22 @@ impl Redis {
 
     /// The engine store.
     pub fn engines(&self) -> Arc<dyn EngineStore> {
-        Arc::new(RedisEngines(self.shared.clone()))
+        self.engines_within(usize::MAX, usize::MAX)
+    }
+
+    /// The engine store, keeping at most `max_engines` engines (beyond, the least
+    /// recently used is dropped) and at most `max_per_principal` of one named principal
+    /// (beyond, inserting is refused), as the in-memory store does.
+    pub fn engines_within(
+        &self,
+        max_engines: usize,
+        max_per_principal: usize,
+    ) -> Arc<dyn EngineStore> {
+        Arc::new(RedisEngines {
+            shared: self.shared.clone(),
+            max_engines,
+            max_per_principal,
+        })
     }
 
     /// The session store.
@@ -351,34 +366,170 @@ impl LeaseRenewer for RedisRenewer {
     }
 }
 
-struct RedisEngines(Arc<Shared>);
+/// Engines, each under its own key, with two sorted sets of their ids scored by when
+/// they expire: all of them (`engines:lru`, also the order of last use) and each named
+/// principal's (`engines:of:PRINCIPAL`), so that the store's bounds hold across replicas.
+struct RedisEngines {
+    shared: Arc<Shared>,
+    max_engines: usize,
+    max_per_principal: usize,
+}
+
+/// The principal of an engine as stored (`{"id":...,"session_id":"PRINCIPAL/..."`), in
+/// Lua: nil for the anonymous one.
+const ENGINE_PRINCIPAL: &str = r#"
+local function principal_of(json)
+  return string.match(json, '"session_id":"([^"/]*)/')
+end
+"#;
+
+/// Keeps an engine within the bounds: `KEYS[1]` the engine, `KEYS[2]` the set of all,
+/// `KEYS[3]` its principal's set; `ARGV`: id, engine, time to live (ms), most engines,
+/// most of one principal (0 for the anonymous one: no bound of its own), prefix of engine
+/// keys, prefix of principals' sets. 0 when the principal has its most already.
+const ENGINE_INSERT: &str = r"
+local now = now_ms()
+local ttl = tonumber(ARGV[3])
+local expires = now + ttl
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local bounded = ARGV[5] ~= '0'
+if bounded then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local owned = redis.call('ZCARD', KEYS[3])
+  if owned >= tonumber(ARGV[5]) then return owned end
+end
+local most = tonumber(ARGV[4])
+while redis.call('ZCARD', KEYS[2]) >= most do
+  local oldest = redis.call('ZPOPMIN', KEYS[2])
+  if #oldest == 0 then break end
+  local key = ARGV[6] .. oldest[1]
+  local json = redis.call('GET', key)
+  if json then
+    local principal = principal_of(json)
+    if principal then redis.call('ZREM', ARGV[7] .. principal, oldest[1]) end
+    redis.call('DEL', key)
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
+redis.call('ZADD', KEYS[2], expires, ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ttl)
+if bounded then
+  redis.call('ZADD', KEYS[3], expires, ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], ttl)
+end
+return -1
+";
+
+/// Reads an engine and extends its life, in the sets too: `KEYS[1]` the engine, `KEYS[2]`
+/// the set of all; `ARGV`: id, time to live (ms), prefix of principals' sets.
+const ENGINE_GET: &str = r"
+local json = redis.call('GET', KEYS[1])
+if not json then return false end
+local ttl = tonumber(ARGV[2])
+local expires = now_ms() + ttl
+redis.call('PEXPIRE', KEYS[1], ttl)
+redis.call('ZADD', KEYS[2], 'XX', expires, ARGV[1])
+redis.call('PEXPIRE', KEYS[2], ttl)
+local principal = principal_of(json)
+if principal then
+  local set = ARGV[3] .. principal
+  redis.call('ZADD', set, 'XX', expires, ARGV[1])
+  redis.call('PEXPIRE', set, ttl)
+end
+return json
+";
+
+/// Drops an engine, from the sets too: `KEYS[1]` the engine, `KEYS[2]` the set of all;
+/// `ARGV`: id, prefix of principals' sets. 1 when there was one.
+const ENGINE_REMOVE: &str = r"
+local json = redis.call('GET', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if not json then return 0 end
+local principal = principal_of(json)
+if principal then redis.call('ZREM', ARGV[2] .. principal, ARGV[1]) end
+redis.call('DEL', KEYS[1])
+return 1
+";
+
+fn engine_script(
+    cell: &'static std::sync::OnceLock<redis::Script>,
+    body: &str,
+) -> &'static redis::Script {
+    cell.get_or_init(|| redis::Script::new(&format!("{FENCE}{ENGINE_PRINCIPAL}{body}")))
+}
+
+fn engine_insert_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    engine_script(&SCRIPT, ENGINE_INSERT)
+}
+
+fn engine_get_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    engine_script(&SCRIPT, ENGINE_GET)
+}
+
+fn engine_remove_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    engine_script(&SCRIPT, ENGINE_REMOVE)
+}
+
+impl RedisEngines {
+    fn key_prefix(&self, kind: &str) -> String {
+        format!("{}:{kind}:", self.shared.prefix)
+    }
+}
 
 #[async_trait]
 impl EngineStore for RedisEngines {
     async fn insert(&self, mut engine: StoredEngine) -> StateResult<StoredEngine> {
-        let ttl = self.0.limits.engine_ttl;
+        let shared = &self.shared;
+        let ttl = shared.limits.engine_ttl;
         engine.expire_time = SystemTime::now() + ttl;
         let json = serde_json::to_string(&engine).map_err(|e| corrupt("engine", &e))?;
-        let _: () = redis::cmd("SET")
-            .arg(self.0.key("engine", &engine.id))
+        let principal = crate::principal_of(&engine.session_id);
+        let most_owned = if principal.is_empty() {
+            0
+        } else {
+            self.max_per_principal.max(1)
+        };
+        let owned: i64 = engine_insert_script()
+            .key(shared.key("engine", &engine.id))
+            .key(shared.key("engines", "lru"))
+            .key(shared.key("engines:of", principal))
+            .arg(&engine.id)
             .arg(json)
-            .arg("PX")
             .arg(millis(ttl))
-            .query_async(&mut self.0.connection())
+            .arg(self.max_engines.max(1))
+            .arg(most_owned)
+            .arg(self.key_prefix("engine"))
+            .arg(self.key_prefix("engines:of"))
+            .invoke_async(&mut shared.connection())
             .await
-            .map_err(|e| self.0.unavailable(&e))?;
+            .map_err(|e| shared.unavailable(&e))?;
+        if owned >= 0 {
+            return Err(StateError::OverBudget {
+                budget: "engines.max_per_principal",
+                message: format!(
+                    "this principal has {owned} engines, its most; delete engines, or wait \
+                     for unused ones to expire"
+                ),
+            });
+        }
         Ok(engine)
     }
 
     async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
-        let ttl = self.0.limits.engine_ttl;
-        let json: Option<String> = redis::cmd("GETEX")
-            .arg(self.0.key("engine", id))
-            .arg("PX")
+        let shared = &self.shared;
+        let ttl = shared.limits.engine_ttl;
+        let json: Option<String> = engine_get_script()
+            .key(shared.key("engine", id))
+            .key(shared.key("engines", "lru"))
+            .arg(id)
             .arg(millis(ttl))
-            .query_async(&mut self.0.connection())
+            .arg(self.key_prefix("engines:of"))
+            .invoke_async(&mut shared.connection())
             .await
-            .map_err(|e| self.0.unavailable(&e))?;
+            .map_err(|e| shared.unavailable(&e))?;
         let Some(json) = json else { return Ok(None) };
         let mut engine: StoredEngine =
             serde_json::from_str(&json).map_err(|e| corrupt("engine", &e))?;
@@ -387,13 +538,16 @@ impl EngineStore for RedisEngines {
     }
 
     async fn remove(&self, id: &str) -> StateResult<bool> {
-        let removed: u64 = self
-            .0
-            .connection()
-            .del(self.0.key("engine", id))
+        let shared = &self.shared;
+        let removed: u8 = engine_remove_script()
+            .key(shared.key("engine", id))
+            .key(shared.key("engines", "lru"))
+            .arg(id)
+            .arg(self.key_prefix("engines:of"))
+            .invoke_async(&mut shared.connection())
             .await
-            .map_err(|e| self.0.unavailable(&e))?;
-        Ok(removed > 0)
+            .map_err(|e| shared.unavailable(&e))?;
+        Ok(removed == 1)
     }
 }
 
@@ -992,10 +1146,10 @@ impl RunStore for RedisRuns {
             }
             waited
         });
-        let fields: HashMap<String, String> = self
-            .0
-            .connection()
+        let (fields, stop): (HashMap<String, String>, Option<String>) = redis::pipe()
             .hgetall(self.0.key("resume", run_id))
+            .get(self.0.key("stop", run_id))
+            .query_async(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         let Some(mut record) = self.load(run_id).await? else {
@@ -1031,15 +1185,24 @@ impl RunStore for RedisRuns {
             previous_owner: previous_owner.clone(),
             handed_over: handed_over == "1",
             waited,
+            stop: stop.as_deref().and_then(StopReason::from_name),
         }))
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {
         let channel = lock(&self.0.listeners).stop_channel.clone();
-        let _: u64 = self
-            .0
-            .connection()
+        // Kept as long as a running run's keys, for a replica that takes the run over
+        // after its owner died without seeing the request.
+        let _: () = redis::pipe()
+            .set_ex(
+                self.0.key("stop", run_id),
+                reason.as_str(),
+                (RUNNING_TTL + self.0.limits.run_retention).as_secs(),
+            )
+            .ignore()
             .publish(channel, format!("{} {run_id}", reason.as_str()))
+            .ignore()
+            .query_async(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(())
@@ -1449,6 +1612,8 @@ struct PublisherState {
     fenced: bool,
     /// The last sequence given to this replica's copy of the log.
     local_seen: u64,
+    /// Whether that copy was let go, its readers sent to Redis, after a write failed.
+    local_gone: bool,
 }
 
 /// What the publisher and the flusher share.
@@ -1567,7 +1732,20 @@ impl PublisherCore {
         if let Some(save) = save {
             script.arg(save.args);
         }
-        let written: Result<u8, _> = script.invoke_async(&mut self.shared.connection()).await;
+        let mut written: Result<u8, _> = script.invoke_async(&mut self.shared.connection()).await;
+        if let Err(error) = &written
+            && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
+            && error
+                .to_string()
+                .contains("equal or smaller than the target stream top item")
+            && last_event(&self.shared, &self.key)
+                .await
+                .is_ok_and(|top| top.is_some_and(|top| top.sequence >= last))
+        {
+            // An earlier call with this batch timed out, yet Redis ran it (a script runs
+            // whole or not at all): it is written.
+            written = Ok(1);
+        }
         if written == Ok(0) {
             // Another replica has the run: these events are not its to write.
             self.state().fenced = true;
@@ -1577,24 +1755,16 @@ impl PublisherCore {
         }
         if let Err(e) = written {
             let error = bus_error(&self.shared, &e);
-            // While Redis cannot be reached, readers here still see the run (and its end,
-            // which says why); the batch is written to Redis, with the same numbers, by
-            // a later call. (Should another replica take the run over meanwhile, its
-            // readers here are told that it moved.)
-            let unseen: Vec<RunEvent> = {
+            // Readers see an event only once Redis holds it: should another replica take
+            // the run over meanwhile, it numbers its events from what Redis holds. So the
+            // readers of this replica's copy go on reading from Redis (which tells them
+            // when it cannot be reached), and the copy is fed no more.
+            let release = {
                 let mut state = self.state();
-                let seen = state.local_seen;
-                state.local_seen = last.max(seen);
-                batch
-                    .iter()
-                    .filter(|(sequence, _)| *sequence > seen)
-                    .map(|(_, event)| event.clone())
-                    .collect()
+                !std::mem::replace(&mut state.local_gone, true)
             };
-            if let Some(local) = &self.local
-                && !unseen.is_empty()
-            {
-                let _ = local.publish(unseen).await;
+            if release && let Some(local) = &self.local {
+                let _ = local.release().await;
             }
             // Kept, with its numbers, for the next publish to write again: a batch is
             // written whole or not at all, so nothing is lost or numbered twice.
@@ -1603,13 +1773,13 @@ impl PublisherCore {
             state.failed = Some(error.clone());
             return Err(CheckpointError::Events(error));
         }
-        let seen = {
+        let (seen, local_gone) = {
             let mut state = self.state();
             let seen = state.local_seen;
             state.local_seen = last.max(seen);
-            seen
+            (seen, state.local_gone)
         };
-        if let Some(local) = &self.local {
+        if let Some(local) = self.local.as_ref().filter(|_| !local_gone) {
             // The copy numbers the same events the same way: it gets all of them, in order.
             local
                 .publish(
@@ -1655,6 +1825,7 @@ impl RedisPublisher {
                 failed: None,
                 fenced: false,
                 local_seen: next - 1,
+                local_gone: false,
             }),
             writer: tokio::sync::Mutex::new(()),
         });

@@ -121,6 +121,9 @@ pub struct Resumable {
     /// For a run that waited ([`RunStatus::RequiresAction`](crate::RunStatus)): what it
     /// was told meanwhile.
     pub waited: Option<Answers>,
+    /// A stop requested for the run ([`RunStore::request_stop`]) that its owner may not
+    /// have seen: the run is to end for it at once.
+    pub stop: Option<StopReason>,
 }
 
 /// The name stores keep an agent ([`Progress::agent`]) under: a digest of its text
@@ -269,7 +272,9 @@ pub trait RunStore: Send + Sync {
     /// waiting run, each pending call says whether it was answered.
     async fn load(&self, run_id: &str) -> StateResult<Option<RunRecord>>;
 
-    /// Asks the replica executing `run_id` to stop it (at once, wherever it runs).
+    /// Asks the replica executing `run_id` to stop it (at once, wherever it runs), and
+    /// keeps the request for the replica that takes the run over, should its owner be gone
+    /// ([`Resumable::stop`]).
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()>;
 
     /// The stop requests made from now on, on any replica.
@@ -538,6 +543,8 @@ struct Continuation {
     agent: String,
     state: String,
     messages: Vec<String>,
+    /// A stop requested for the run.
+    stop: Option<StopReason>,
 }
 
 /// What a waiting run was told.
@@ -729,6 +736,7 @@ impl Inner {
                 agent,
                 state,
                 messages,
+                stop: None,
             },
         );
         self.waits.insert(
@@ -1121,6 +1129,7 @@ impl RunStore for MemoryRunStore {
                 previous_owner,
                 handed_over,
                 waited: None,
+                stop: continuation.stop,
             };
             if let Some(wait) = inner.waits.get_mut(run_id)
                 && !wait.taken
@@ -1140,6 +1149,9 @@ impl RunStore for MemoryRunStore {
     }
 
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()> {
+        if let Some(continuation) = self.lock().progress.get_mut(run_id) {
+            continuation.stop = Some(reason);
+        }
         // No receiver means no run can be stopped here: nothing to do.
         let _ = self.stops.send(StopRequest {
             run_id: run_id.to_owned(),

@@ -8,7 +8,7 @@ use std::{sync::Arc, time::Duration};
 
 use agentrt_events::{EventData, EventKind, RunEvent};
 use agentrt_state::{
-    BusError, BusLimits, EngineStore, EventBus, InMemoryBus, InMemorySessionStore,
+    BusError, BusLimits, EngineBudgets, EngineStore, EventBus, InMemoryBus, InMemorySessionStore,
     MemoryEngineStore, MemoryRunStore, Progress, RunRecord, RunRetention, RunStore, SessionLimits,
     SessionStore,
     redis::{Redis, RedisLimits},
@@ -97,6 +97,28 @@ async fn redis_engine_store() {
     conformance::engine_store(|| async {
         let (a, b) = redis_pair("engines", 100).await;
         (a.engines(), b.engines())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn memory_engine_budgets() {
+    conformance::engine_budgets(|| async {
+        let store: Arc<dyn EngineStore> =
+            Arc::new(MemoryEngineStore::new(HOUR, 3).with_budgets(EngineBudgets {
+                max_bytes: usize::MAX,
+                max_per_principal: 2,
+            }));
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_engine_budgets() {
+    conformance::engine_budgets(|| async {
+        let (a, b) = redis_pair("engine-budgets", 100).await;
+        (a.engines_within(3, 2), b.engines_within(3, 2))
     })
     .await;
 }

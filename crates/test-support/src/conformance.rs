@@ -242,6 +242,32 @@ fn agentrt_models_message(n: u32) -> agentrt_models::ChatMessage {
     agentrt_models::ChatMessage::User(format!("turn {n}"))
 }
 
+/// The config of the engines the suites store.
+fn sample_config() -> agentrt_core::AgentConfig {
+    agentrt_core::AgentConfig {
+        name: "a".into(),
+        system_prompt: "be brief".into(),
+        model: agentrt_core::ModelSelection {
+            provider: "openai".into(),
+            name: "m".into(),
+            temperature: Some(0.5),
+            max_tokens: None,
+        },
+        rerank_model: None,
+        strategy: agentrt_core::Strategy::React,
+        max_iterations: 7,
+        tools: vec!["calculator".into()],
+        approval: Vec::new(),
+        client_tools: Vec::new(),
+        parallel_tool_calls: true,
+        max_parallel_tool_calls: 4,
+        context: agentrt_core::ContextBudget {
+            max_prompt_tokens: 8192,
+        },
+        timeouts: agentrt_core::Timeouts::default(),
+    }
+}
+
 /// The engine store suite; `new` makes a store with a one-hour TTL.
 pub async fn engine_store<F, Fut>(new: F)
 where
@@ -252,28 +278,7 @@ where
     let engine = StoredEngine {
         id: "e1".into(),
         session_id: "s1".into(),
-        config: Arc::new(agentrt_core::AgentConfig {
-            name: "a".into(),
-            system_prompt: "be brief".into(),
-            model: agentrt_core::ModelSelection {
-                provider: "openai".into(),
-                name: "m".into(),
-                temperature: Some(0.5),
-                max_tokens: None,
-            },
-            rerank_model: None,
-            strategy: agentrt_core::Strategy::React,
-            max_iterations: 7,
-            tools: vec!["calculator".into()],
-            approval: Vec::new(),
-            client_tools: Vec::new(),
-            parallel_tool_calls: true,
-            max_parallel_tool_calls: 4,
-            context: agentrt_core::ContextBudget {
-                max_prompt_tokens: 8192,
-            },
-            timeouts: agentrt_core::Timeouts::default(),
-        }),
+        config: Arc::new(sample_config()),
         tools: Arc::new([agentrt_core::ToolSpec {
             name: "calculator".into(),
             description: "adds".into(),
@@ -302,6 +307,62 @@ where
     assert!(other.remove("e1").await.unwrap());
     assert!(!store.remove("e1").await.unwrap());
     assert!(store.get("e1").await.unwrap().is_none());
+}
+
+/// The engine store's bounds; `new` makes two handles on one store (two replicas) that
+/// keeps at most 3 engines, and at most 2 of one named principal.
+pub async fn engine_budgets<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn EngineStore>, Arc<dyn EngineStore>)>,
+{
+    let (store, other) = new().await;
+    let engine = |id: &str, session: &str| StoredEngine {
+        id: id.into(),
+        session_id: session.into(),
+        config: Arc::new(sample_config()),
+        tools: Arc::new([]),
+        create_time: std::time::SystemTime::now(),
+        expire_time: std::time::SystemTime::now(),
+    };
+    // Apart in time, so that the order of last use is clear.
+    let tick = || tokio::time::sleep(Duration::from_millis(5));
+    store.insert(engine("e1", "alice/s")).await.unwrap();
+    tick().await;
+    other.insert(engine("e2", "alice/t")).await.unwrap();
+    tick().await;
+    let refused = other.insert(engine("e3", "alice/s")).await.unwrap_err();
+    assert!(
+        matches!(&refused, StateError::OverBudget { budget, .. } if *budget == "engines.max_per_principal"),
+        "{refused:?}"
+    );
+    assert!(store.get("e3").await.unwrap().is_none());
+    // The anonymous principal is bound by the store's count alone.
+    store.insert(engine("a1", "s")).await.unwrap();
+    tick().await;
+    assert!(other.get("e1").await.unwrap().is_some());
+    tick().await;
+    // Full: a new engine drops the least recently used one (e2), and gives its principal
+    // room again.
+    other.insert(engine("b1", "bob/s")).await.unwrap();
+    tick().await;
+    assert!(store.get("e2").await.unwrap().is_none(), "e2 was dropped");
+    for kept in ["a1", "b1", "e1"] {
+        assert!(store.get(kept).await.unwrap().is_some(), "{kept} is kept");
+        tick().await;
+    }
+    // a1 is now the least recently used.
+    store.insert(engine("e3", "alice/s")).await.unwrap();
+    tick().await;
+    assert!(other.get("a1").await.unwrap().is_none(), "a1 was dropped");
+    // A removed engine gives its principal room again too.
+    assert!(other.remove("e1").await.unwrap());
+    store.insert(engine("e4", "alice/u")).await.unwrap();
+    let refused = store.insert(engine("e5", "alice/u")).await.unwrap_err();
+    assert!(
+        matches!(refused, StateError::OverBudget { .. }),
+        "{refused:?}"
+    );
 }
 
 /// The run store suite; `new` makes two handles on one store (two replicas).
@@ -520,9 +581,20 @@ where
     let handed = store.take_over("lr", "c.1").await.unwrap().unwrap();
     assert!(handed.handed_over);
     assert_eq!(handed.previous_owner, winner);
+    assert_eq!(handed.stop, None);
+
+    // A stop requested of a run whose owner is gone is kept for the replica that takes it
+    // over.
+    other
+        .request_stop("lr", StopReason::Cancelled)
+        .await
+        .unwrap();
+    tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
+    let stopped = other.take_over("lr", "c.2").await.unwrap().unwrap();
+    assert_eq!(stopped.stop, Some(StopReason::Cancelled));
 
     // An ended run has no lease: nobody takes it over, and nobody writes it again.
-    record.owner = "c.1".into();
+    record.owner = "c.2".into();
     record.status = RunStatus::Succeeded;
     record.stop_reason = Some(StopReason::FinalAnswer);
     store.save(&record, 0, None).await.unwrap();
@@ -530,7 +602,7 @@ where
     assert!(other.lapsed(10).await.unwrap().is_empty());
     assert_eq!(other.take_over("lr", "d.1").await.unwrap(), None);
     assert_eq!(
-        renewers.1.renew(&[lease("lr", "c.1")]).await.unwrap(),
+        renewers.1.renew(&[lease("lr", "c.2")]).await.unwrap(),
         vec!["lr".to_owned()]
     );
     record.owner = winner;
@@ -538,7 +610,7 @@ where
         other.save(&record, 0, None).await,
         Err(StateError::Fenced("lr".into()))
     );
-    assert_eq!(other.load("lr").await.unwrap().unwrap().owner, "c.1");
+    assert_eq!(other.load("lr").await.unwrap().unwrap().owner, "c.2");
 
     // Runs of one agent share one copy of it, kept while one of them may go on, whatever
     // their engines: a run taken over after another of its agent ended reads it still;

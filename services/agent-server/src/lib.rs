@@ -123,7 +123,10 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
             .map_err(|e| StartError::State(e.to_string()))?;
             tracing::info!(redis = %agentrt_core::mask_url_credentials(&url), prefix = %settings.state_key_prefix, "state: shared through Redis");
             Stores {
-                engines: redis.engines(),
+                engines: redis.engines_within(
+                    settings.engines.max_engines,
+                    settings.engines.max_per_principal,
+                ),
                 sessions: redis.sessions(),
                 runs: redis.runs(),
                 bus: redis.bus(),

@@ -144,6 +144,9 @@ const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 /// How long a claimed message id may go without its run's record before another request
 /// takes it over (the replica that claimed it writes the record at once, unless it died).
 const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
+/// How often `Cancel` asks again for a run executing on another replica while it waits for
+/// it to end.
+const STOP_ASKED_AGAIN: Duration = Duration::from_millis(250);
 
 /// A run taken over that resumes here: its lease is among those renewed until this goes.
 struct Resuming<'a>(&'a RunManager, &'a str);
@@ -382,7 +385,8 @@ impl RunManager {
         let handover = taken.handed_over;
         let waited = taken.waited.is_some();
         let control = Arc::new(RunControl::default());
-        if let Some(reason) = stop {
+        // A stop asked of the run while no replica executed it ends it here.
+        if let Some(reason) = stop.or(taken.stop) {
             control.stop(reason);
         }
         match self
@@ -854,12 +858,21 @@ impl RunManager {
                     .request_stop(run_id, StopReason::Cancelled)
                     .await?;
                 let deadline = tokio::time::Instant::now() + wait;
+                let mut asked = tokio::time::Instant::now();
                 while tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     if let Some(record) = self.store.load(run_id).await?
                         && record.ended()
                     {
                         return Ok(Some(record));
+                    }
+                    // A replica that took the run over as it was asked may have missed
+                    // the request before it knew the run: ask again.
+                    if asked.elapsed() >= STOP_ASKED_AGAIN {
+                        self.store
+                            .request_stop(run_id, StopReason::Cancelled)
+                            .await?;
+                        asked = tokio::time::Instant::now();
                     }
                 }
             }
