@@ -618,6 +618,9 @@ async fn model_failures_end_the_run_with_an_error() {
     assert_eq!(data["category"], "model");
     assert_eq!(data["retryable"], true);
     assert_eq!(record.status, RunStatus::Failed);
+    // The provider refused the call: it used nothing, and nothing is estimated.
+    assert_eq!(record.usage.prompt_tokens, 0, "{:?}", record.usage);
+    assert!(!record.usage.estimated);
 }
 
 #[tokio::test]
@@ -1358,25 +1361,6 @@ async fn a_model_call_that_never_answers_counts_its_prompt_as_estimated_usage() 
         "the reported round's 7 and the second prompt: {usage}"
     );
     assert!(record.usage.estimated);
-}
-
-#[tokio::test]
-async fn a_refused_model_call_counts_no_usage() {
-    let h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([Err(ModelError::Http {
-            status: 400,
-            message: "bad request".into(),
-            retry_after: None,
-        })])),
-        ..Default::default()
-    });
-    let (events, record) = h
-        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
-        .await;
-    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
-    assert_eq!(done["code"], "MODEL_HTTP_400", "{done}");
-    assert_eq!(record.usage.prompt_tokens, 0, "{:?}", record.usage);
-    assert!(!record.usage.estimated);
 }
 
 #[tokio::test]

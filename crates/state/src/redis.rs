@@ -451,28 +451,6 @@ redis.call('DEL', KEYS[1])
 return 1
 ";
 
-fn engine_script(
-    cell: &'static std::sync::OnceLock<redis::Script>,
-    body: &str,
-) -> &'static redis::Script {
-    cell.get_or_init(|| redis::Script::new(&format!("{FENCE}{ENGINE_PRINCIPAL}{body}")))
-}
-
-fn engine_insert_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    engine_script(&SCRIPT, ENGINE_INSERT)
-}
-
-fn engine_get_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    engine_script(&SCRIPT, ENGINE_GET)
-}
-
-fn engine_remove_script() -> &'static redis::Script {
-    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    engine_script(&SCRIPT, ENGINE_REMOVE)
-}
-
 impl RedisEngines {
     fn key_prefix(&self, kind: &str) -> String {
         format!("{}:{kind}:", self.shared.prefix)
@@ -825,19 +803,19 @@ redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
 return 1
 ";
 
-/// A script made of the fence's functions and `body`, hashed once.
+/// A script made of the fence's functions and `parts`, hashed once.
 fn fenced_script(
     cell: &'static std::sync::OnceLock<redis::Script>,
-    body: &str,
+    parts: &[&str],
 ) -> &'static redis::Script {
-    cell.get_or_init(|| redis::Script::new(&format!("{FENCE}{body}")))
+    cell.get_or_init(|| redis::Script::new(&format!("{FENCE}{}", parts.concat())))
 }
 
 macro_rules! script {
-    ($name:ident, $body:expr) => {
+    ($name:ident, $($part:expr),+) => {
         fn $name() -> &'static redis::Script {
             static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-            fenced_script(&SCRIPT, $body)
+            fenced_script(&SCRIPT, &[$($part),+])
         }
     };
 }
@@ -849,6 +827,9 @@ script!(lapsed_script, LAPSED);
 script!(take_over_script, TAKE_OVER);
 script!(answer_script, ANSWER);
 script!(cancel_waiting_script, CANCEL_WAITING);
+script!(engine_insert_script, ENGINE_PRINCIPAL, ENGINE_INSERT);
+script!(engine_get_script, ENGINE_PRINCIPAL, ENGINE_GET);
+script!(engine_remove_script, ENGINE_PRINCIPAL, ENGINE_REMOVE);
 
 impl RedisRuns {
     fn message_key(&self, session_id: &str, message_id: &str) -> String {
