@@ -172,10 +172,11 @@ impl Emitter {
         } else {
             self.publisher.publish(batch).await
         };
-        published.map_err(|e| unpublished(&e))?;
+        // Numbered either way: on an error the publisher keeps them, with their numbers,
+        // and writes them with its next call (the end's, at the latest).
         self.published += count;
         self.record.last_sequence = self.published;
-        Ok(())
+        published.map_err(|e| unpublished(&e))
     }
 
     /// Publishes what is pending and saves the record, with `progress` (what another
@@ -194,17 +195,15 @@ impl Emitter {
                 progress.as_ref(),
             )
             .await;
+        // Numbered either way (see `publish_pending`).
+        self.published += count;
         match written {
             Ok(()) => {}
             Err(CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error)) => {
                 return Err(unpublished(&error));
             }
-            Err(CheckpointError::Record(error)) => {
-                self.published += count;
-                return Err(unsaved(&error));
-            }
+            Err(CheckpointError::Record(error)) => return Err(unsaved(&error)),
         }
-        self.published += count;
         // The current round may still change; the ones before it no longer do.
         self.saved_steps = self.record.steps.len().saturating_sub(1);
         Ok(())

@@ -1388,3 +1388,71 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
     assert_eq!(record.final_answer, "", "not an answer");
     assert!(record.usage.estimated && record.usage.completion_tokens > 0);
 }
+
+/// A publisher whose write number `fail_at` (0 is the first) fails, as a shared bus's does
+/// while its store cannot be reached: it keeps the events, numbered, and writes them with
+/// its next call.
+struct Flaky {
+    inner: Box<dyn agentrt_events::RunPublisher>,
+    calls: AtomicUsize,
+    fail_at: usize,
+    kept: Mutex<Vec<RunEvent>>,
+}
+
+#[async_trait::async_trait]
+impl agentrt_events::RunPublisher for Flaky {
+    async fn publish(&self, events: Vec<RunEvent>) -> Result<(), agentrt_events::BusError> {
+        let mut kept = std::mem::take(&mut *self.kept.lock().unwrap());
+        kept.extend(events);
+        if self.calls.fetch_add(1, Ordering::AcqRel) == self.fail_at {
+            *self.kept.lock().unwrap() = kept;
+            return Err(agentrt_events::BusError::Unavailable(
+                "the store is down".into(),
+            ));
+        }
+        self.inner.publish(kept).await
+    }
+
+    async fn release(&self) -> Result<(), agentrt_events::BusError> {
+        self.inner.release().await
+    }
+}
+
+#[tokio::test]
+async fn a_run_that_could_not_publish_ends_with_its_record_at_its_last_event() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(answer("never published whole"))])),
+        ..Default::default()
+    });
+    let publisher = Flaky {
+        inner: h.bus.open("r", "").await.unwrap(),
+        calls: AtomicUsize::new(0),
+        fail_at: 1,
+        kept: Mutex::default(),
+    };
+    let reader = h.bus.subscribe("r", 0).await.unwrap();
+    h.engine
+        .start(
+            spec("r", config(Strategy::FunctionCall, &[])),
+            "",
+            Box::new(publisher),
+            h.store.clone(),
+            Arc::default(),
+        )
+        .await
+        .unwrap()
+        .run()
+        .await;
+    let events: Vec<Arc<RunEvent>> = reader.map(Result::unwrap).collect().await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap();
+    assert_eq!(
+        done.data.as_ref().unwrap().to_json()["code"],
+        "STATE_UNAVAILABLE"
+    );
+    let record = h.store.load("r").await.unwrap().unwrap();
+    assert_eq!(
+        record.last_sequence, done.sequence,
+        "the record ends at the run's last event"
+    );
+}

@@ -1649,6 +1649,53 @@ impl PublisherCore {
 
     /// [`PublisherCore::write`], with `save` (the run's record) in the same script when
     /// given.
+    /// Writes `events` (none, with a save) and `save`, in one script; the log's last
+    /// sequence is then `last`. Redis's answer: 1 written, 0 fenced.
+    async fn invoke(
+        &self,
+        events: &[(u64, RunEvent)],
+        save: Option<&SaveCall>,
+        ttl: u64,
+        last: u64,
+    ) -> Result<Result<u8, redis::RedisError>, CheckpointError> {
+        let mut script = match save {
+            Some(_) => checkpoint_script(),
+            None => publish_script(),
+        }
+        .prepare_invoke();
+        script
+            .key(&self.key)
+            .key(self.shared.key("owner", &self.run_id))
+            .key(self.shared.key("run", &self.run_id));
+        if let Some(save) = save {
+            for key in &save.keys {
+                script.key(key);
+            }
+            // The publish's arguments: 5, then 2 per event.
+            script.arg(5 + 2 * events.len());
+        }
+        script
+            .arg(&self.run_id)
+            .arg(&self.owner)
+            .arg(self.shared.limits.events_per_run.max(1))
+            .arg(ttl)
+            .arg(last);
+        for (sequence, event) in events {
+            let json = serde_json::to_vec(event).map_err(|e| {
+                CheckpointError::Events(BusError::Unavailable(format!(
+                    "cannot encode an event: {e}"
+                )))
+            })?;
+            let mut id = sequence.to_string();
+            id.push_str("-1");
+            script.arg(id).arg(json);
+        }
+        if let Some(save) = save {
+            script.arg(&save.args);
+        }
+        Ok(script.invoke_async(&mut self.shared.connection()).await)
+    }
+
     async fn write_with(&self, save: Option<SaveCall>) -> Result<(), CheckpointError> {
         let _writing = self.writer.lock().await;
         let (batch, set_ttl) = {
@@ -1678,54 +1725,28 @@ impl PublisherCore {
                 RUNNING_TTL + self.shared.limits.run_retention
             })
         });
-        let mut script = match &save {
-            Some(_) => checkpoint_script(),
-            None => publish_script(),
-        }
-        .prepare_invoke();
-        script
-            .key(&self.key)
-            .key(self.shared.key("owner", &self.run_id))
-            .key(self.shared.key("run", &self.run_id));
-        if let Some(save) = &save {
-            for key in &save.keys {
-                script.key(key);
-            }
-            // The publish's arguments: 5, then 2 per event.
-            script.arg(5 + 2 * batch.len());
-        }
-        script
-            .arg(&self.run_id)
-            .arg(&self.owner)
-            .arg(self.shared.limits.events_per_run.max(1))
-            .arg(ttl)
-            .arg(last);
-        for (sequence, event) in &batch {
-            let json = serde_json::to_vec(event).map_err(|e| {
-                CheckpointError::Events(BusError::Unavailable(format!(
-                    "cannot encode an event: {e}"
-                )))
-            })?;
-            let mut id = sequence.to_string();
-            id.push_str("-1");
-            script.arg(id).arg(json);
-        }
-        if let Some(save) = save {
-            script.arg(save.args);
-        }
-        let mut written: Result<u8, _> = script.invoke_async(&mut self.shared.connection()).await;
+        let mut written = self.invoke(&batch, save.as_ref(), ttl, last).await?;
+        // Events of the batch that are in the log already: a write that timed out (Redis
+        // hung) may have run all the same, and its events are not written twice (Redis
+        // refuses the repeated ids, and would for ever).
+        let mut logged = 0;
         if let Err(error) = &written
-            && error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError)
             && error
                 .to_string()
                 .contains("equal or smaller than the target stream top item")
-            && last_event(&self.shared, &self.key)
-                .await
-                .is_ok_and(|top| top.is_some_and(|top| top.sequence >= last))
+            && let Ok(Some(top)) = last_event(&self.shared, &self.key).await
         {
-            // An earlier call with this batch timed out, yet Redis ran it (a script runs
-            // whole or not at all): it is written.
-            written = Ok(1);
+            logged = batch
+                .iter()
+                .take_while(|(sequence, _)| *sequence <= top.sequence)
+                .count();
+            if logged > 0 {
+                debug!(run_id = %self.run_id, logged, "events of a write that timed out were written");
+                written = match (&batch[logged..], &save) {
+                    ([], None) => Ok(1),
+                    (rest, save) => self.invoke(rest, save.as_ref(), ttl, last).await?,
+                };
+            }
         }
         if written == Ok(0) {
             // Another replica has the run: these events are not its to write.
@@ -1750,7 +1771,7 @@ impl PublisherCore {
             // Kept, with its numbers, for the next publish to write again: a batch is
             // written whole or not at all, so nothing is lost or numbered twice.
             let mut state = self.state();
-            state.buffer.splice(0..0, batch);
+            state.buffer.splice(0..0, batch.into_iter().skip(logged));
             state.failed = Some(error.clone());
             return Err(CheckpointError::Events(error));
         }

@@ -255,6 +255,53 @@ async fn redis_bus_fences_a_replaced_owner_and_the_new_one_continues_the_log() {
     assert_eq!(all, [1, 2, 3], "no gap, no repeat, one end");
 }
 
+/// A write that timed out while Redis hung may have run all the same: its events are in
+/// the log when the publisher writes them again. They are not written twice, and the rest
+/// goes on (the retry used to fail for ever on the ids Redis already had).
+#[tokio::test]
+async fn redis_events_written_by_a_write_that_timed_out_are_not_written_again() {
+    let prefix = redis_prefix("timed-out-write");
+    let a = Redis::connect(&redis_url(), &prefix, limits(100)).unwrap();
+    let publisher = a.bus().open("tw", "").await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    // Event 2 as the write that timed out left it in the log.
+    let mut second = started();
+    second.sequence = 2;
+    let mut connection = redis::Client::open(redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(format!("{prefix}:events:tw"))
+        .arg("2-1")
+        .arg("e")
+        .arg(serde_json::to_vec(&second).unwrap())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    // The publisher writes 2 again with 3: 2 is there already, 3 is written.
+    publisher
+        .publish(vec![
+            started(),
+            RunEvent {
+                done: true,
+                ..started()
+            },
+        ])
+        .await
+        .unwrap();
+    let all: Vec<u64> = a
+        .bus()
+        .subscribe("tw", 0)
+        .await
+        .unwrap()
+        .map(|e| e.unwrap().sequence)
+        .collect()
+        .await;
+    assert_eq!(all, [1, 2, 3], "no gap, no repeat, one end");
+}
+
 /// A checkpoint writes the run's events and its record in one call: both are read on
 /// another replica at once, after any events the publisher held back, in order; an owner
 /// that lost the run writes neither.
