@@ -25,7 +25,9 @@ use tracing::{debug, info};
 /// Records every call's status code and duration in [`Metrics`], and stamps each request
 /// with its [`Arrival`]. Calls are labelled by service and method only when the server
 /// registered that method; any other path (a client can send any) counts as
-/// `unknown`/`unknown`, so that no client can grow the metrics.
+/// `unknown`/`unknown`, so that no client can grow the metrics. Being the layer that sees
+/// every call's status first, it also gives a request over the size limit gRPC's code for
+/// it (see `oversize_is_resource_exhausted`), and records that code.
 #[derive(Debug, Clone, Default)]
 pub struct RpcMetricsLayer {
     /// The registered methods, as `/package.Service/Method`.
@@ -127,13 +129,17 @@ where
         let response = self.inner.call(request);
         Box::pin(async move {
             let mut response = response.await?;
-            oversize_is_resource_exhausted(response.headers_mut());
+            // A trailers-only response (an error before any message) has it here.
+            let mut code = grpc_status(response.headers());
+            if code == Some(OUT_OF_RANGE) && oversize_is_resource_exhausted(response.headers_mut())
+            {
+                code = Some(RESOURCE_EXHAUSTED);
+            }
             let call = Some(Call {
                 service,
                 method,
                 started,
-                // A trailers-only response (an error before any message) has it here.
-                code: grpc_status(response.headers()),
+                code,
             });
             Ok(response.map(|inner| MeteredBody { inner, call }))
         })
@@ -158,23 +164,19 @@ impl Call {
 /// status codes give `RESOURCE_EXHAUSTED` for a message larger than the limit, which is what
 /// clients and their retry policies expect: such a response is rewritten to it, naming the
 /// setting.
-fn oversize_is_resource_exhausted(headers: &mut HeaderMap) {
+/// True when it rewrote one.
+fn oversize_is_resource_exhausted(headers: &mut HeaderMap) -> bool {
     const TONIC_TOO_LARGE: &str = "Error, decoded message length too large: ";
-    if grpc_status(headers) != Some(OUT_OF_RANGE) {
-        return;
-    }
     let Some(status) = tonic::Status::from_header_map(headers) else {
-        return;
+        return false;
     };
     let Some(found) = status.message().strip_prefix(TONIC_TOO_LARGE) else {
-        return;
+        return false;
     };
     let exhausted = tonic::Status::resource_exhausted(format!(
         "request message larger than the server accepts (server.max_message_bytes): {found}"
     ));
-    if exhausted.add_header(headers).is_err() {
-        debug!("could not rewrite the status of an oversize request");
-    }
+    exhausted.add_header(headers).is_ok()
 }
 
 fn grpc_status(headers: &HeaderMap) -> Option<i32> {
@@ -190,6 +192,8 @@ pub struct MeteredBody<B> {
 
 /// gRPC's CANCELLED.
 const CANCELLED: i32 = 1;
+/// gRPC's RESOURCE_EXHAUSTED.
+const RESOURCE_EXHAUSTED: i32 = 8;
 /// gRPC's OUT_OF_RANGE.
 const OUT_OF_RANGE: i32 = 11;
 

@@ -319,8 +319,6 @@ impl OpenAiChat {
         if !(200..300).contains(&status) {
             return Err(http_error(status, headers, body, &self.site, &self.limits).await);
         }
-        // A server that does not stream (a JSON completion, an HTML page from a proxy)
-        // answers something else; no content type at all is given the benefit of the doubt.
         // No encoding is asked for: one the body has anyway cannot be read.
         if let Some(encoding) = headers
             .get(http::header::CONTENT_ENCODING)
@@ -334,6 +332,8 @@ impl OpenAiChat {
                 self.site.path
             )));
         }
+        // A server that does not stream (a JSON completion, an HTML page from a proxy)
+        // answers something else; no content type at all is given the benefit of the doubt.
         let content_type = headers
             .get(CONTENT_TYPE)
             .map(|v| v.to_str().unwrap_or("(not text)"));
@@ -1099,9 +1099,8 @@ fn arguments_text<'de, D: serde::Deserializer<'de>>(
         }
 
         fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-            let value =
+            let value: Value =
                 serde::Deserialize::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
-            let value: Value = value;
             Ok(Some(Cow::Owned(value.to_string())))
         }
 

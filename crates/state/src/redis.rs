@@ -386,7 +386,8 @@ end
 /// Keeps an engine within the bounds: `KEYS[1]` the engine, `KEYS[2]` the set of all,
 /// `KEYS[3]` its principal's set; `ARGV`: id, engine, time to live (ms), most engines,
 /// most of one principal (0 for the anonymous one: no bound of its own), prefix of engine
-/// keys, prefix of principals' sets. 0 when the principal has its most already.
+/// keys, prefix of principals' sets. -1 when kept; the principal's count of engines when
+/// it has its most already.
 const ENGINE_INSERT: &str = r"
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
@@ -451,12 +452,6 @@ redis.call('DEL', KEYS[1])
 return 1
 ";
 
-impl RedisEngines {
-    fn key_prefix(&self, kind: &str) -> String {
-        format!("{}:{kind}:", self.shared.prefix)
-    }
-}
-
 #[async_trait]
 impl EngineStore for RedisEngines {
     async fn insert(&self, mut engine: StoredEngine) -> StateResult<StoredEngine> {
@@ -479,8 +474,8 @@ impl EngineStore for RedisEngines {
             .arg(millis(ttl))
             .arg(self.max_engines.max(1))
             .arg(most_owned)
-            .arg(self.key_prefix("engine"))
-            .arg(self.key_prefix("engines:of"))
+            .arg(shared.key("engine", ""))
+            .arg(shared.key("engines:of", ""))
             .invoke_async(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
@@ -504,7 +499,7 @@ impl EngineStore for RedisEngines {
             .key(shared.key("engines", "lru"))
             .arg(id)
             .arg(millis(ttl))
-            .arg(self.key_prefix("engines:of"))
+            .arg(shared.key("engines:of", ""))
             .invoke_async(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
@@ -521,7 +516,7 @@ impl EngineStore for RedisEngines {
             .key(shared.key("engine", id))
             .key(shared.key("engines", "lru"))
             .arg(id)
-            .arg(self.key_prefix("engines:of"))
+            .arg(shared.key("engines:of", ""))
             .invoke_async(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
@@ -1591,9 +1586,8 @@ struct PublisherState {
     /// Whether the run is another replica's now, or was let go to one: nothing more is
     /// written, and nothing ends the run here.
     fenced: bool,
-    /// The last sequence given to this replica's copy of the log.
-    local_seen: u64,
-    /// Whether that copy was let go, its readers sent to Redis, after a write failed.
+    /// Whether this replica's copy of the log was let go, its readers sent to Redis,
+    /// after a write failed (the copy is fed only what Redis holds, in order).
     local_gone: bool,
 }
 
@@ -1775,22 +1769,11 @@ impl PublisherCore {
             state.failed = Some(error.clone());
             return Err(CheckpointError::Events(error));
         }
-        let (seen, local_gone) = {
-            let mut state = self.state();
-            let seen = state.local_seen;
-            state.local_seen = last.max(seen);
-            (seen, state.local_gone)
-        };
+        let local_gone = self.state().local_gone;
         if let Some(local) = self.local.as_ref().filter(|_| !local_gone) {
             // The copy numbers the same events the same way: it gets all of them, in order.
             local
-                .publish(
-                    batch
-                        .into_iter()
-                        .filter(|(sequence, _)| *sequence > seen)
-                        .map(|(_, event)| event)
-                        .collect(),
-                )
+                .publish(batch.into_iter().map(|(_, event)| event).collect())
                 .await
                 .map_err(CheckpointError::Events)?;
         }
@@ -1826,7 +1809,6 @@ impl RedisPublisher {
                 expiring: false,
                 failed: None,
                 fenced: false,
-                local_seen: next - 1,
                 local_gone: false,
             }),
             writer: tokio::sync::Mutex::new(()),
