@@ -909,6 +909,7 @@ impl Engine {
             temperature: config.model.temperature,
             max_tokens: config.model.max_tokens,
             stop: strategy.stop(),
+            deadline: None,
         }
     }
 
@@ -940,7 +941,7 @@ impl Engine {
     async fn model_round(
         &self,
         setup: &RoundSetup<'_>,
-        request: ChatRequest,
+        mut request: ChatRequest,
         prompt_tokens: u32,
         em: &mut Emitter,
         iteration: u32,
@@ -964,6 +965,8 @@ impl Engine {
         );
         let model_name = request.model.clone();
         let started = Instant::now();
+        // A retry that could not finish in time is not waited for.
+        request.deadline = Some(started + timeout);
         let mut first_delta = None;
         let work = async {
             em.flush_soon().await?;

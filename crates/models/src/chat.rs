@@ -67,6 +67,10 @@ pub struct ChatRequest {
     pub max_tokens: Option<u32>,
     /// Sequences at which the model stops (the ReAct protocol stops at `Observation:`).
     pub stop: Vec<String>,
+    /// When the call must have finished by. A retry whose wait would end past it is not
+    /// made: the call fails at once with the error it would have retried (a `429` with a
+    /// long `Retry-After` is reported as such, not as a timeout later). `None`: no bound.
+    pub deadline: Option<tokio::time::Instant>,
 }
 
 /// Why a model stopped generating.

@@ -410,6 +410,7 @@ impl ChatModel for OpenAiChat {
         cancel: CancellationToken,
     ) -> Result<ChatStream, ModelError> {
         let body = bytes::Bytes::from(request_body(&request));
+        let deadline = request.deadline;
         // The body is all that is sent; the messages need not wait with it for the reply.
         drop(request);
         let mut attempt = 0;
@@ -445,6 +446,9 @@ impl ChatModel for OpenAiChat {
                 _ => None,
             };
             let delay = self.retry.delay(attempt, retry_after);
+            if deadline.is_some_and(|deadline| tokio::time::Instant::now() + delay >= deadline) {
+                return Err(past_deadline(error, delay));
+            }
             warn!(error = %error, attempt = attempt + 1, ?delay, "model call failed, retrying");
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
@@ -452,6 +456,25 @@ impl ChatModel for OpenAiChat {
             }
             attempt += 1;
         }
+    }
+}
+
+/// The error a retry would have followed, saying why it was not made.
+fn past_deadline(error: ModelError, delay: Duration) -> ModelError {
+    let why =
+        format!("not retried: the wait before a retry ({delay:?}) would pass the call's deadline");
+    match error {
+        ModelError::Http {
+            status,
+            message,
+            retry_after,
+        } => ModelError::Http {
+            status,
+            message: format!("{message} ({why})"),
+            retry_after,
+        },
+        ModelError::Connect(message) => ModelError::Connect(format!("{message} ({why})")),
+        other => other,
     }
 }
 
@@ -1133,7 +1156,10 @@ struct PartialCall {
 struct Assembler {
     /// The bound of one call's arguments, in bytes.
     max_arguments: usize,
-    calls: BTreeMap<u64, PartialCall>,
+    /// The calls, as they began, with the `index` their fragments carry.
+    calls: Vec<(u64, PartialCall)>,
+    /// For each `index`, the call its next fragments continue.
+    open: BTreeMap<u64, usize>,
     think: ThinkSplitter,
     finish: Option<FinishReason>,
     usage: Option<Usage>,
@@ -1179,7 +1205,28 @@ impl Assembler {
             }
             for (position, call) in delta.tool_calls.into_iter().flatten().enumerate() {
                 let index = call.index.unwrap_or(position as u64);
-                let entry = self.calls.entry(index).or_default();
+                let name = call
+                    .function
+                    .as_ref()
+                    .and_then(|f| f.name.as_deref())
+                    .filter(|n| !n.is_empty());
+                let slot = match self.open.get(&index) {
+                    // Some servers send every call with index 0: a fragment that names a
+                    // function under an id other than the call's begins another call.
+                    // (Servers that repeat the id or the name on every fragment, or send
+                    // a new id without a name, continue the call.)
+                    Some(&slot)
+                        if !starts_another(&self.calls[slot].1, call.id.as_deref(), name) =>
+                    {
+                        slot
+                    }
+                    _ => {
+                        self.calls.push((index, PartialCall::default()));
+                        self.open.insert(index, self.calls.len() - 1);
+                        self.calls.len() - 1
+                    }
+                };
+                let entry = &mut self.calls[slot].1;
                 // Some servers repeat the id (or send a new one) on every chunk: the first
                 // one names the call.
                 if entry.id.is_empty()
@@ -1223,11 +1270,13 @@ impl Assembler {
         }
         self.finished = true;
         self.think.finish(|piece| out.push_back(piece_delta(piece)));
-        let calls = std::mem::take(&mut self.calls);
-        for (index, call) in calls {
+        let mut calls = std::mem::take(&mut self.calls);
+        // In the order of their index; calls that shared one, in the order they came.
+        calls.sort_by_key(|(index, _)| *index);
+        for (position, (_, call)) in calls.into_iter().enumerate() {
             out.push_back(ChatDelta::ToolCall(ModelToolCall {
                 id: if call.id.is_empty() {
-                    format!("call_{index}")
+                    format!("call_{position}")
                 } else {
                     call.id
                 },
@@ -1241,6 +1290,16 @@ impl Assembler {
             usage: self.usage,
         });
     }
+}
+
+/// Whether a fragment with this id and function name begins a call other than `call`: it
+/// names a function, the call has one already, and either the name or the id is another.
+fn starts_another(call: &PartialCall, id: Option<&str>, name: Option<&str>) -> bool {
+    name.is_some_and(|name| {
+        !call.name.is_empty()
+            && (name != call.name
+                || id.is_some_and(|id| !id.is_empty() && !call.id.is_empty() && id != call.id))
+    })
 }
 
 fn piece_delta(piece: Piece) -> ChatDelta {
@@ -1307,6 +1366,59 @@ mod tests {
             .await);
         assert_eq!(deltas.len(), 2, "{deltas:?}");
         assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
+    }
+
+    #[tokio::test]
+    async fn parallel_tool_calls_all_sent_with_index_zero_stay_apart() {
+        // As some OpenAI-compatible servers send them: every call under index 0, each
+        // begun by its id and name, whole or in fragments.
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"calculator\",\"arguments\":\"{\\\"expression\\\":\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"1+1\\\"}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"b\",\"function\":{\"name\":\"calculator\",\"arguments\":\"{\\\"expression\\\":\\\"2+2\\\"}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"current_time\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let calls: Vec<_> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some((call.id, call.name, call.arguments)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                (
+                    "a".into(),
+                    "calculator".into(),
+                    "{\"expression\":\"1+1\"}".into()
+                ),
+                (
+                    "b".into(),
+                    "calculator".into(),
+                    "{\"expression\":\"2+2\"}".into()
+                ),
+                ("call_2".into(), "current_time".into(), "{}".into()),
+            ]
+        );
+
+        // A server that repeats the id and the name on every fragment makes one call.
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"calculator\",\"arguments\":\"{\\\"expression\\\":\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"name\":\"calculator\",\"arguments\":\"\\\"1+1\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let calls = ok(run(sse).await);
+        assert_eq!(
+            calls[0],
+            ChatDelta::ToolCall(ModelToolCall {
+                id: "a".into(),
+                name: "calculator".into(),
+                arguments: "{\"expression\":\"1+1\"}".into()
+            })
+        );
+        assert_eq!(calls.len(), 2, "{calls:?}");
     }
 
     #[tokio::test]
@@ -1632,6 +1744,7 @@ mod tests {
             temperature: Some(0.5),
             max_tokens: Some(10),
             stop: vec!["Observation:".into()],
+            deadline: None,
         });
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["stream"], true);

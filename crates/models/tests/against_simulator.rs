@@ -266,6 +266,62 @@ async fn cancellation_ends_a_retry_wait_at_once() {
 }
 
 #[tokio::test]
+async fn a_retry_that_would_pass_the_deadline_is_not_waited_for() {
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "limited": {"turns": [{"error": {"status": 429, "message": "slow down", "retry_after": 1.5}}]}
+    }}))
+    .await;
+    let model = client(&url);
+    let started = Instant::now();
+    let req = ChatRequest {
+        deadline: Some(tokio::time::Instant::now() + Duration::from_secs(1)),
+        ..request("limited")
+    };
+    let err = model
+        .stream(req, CancellationToken::new())
+        .await
+        .err()
+        .unwrap();
+    // The provider's own answer, at once, saying why it was not retried; not a timeout
+    // when the deadline comes.
+    match &err {
+        ModelError::Http {
+            status: 429,
+            message,
+            ..
+        } => assert!(
+            message.contains("slow down") && message.contains("would pass the call's deadline"),
+            "{message}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // With time for the wait, the call is retried as before.
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "limited": {"turns": [{"content": "ok", "error": {"status": 429, "message": "slow down", "times": 1, "retry_after": 0.2}}]}
+    }}))
+    .await;
+    let model = client(&url);
+    let req = ChatRequest {
+        deadline: Some(tokio::time::Instant::now() + Duration::from_secs(5)),
+        ..request("limited")
+    };
+    let deltas = model.stream(req, CancellationToken::new()).await.unwrap();
+    let deltas: Vec<_> = deltas.collect().await;
+    assert!(
+        deltas
+            .iter()
+            .any(|d| matches!(d, Ok(ChatDelta::Content(text)) if text.contains("ok"))),
+        "{deltas:?}"
+    );
+}
+
+#[tokio::test]
 async fn unreachable_providers_fail_with_a_connect_error() {
     let addr = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -85,14 +85,10 @@ impl ConfigValidator {
         &self,
         config: Option<&v1::AgentConfig>,
     ) -> Result<Checked, ToolServiceError> {
-        let Some(config) = config else {
-            return Ok(Checked {
-                effective: v1::AgentConfig::default(),
-                violations: vec![Violation::new("config", "required")],
-                tools: Vec::new(),
-            });
-        };
-        let mut effective = config.clone();
+        // A missing config is the one problem reported; its effective config still shows
+        // the defaults an empty one gets.
+        let missing = config.is_none();
+        let mut effective = config.cloned().unwrap_or_default();
         let mut check = Check::default();
         check.name(&effective.name);
         check.system_prompt(&effective.system_prompt);
@@ -133,6 +129,9 @@ impl ConfigValidator {
         check.parallel(&mut effective.max_parallel_tool_calls);
         check.context(effective.context.get_or_insert_default());
         check.timeouts(effective.timeouts.get_or_insert_default());
+        if missing {
+            check.violations = vec![Violation::new("config", "required")];
+        }
         Ok(Checked {
             effective,
             violations: check.violations,
@@ -807,5 +806,10 @@ mod tests {
             checked.violations,
             vec![Violation::new("config", "required")]
         );
+        // The defaults an empty config gets are still shown.
+        let timeouts = checked.effective.timeouts.expect("timeouts filled in");
+        assert!(timeouts.action.is_some(), "{timeouts:?}");
+        assert!(checked.effective.max_iterations > 0);
+        assert!(checked.effective.context.is_some());
     }
 }
