@@ -43,6 +43,13 @@ const SCENARIOS: &str = r#"{"scenarios": {
   "client": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
     {"content": "results: {tool_results}"}]},
+  "client_counting": {"turns": [
+    {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"content": "users: {user_messages}"}]},
+  "plain": {"turns": [{"content": "an answer"}]},
+  "client_slow": {"turns": [
+    {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"content": "results: {tool_results}", "latency_ms": 1500}]},
   "react": {"turns": [
     {"content": "Thought: I need the order.\nAction: lookup_order\nAction Input: {\"order_id\": \"A-17\"}"},
     {"content": "Thought: I know it now.\nFinal Answer: the order is shipped"}]}
@@ -539,6 +546,77 @@ async fn a_disconnect_while_waiting_does_not_cancel_and_subscribe_follows_it() {
 
     let mut answering = stack.engine.clone();
     follow_and_answer(&mut stack.engine, &mut answering, &run_id, before.len()).await;
+}
+
+#[tokio::test]
+async fn a_disconnect_after_the_wait_does_not_cancel_the_run_either() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (stream, before, _, run_id) =
+        waiting_run(&mut stack, waiting_agent("client_slow", false)).await;
+    // Answered while its client still follows it; the client goes away during the next
+    // (slow) model round: what was decided stands, and the run ends with its answer.
+    submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        get_run(&mut stack.engine, &run_id).await.status,
+        v1::RunStatus::Running as i32
+    );
+    let mut stream = stack
+        .engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: before.len() as u64,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut events = before;
+    while let Some(event) = stream.next().await {
+        events.push(event.unwrap());
+    }
+    assert_well_formed(&events);
+    assert_eq!(answer(&events), "results: shipped");
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
+}
+
+#[tokio::test]
+async fn a_run_that_waited_goes_on_with_the_history_it_started_with() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let waiting = stack
+        .service
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(waiting_agent("client_counting", false)),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut stream = execute(&mut stack.engine, &waiting.engine_id).await;
+    let (before, _) = until_action(&mut stream).await;
+    let run_id = before[0].run_id.clone();
+    // Another turn of the same session ends while the first waits.
+    let other = stack
+        .service
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(waiting_agent("plain", false)),
+            session_id: waiting.session_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let events = common::collect(stack.start(&other.engine_id, "another question").await).await;
+    assert_eq!(answer(&events), "an answer");
+    submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    // The model is asked with the question the run started with and none that came later
+    // (which would also have come before it).
+    let events = rest(stream).await;
+    assert_eq!(answer(&events), "users: 1");
 }
 
 /// Follows waiting run `run_id` from its start with `Subscribe` on `follower` (`waited`

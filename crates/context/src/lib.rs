@@ -23,13 +23,31 @@ pub struct Exchange {
     pub messages: Vec<ChatMessage>,
     /// Their tokens.
     pub tokens: u32,
+    /// When the session kept it, in milliseconds since the Unix epoch (0: not said). A
+    /// run that goes on after a wait, or on another replica, sees the history as it was
+    /// when the run started, without the turns kept since.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kept_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Exchange {
     /// An exchange of `messages`, counted with `counter`.
     pub fn new(messages: Vec<ChatMessage>, counter: &TokenCounter) -> Self {
         let tokens = messages.iter().map(|m| counter.message(m)).sum();
-        Self { messages, tokens }
+        Self {
+            messages,
+            tokens,
+            kept_ms: 0,
+        }
+    }
+
+    /// Whether the exchange was in the history at `started_ms`.
+    pub fn kept_by(&self, started_ms: u64) -> bool {
+        self.kept_ms <= started_ms
     }
 
     /// Groups explicit messages (a client's `llm_context`) into exchanges: each starts at
@@ -133,6 +151,7 @@ mod tests {
                 },
             ],
             tokens,
+            kept_ms: 0,
         })
     }
 

@@ -214,6 +214,7 @@ mod tests {
         Exchange {
             messages: vec![],
             tokens: n,
+            kept_ms: 0,
         }
     }
 
@@ -255,6 +256,7 @@ mod tests {
         Exchange {
             messages: vec![ChatMessage::User(text.into())],
             tokens: 1,
+            kept_ms: 0,
         }
     }
 

@@ -174,8 +174,8 @@ pub struct RunControl {
     abandoned: AtomicBool,
     /// Set when the run goes on on another replica: it stops here without ending.
     let_go: AtomicBool,
-    /// Set when the run is about to wait for answers: its client going away no longer
-    /// cancels it.
+    /// Set when the run is about to wait for answers, or goes on after a wait: its client
+    /// going away no longer cancels it.
     waiting: AtomicBool,
 }
 
@@ -197,6 +197,13 @@ impl RunControl {
         }
         self.abandoned.store(true, Ordering::Release);
         self.stop(StopReason::Cancelled);
+    }
+
+    /// Lets the run go on when the client of its `Execute` goes away: a run that waited
+    /// for answers has outlived the request that started it (its answers may come from
+    /// elsewhere, and a retry would ask again for what was decided).
+    pub fn outlive_client(&self) {
+        self.waiting.store(true, Ordering::Release);
     }
 
     /// Stops the run here without ending it: another replica continues it (this one
@@ -312,6 +319,9 @@ struct Resume {
     reason: &'static str,
     /// For a run that waited: what it was told meanwhile.
     waited: Option<Answers>,
+    /// When the run started, in milliseconds since the Unix epoch: the session's turns
+    /// kept since are not its history.
+    started_ms: u64,
 }
 
 /// What another replica needs to continue the run from `state`: the state without its
@@ -545,6 +555,10 @@ impl Engine {
         }
         let saved_messages = state.messages.len();
         let iteration = state.iteration.max(1);
+        let started_ms = record
+            .create_time
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
         let emitter = Emitter::resumed(resumed.publisher, store, record, last, iteration);
         Ok(StartedRun(Box::new(RunParts {
             engine: self.clone(),
@@ -558,6 +572,7 @@ impl Engine {
                 interrupted,
                 reason: if handover { "handover" } else { "takeover" },
                 waited: taken.waited,
+                started_ms,
             })),
         })))
     }
@@ -725,11 +740,19 @@ impl Engine {
         });
         let history = match &spec.llm_context {
             Some(messages) => Exchange::group(messages.clone(), counter),
-            None => self
-                .sessions
-                .history(&spec.session_id)
-                .await
-                .map_err(|e| state_failure("session history", &e))?,
+            None => {
+                let mut history = self
+                    .sessions
+                    .history(&spec.session_id)
+                    .await
+                    .map_err(|e| state_failure("session history", &e))?;
+                // A run that goes on sees the history it started with: turns of the
+                // session that ended meanwhile came after its question.
+                if let Some(resume) = &resume {
+                    history.retain(|e| e.kept_by(resume.started_ms));
+                }
+                history
+            }
         };
         let definitions = strategy.tool_definitions(&spec.tools);
         let reserved: u32 = definitions
@@ -931,7 +954,14 @@ impl Engine {
         messages.extend(current.iter().map(|(m, _)| m.clone()));
         messages.push(answer);
         self.sessions
-            .append(&spec.session_id, Exchange { messages, tokens })
+            .append(
+                &spec.session_id,
+                Exchange {
+                    messages,
+                    tokens,
+                    kept_ms: now_ms(),
+                },
+            )
             .await
             .map_err(|e| state_failure("session history", &e))
     }
@@ -1025,7 +1055,7 @@ impl Engine {
                             em.answer(text);
                         }
                     },
-                    ChatDelta::ToolCall(call) => calls.push(call),
+                    ChatDelta::ToolCall(call) => add_call(&mut calls, call),
                     ChatDelta::Finish {
                         reason,
                         usage: reported,
@@ -1683,6 +1713,23 @@ fn answer_or_error(text: String, cut_short: bool) -> Result<Reply, Outcome> {
             retryable: !cut_short,
         },
     ))
+}
+
+/// Adds a call of a round, under an id no other call of the round has: a model (or server)
+/// that sends two calls under one id, or none, would otherwise make their results and
+/// answers indistinguishable.
+fn add_call(calls: &mut Vec<ModelToolCall>, mut call: ModelToolCall) {
+    if call.id.is_empty() || calls.iter().any(|c| c.id == call.id) {
+        let stem = if call.id.is_empty() { "call" } else { &call.id };
+        let mut n = calls.len();
+        let mut id = format!("{stem}_{n}");
+        while calls.iter().any(|c| c.id == id) {
+            n += 1;
+            id = format!("{stem}_{n}");
+        }
+        call.id = id;
+    }
+    calls.push(call);
 }
 
 /// Tokens a model generated, counted by the server for a provider that reports none.

@@ -389,6 +389,57 @@ async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
 }
 
 #[tokio::test]
+async fn calls_of_a_round_under_one_id_or_none_get_ids_of_their_own() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([
+            Ok(tools_round(vec![
+                call("d", "calc", r#"{"delay_ms":1}"#),
+                call("d", "calc", r#"{"delay_ms":2}"#),
+                call("", "calc", r#"{"delay_ms":3}"#),
+                call("d_1", "calc", r#"{"delay_ms":4}"#),
+            ])),
+            Ok(answer("done")),
+        ])),
+        ..Default::default()
+    });
+    let (events, _) = h
+        .run(
+            "r",
+            config(Strategy::FunctionCall, &["calc"]),
+            Arc::default(),
+        )
+        .await;
+    assert_well_formed(&events);
+    let ids_of = |kind: EventKind| {
+        let mut ids: Vec<String> = events
+            .iter()
+            .filter(|e| e.kind == kind)
+            .map(|e| {
+                e.data.as_ref().unwrap().to_json()["id"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    let expected = ["call_2", "d", "d_1", "d_1_3"];
+    assert_eq!(ids_of(EventKind::ToolCall), expected);
+    assert_eq!(ids_of(EventKind::ToolResult), expected);
+    let requests = h.model.requests.lock().unwrap();
+    let results: Vec<&str> = requests[1]
+        .messages
+        .iter()
+        .filter_map(|m| match m {
+            ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results, ["d", "d_1", "call_2", "d_1_3"]);
+}
+
+#[tokio::test]
 async fn bad_calls_become_results_the_model_can_read() {
     let h = harness(Scripted {
         rounds: Mutex::new(VecDeque::from([

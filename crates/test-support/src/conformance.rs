@@ -196,6 +196,7 @@ where
     let exchange = |n: u32| Exchange {
         messages: vec![agentrt_models_message(n)],
         tokens: n,
+        kept_ms: 0,
     };
     assert!(store.history("s").await.unwrap().is_empty(), "unknown");
     store.append("s", exchange(1)).await.unwrap();

@@ -385,6 +385,9 @@ impl RunManager {
         let handover = taken.handed_over;
         let waited = taken.waited.is_some();
         let control = Arc::new(RunControl::default());
+        if waited {
+            control.outlive_client();
+        }
         // A stop asked of the run while no replica executed it ends it here.
         if let Some(reason) = stop.or(taken.stop) {
             control.stop(reason);
