@@ -381,11 +381,15 @@ async fn a_retry_after_the_clients_own_disconnect_gets_a_new_run() {
         .engine
         .execute(v1::ExecuteRequest {
             query: "something else".into(),
-            ..request
+            ..request.clone()
         })
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    assert!(
+        status.message().contains("with another query"),
+        "{status:?}"
+    );
 }
 
 #[tokio::test]

@@ -312,6 +312,24 @@ async fn a_denied_call_goes_back_to_the_model_with_the_reason() {
     let said = answer(&events);
     assert!(said.contains("arithmetic is not allowed today"), "{said}");
     assert_eq!(done(&events)["stop_reason"], "final_answer");
+
+    // A reason is held to the bound of a tool output, as everything the model reads.
+    let mut stack = Stack::up(SCENARIOS, &["--max-tool-output-bytes", "300"]).await;
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("one", true)).await;
+    let reason = "no ".repeat(1000);
+    approve(
+        &mut stack.engine,
+        &run_id,
+        &[("c1", false, reason.as_str())],
+    )
+    .await
+    .unwrap();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    let output = results[0]["output"].as_str().unwrap();
+    assert!(output.starts_with("the call was denied"), "{output}");
+    assert!(output.contains("tool output truncated"), "{output}");
+    assert!(output.len() < 400, "{} bytes", output.len());
 }
 
 /// One round with an ordinary call, two client calls (one with arguments that break the

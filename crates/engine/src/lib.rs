@@ -1264,11 +1264,16 @@ impl Engine {
                 Some(ToolAnswer::Decision {
                     approved: false,
                     reason,
-                }) => ToolResult::error(if reason.trim().is_empty() {
-                    "the call was denied by the user; it did not run".to_owned()
-                } else {
-                    format!("the call was denied by the user; it did not run. Reason: {reason}")
-                }),
+                }) => {
+                    let mut output = if reason.trim().is_empty() {
+                        "the call was denied by the user; it did not run".to_owned()
+                    } else {
+                        format!("the call was denied by the user; it did not run. Reason: {reason}")
+                    };
+                    // Held to the bound of an output, as what the model reads.
+                    truncate_output(&mut output, self.max_tool_output_bytes);
+                    ToolResult::error(output)
+                }
                 None => {
                     missing.push(call.id.as_str());
                     continue;

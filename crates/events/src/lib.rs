@@ -451,7 +451,9 @@ pub enum BusError {
         after: u64,
     },
     /// The reader asked for, or fell behind to, events the log no longer keeps.
-    #[error("events {from}..={to} of this run are no longer retained; resume after {to}")]
+    #[error(
+        "events {from} to {to} of this run are no longer retained (runs.events_per_run); resume after {to}"
+    )]
     Lagged {
         /// First event lost.
         from: u64,

@@ -48,13 +48,15 @@ pub enum RunStartError {
     Failed(RunError),
     /// The session's message id belongs to a run of another query (or engine).
     #[error(
-        "message id {message_id:?} was already used in this session for run {run_id:?}, with another query"
+        "message id {message_id:?} was already used in this session for run {run_id:?}, {what}"
     )]
     MessageIdReused {
         /// The message id.
         message_id: String,
         /// The run that has it.
         run_id: String,
+        /// What differs: `with another query` or `on another engine`.
+        what: &'static str,
     },
 }
 
@@ -678,6 +680,11 @@ impl RunManager {
                     return Err(RunStartError::MessageIdReused {
                         message_id: spec.message_id.clone(),
                         run_id: holder,
+                        what: if record.query == spec.query {
+                            "on another engine"
+                        } else {
+                            "with another query"
+                        },
                     });
                 }
                 // Given up by its client: a retry gets a new run (the old one stays

@@ -126,6 +126,10 @@ impl ConfigValidator {
             .violations
             .extend(tool_violations.into_iter().map(|(_, v)| v));
         tools.extend(check.client_tools(&effective.tools, &effective.client_tools));
+        // The schemas as they are used, defaults filled in.
+        for tool in &mut effective.client_tools {
+            tool.input_schema = agentrt::json::json_to_struct(&client_tool_schema(tool));
+        }
         check.parallel(&mut effective.max_parallel_tool_calls);
         check.context(effective.context.get_or_insert_default());
         check.timeouts(effective.timeouts.get_or_insert_default());
@@ -241,10 +245,17 @@ impl ConfigValidator {
 
 /// The input schema of a client tool: an object of any properties when none is given.
 pub fn client_tool_schema(tool: &v1::ClientTool) -> serde_json::Value {
-    tool.input_schema.as_ref().map_or_else(
+    let mut schema = tool.input_schema.as_ref().map_or_else(
         || serde_json::json!({"type": "object", "properties": {}}),
         agentrt::json::struct_to_json,
-    )
+    );
+    // Arguments are an object: said, as model APIs want it said.
+    if let Some(schema) = schema.as_object_mut() {
+        schema
+            .entry("type")
+            .or_insert_with(|| serde_json::Value::from("object"));
+    }
+    schema
 }
 
 /// Names listed in a message at most; a catalogue of many MCP tools would otherwise put
@@ -487,15 +498,18 @@ impl Check {
         if action.is_some_and(|a| a > limits::MAX_ACTION_TIMEOUT) {
             self.violation("timeouts.action", "must be at most 7 days (604800s)");
         }
+        // The default of a call is never longer than the run it is part of: a config that
+        // sets only a short run is valid.
+        let within_run = |default: Duration| run.map_or(default, |run| default.min(run));
         let model = self.timeout(
             "timeouts.model_call",
             &mut timeouts.model_call,
-            limits::DEFAULT_MODEL_CALL_TIMEOUT,
+            within_run(limits::DEFAULT_MODEL_CALL_TIMEOUT),
         );
         let tool = self.timeout(
             "timeouts.tool_call",
             &mut timeouts.tool_call,
-            limits::DEFAULT_TOOL_CALL_TIMEOUT,
+            within_run(limits::DEFAULT_TOOL_CALL_TIMEOUT),
         );
         if let Some(run) = run {
             if run > limits::MAX_RUN_TIMEOUT {
@@ -529,10 +543,14 @@ impl Check {
             _ => {
                 self.violation(
                     field,
-                    format!(
-                        "must be a positive duration, got {}s {}ns",
-                        wire.seconds, wire.nanos
-                    ),
+                    if wire.nanos == 0 {
+                        format!("must be a positive duration, got {}s", wire.seconds)
+                    } else {
+                        format!(
+                            "must be a positive duration, got {}s and {}ns",
+                            wire.seconds, wire.nanos
+                        )
+                    },
                 );
                 None
             }
@@ -644,6 +662,71 @@ mod tests {
         assert_eq!(e.max_parallel_tool_calls, 4);
         assert_eq!(e.context.unwrap().max_prompt_tokens, 8192);
         assert_eq!(e.timeouts.unwrap().run.unwrap().seconds, 300);
+    }
+
+    #[tokio::test]
+    async fn call_timeouts_default_to_at_most_the_run_and_client_schemas_are_filled_in() {
+        let mut input = minimal();
+        input.timeouts = Some(v1::Timeouts {
+            run: Some(prost_types::Duration {
+                seconds: 20,
+                nanos: 0,
+            }),
+            ..Default::default()
+        });
+        input.client_tools = vec![
+            v1::ClientTool {
+                name: "bare".into(),
+                ..Default::default()
+            },
+            v1::ClientTool {
+                name: "untyped".into(),
+                input_schema: agentrt::json::json_to_struct(
+                    &serde_json::json!({"properties": {"n": {"type": "integer"}}}),
+                ),
+                ..Default::default()
+            },
+        ];
+        let checked = validator(Ok(vec![])).check(Some(&input)).await.unwrap();
+        assert_eq!(checked.violations, vec![]);
+        let timeouts = checked.effective.timeouts.unwrap();
+        assert_eq!(timeouts.model_call.unwrap().seconds, 20);
+        assert_eq!(timeouts.tool_call.unwrap().seconds, 20);
+        let schemas: Vec<serde_json::Value> = checked
+            .effective
+            .client_tools
+            .iter()
+            .map(|t| agentrt::json::struct_to_json(t.input_schema.as_ref().unwrap()))
+            .collect();
+        assert_eq!(
+            schemas,
+            [
+                serde_json::json!({"type": "object", "properties": {}}),
+                serde_json::json!({"type": "object", "properties": {"n": {"type": "integer"}}}),
+            ]
+        );
+        // What the model is offered is the same.
+        let offered: Vec<serde_json::Value> = checked
+            .tools
+            .iter()
+            .map(|t| serde_json::from_str(&t.input_schema.text()).unwrap())
+            .collect();
+        assert_eq!(offered, schemas);
+
+        // A zero duration is named plainly.
+        let mut zero = minimal();
+        zero.timeouts = Some(v1::Timeouts {
+            run: Some(prost_types::Duration::default()),
+            ..Default::default()
+        });
+        let checked = validator(Ok(vec![])).check(Some(&zero)).await.unwrap();
+        assert_eq!(
+            checked.violations,
+            vec![Violation::new(
+                "timeouts.run",
+                "must be a positive duration, got 0s"
+            )]
+        );
     }
 
     #[tokio::test]
