@@ -1561,9 +1561,28 @@ pub fn check_input_schema(schema: &serde_json::Value) -> Result<(), String> {
             "must describe an object (\"type\": \"object\"), got \"type\": {kind}"
         ));
     }
+    if let Some(reference) = outside_reference(schema) {
+        return Err(format!(
+            "refers to {reference:?}: only references within the schema (\"#/...\") are \
+             resolved; put what it refers to under \"$defs\""
+        ));
+    }
     jsonschema::validator_for(schema)
         .map(drop)
         .map_err(|e| format!("is not a valid JSON Schema: {e}"))
+}
+
+/// The first `$ref` of `schema` that points outside it (a URL or another file), if any.
+fn outside_reference(schema: &serde_json::Value) -> Option<&str> {
+    match schema {
+        serde_json::Value::Object(map) => map
+            .get("$ref")
+            .and_then(serde_json::Value::as_str)
+            .filter(|r| !r.starts_with('#'))
+            .or_else(|| map.values().find_map(outside_reference)),
+        serde_json::Value::Array(items) => items.iter().find_map(outside_reference),
+        _ => None,
+    }
 }
 
 /// Where `arguments` break `schema` (a JSON Schema that validation accepted), said for
@@ -1847,6 +1866,23 @@ fn stopped_error(reason: StopReason) -> RunError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn schemas_referring_outside_themselves_are_refused_plainly() {
+        let remote = serde_json::json!({
+            "type": "object",
+            "properties": {"a": {"$ref": "https://example.com/a.json"}},
+        });
+        let why = check_input_schema(&remote).unwrap_err();
+        assert!(why.contains("https://example.com/a.json"), "{why}");
+        assert!(why.contains("$defs"), "{why}");
+        let local = serde_json::json!({
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/a"}},
+            "$defs": {"a": {"type": "string"}},
+        });
+        assert_eq!(check_input_schema(&local), Ok(()));
+    }
 
     #[test]
     fn a_saved_spec_reads_back_with_its_agent_apart_or_inside_as_saved_before() {
