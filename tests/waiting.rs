@@ -268,8 +268,9 @@ async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
     assert_eq!(state.final_answer, "results: 42");
     assert!(state.pending_tool_calls.is_empty());
 
-    // Answered again once it went on: accepted once, nothing changes.
-    let again = approve(&mut stack.engine, &run_id, &[("c1", true, "")])
+    // Answered again once it went on (an approval's reason, which nothing reads, aside):
+    // accepted once, nothing changes.
+    let again = approve(&mut stack.engine, &run_id, &[("c1", true, "looks fine")])
         .await
         .unwrap();
     assert!(again.pending_tool_call_ids.is_empty());

@@ -566,7 +566,13 @@ impl AgentEngine for AgentEngineImpl {
                     d.tool_call_id.as_str(),
                     ToolAnswer::Decision {
                         approved: d.approved,
-                        reason: d.reason.clone(),
+                        // Only a denial's reason is read (by the model): an approval
+                        // repeated with another reason is the same answer.
+                        reason: if d.approved {
+                            String::new()
+                        } else {
+                            d.reason.clone()
+                        },
                     },
                 )
             }),
