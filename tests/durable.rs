@@ -67,7 +67,11 @@ fn scenarios() -> String {
         "nap": {"turns": [
             {"tool_calls": [{"id": "nap-1", "name": "sleep", "arguments": {"seconds": 3}}]},
             {"content": "rested: {tool_results}"}]},
-        "quick": {"turns": [{"content": "still here"}]}
+        "quick": {"turns": [{"content": "still here"}]},
+        "slow_nap": {"turns": [
+            {"content": SLOW_ANSWER, "chunk_chars": 2, "chunk_delay_ms": SLOW_DELAY_MS,
+             "tool_calls": [{"id": "nap-2", "name": "sleep", "arguments": {"seconds": 0}}]},
+            {"content": "rested: {tool_results}"}]}
     }})
     .to_string()
 }
@@ -709,6 +713,45 @@ async fn killed_mid_tool_call_the_call_is_sent_again_with_its_id_and_its_result_
     assert_eq!(calls.len(), 1, "{state:#?}");
     assert_eq!(calls[0].id, call_id);
     assert_eq!(calls[0].output, NAP_RESULT);
+}
+
+/// Needs Redis. The owner is killed (-9) while the model streams the text of a round that
+/// ends with a tool call: B runs the round again, and the call it asks for is announced
+/// (TOOL_CALL before its TOOL_RESULT, once) and run, as in a run never interrupted.
+#[tokio::test]
+async fn killed_in_a_round_that_calls_a_tool_the_call_is_announced_once_taken_over() {
+    let mut c = Cluster::up("durable-kill-before-call", 2).await;
+    let engine_id = create_engine(&mut c.replicas[0].service, agent("slow_nap", &["sleep"])).await;
+    let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
+    let mut received = Vec::new();
+    read_until(&mut stream, &mut received, |events| {
+        answer_deltas(events) >= 3
+    })
+    .await;
+    let run_id = received[0].run_id.clone();
+    c.replicas[0].kill().await;
+    let end = read_to_end(&mut stream, &mut received).await;
+    assert!(!matches!(end, End::Done), "{received:#?}");
+    drop(stream);
+
+    let b = &mut c.replicas[1];
+    let state = ended(&mut b.engine, &run_id).await;
+    let log = whole_log(&mut b.engine, &run_id).await;
+    assert_well_formed(&log);
+    assert_received_is_logged(&received, &log, "the Execute stream on the killed owner");
+    let kinds: Vec<v1::EventType> = log
+        .iter()
+        .map(kind)
+        .filter(|k| matches!(k, v1::EventType::ToolCall | v1::EventType::ToolResult))
+        .collect();
+    assert_eq!(
+        kinds,
+        [v1::EventType::ToolCall, v1::EventType::ToolResult],
+        "the call is announced, then its result: {log:#?}"
+    );
+    assert_eq!(restarts(&log), [(1, "takeover".to_owned())], "{log:#?}");
+    assert_succeeded(&log, &state, "rested: slept 0 s");
+    assert_eq!(state.steps[0].tool_calls.len(), 1, "{state:#?}");
 }
 
 /// Needs Redis. SIGTERM on the owner while a run streams: the draining replica hands the

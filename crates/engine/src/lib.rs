@@ -790,6 +790,11 @@ impl Engine {
                         interrupted.swap_remove(at);
                         em.round_restarted(iteration, reason);
                     }
+                    // What the previous owner published belongs to the step it saved: once
+                    // a model round runs here, the calls it asks for are new, announced
+                    // and checkpointed as any (a run taken over in a model round used to
+                    // run them unannounced).
+                    recovered = None;
                     em.begin_round(iteration);
                     // The final request is asked once and not kept in the turn.
                     let asked = !with_tools;
