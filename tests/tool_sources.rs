@@ -694,6 +694,37 @@ async fn two_tools_with_one_name_stop_the_start_naming_both() {
 }
 
 #[tokio::test]
+async fn config_errors_name_the_setting_that_is_wrong() {
+    let dir = TempDir::new("badcfg");
+    dir.write("api.json", r#"{"openapi": "3.1.0", "paths": {}}"#);
+    for (config, setting, wrong) in [
+        (
+            "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n\
+             [[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n",
+            "invalid setting `openapi`: two tool sources are named \"api\"",
+            "`mcp_servers`",
+        ),
+        (
+            "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"not a url\"\n",
+            "invalid setting `openapi`: \"api\": `base_url` \"not a url\": ",
+            "a relative server URL needs",
+        ),
+    ] {
+        let config = dir.write("tool-executor.toml", config);
+        let output = tokio::process::Command::new(agentrt_test_support::binary("tool-executor"))
+            .args(["--listen", "127.0.0.1:0", "--config"])
+            .arg(&config)
+            .output()
+            .await
+            .unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(setting), "{stderr}");
+        assert!(!stderr.contains(wrong), "{stderr}");
+    }
+}
+
+#[tokio::test]
 async fn the_builtins_alone_are_unchanged() {
     let server = tool_executor(&[]).await;
     let mut client = ToolExecutorClient::new(connect(&server.url()).await);

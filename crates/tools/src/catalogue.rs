@@ -66,8 +66,9 @@ pub struct Catalogue {
 
 impl Catalogue {
     /// Lists every toolset and builds the first snapshot. Two tools offered under one
-    /// name, or a built-in with an invalid schema, are errors naming both; a tool of an
-    /// outside source whose schema does not compile is left out with a warning.
+    /// name (unless both come from one MCP server: the second is left out with a
+    /// warning), or a built-in with an invalid schema, are errors naming both; a tool of
+    /// an outside source whose schema does not compile is left out with a warning.
     pub async fn new(toolsets: Vec<Arc<dyn Toolset>>, changes: Changes) -> Result<Self> {
         let catalogue = Self {
             toolsets,
@@ -123,7 +124,13 @@ impl Catalogue {
                         first: first.listed.origin.clone(),
                         second: tool.origin.clone(),
                     };
-                    if strict {
+                    // Two tools of one MCP server (`a.b` and `a_b`, or names alike in
+                    // their first 64 characters) are that server's doing: one third-party
+                    // server does not stop the executor. Tools of two sources, or of a
+                    // document the operator gave, are a config error: the start stops.
+                    let one_server =
+                        Arc::ptr_eq(&first.toolset, toolset) && toolset.lists_at_run_time();
+                    if strict && !one_server {
                         return Err(error);
                     }
                     warn!(%error, "tool left out of the catalogue");
@@ -138,6 +145,28 @@ impl Catalogue {
                             "it nests {depth} levels deep, more than {MAX_SCHEMA_DEPTH}: \
                              Protobuf decoders (100 levels) could not read the tool list"
                         ),
+                    };
+                    if toolset.name() == crate::builtin::SOURCE_NAME {
+                        return Err(error);
+                    }
+                    warn!(%error, "tool left out of the catalogue");
+                    continue;
+                }
+                let kind = tool.spec.input_schema.get("type");
+                if !tool.spec.input_schema.is_object()
+                    || kind.is_some_and(|kind| kind.as_str() != Some("object"))
+                {
+                    // Every call would fail (arguments are an object), and model APIs
+                    // refuse such a function schema.
+                    let error = Error::InvalidSchema {
+                        tool: tool.origin.clone(),
+                        reason: match kind {
+                            Some(kind) => format!(
+                                "its type is {kind}, not \"object\": a tool's arguments are \
+                                 an object, and model APIs refuse other function schemas"
+                            ),
+                            None => "it is not a JSON object".into(),
+                        },
                     };
                     if toolset.name() == crate::builtin::SOURCE_NAME {
                         return Err(error);

@@ -47,6 +47,15 @@ pub trait Toolset: Send + Sync {
         None
     }
 
+    /// Whether its tools are what a third party lists at run time (an MCP server), rather
+    /// than what the operator configured (the built-ins, an OpenAPI document). Two of its
+    /// tools that end up with one name are then the server's doing, not a config error: the
+    /// catalogue leaves the second out with a warning, at start as later, instead of
+    /// refusing to start.
+    fn lists_at_run_time(&self) -> bool {
+        false
+    }
+
     /// Stops what the toolset runs (child processes, connections); calls after this
     /// are `UNAVAILABLE`.
     async fn shutdown(&self) {}

@@ -83,7 +83,7 @@ impl Cli {
                 message: format!("{:?}: {message}", server.name),
             })?;
             if !names.insert(server.name.clone()) {
-                return Err(duplicate_source(&server.name));
+                return Err(duplicate_source("mcp_servers", &server.name));
             }
         }
         for source in &mut settings.openapi {
@@ -93,16 +93,17 @@ impl Cli {
                 message: format!("{:?}: {message}", source.name),
             })?;
             if !names.insert(source.name.clone()) {
-                return Err(duplicate_source(&source.name));
+                return Err(duplicate_source("openapi", &source.name));
             }
         }
         Ok(settings)
     }
 }
 
-fn duplicate_source(name: &str) -> ConfigError {
+/// A second source named `name`, found in `field` (the setting of the second one).
+fn duplicate_source(field: &'static str, name: &str) -> ConfigError {
     ConfigError::Invalid {
-        field: "mcp_servers",
+        field,
         message: format!("two tool sources are named {name:?}; each needs its own name"),
     }
 }

@@ -11,6 +11,7 @@
 //! connection; a call abandoned by its caller, or past its deadline or the server's
 //! `timeout`, sends `notifications/cancelled` (rmcp does when the call's future is dropped).
 
+mod bounded;
 mod content;
 
 use std::{
@@ -130,7 +131,8 @@ pub struct McpServerConfig {
     /// Longest output text of one call, in bytes; longer output is cut, saying so.
     #[serde(default = "default_max_output_bytes")]
     pub max_output_bytes: usize,
-    /// Largest message accepted from the server, in bytes; larger ones are dropped.
+    /// Largest message accepted from the server, in bytes; larger ones are dropped, and
+    /// a call whose answer is larger is an error result naming this setting.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
 }
@@ -437,6 +439,11 @@ impl Toolset for McpToolset {
                 &offered,
                 shared.config.max_output_bytes,
             )),
+            Ok(Err(ServiceError::McpError(error)))
+                if let Some(max) = bounded::is_too_large(error.data.as_ref()) =>
+            {
+                Ok(ToolOutput::error(too_large(shared.name(), tool, max)))
+            }
             Ok(Err(ServiceError::McpError(error))) => {
                 let mut message = format!(
                     "MCP server {:?} refused the call of {tool:?}: {} (code {})",
@@ -482,6 +489,10 @@ impl Toolset for McpToolset {
         Ok(())
     }
 
+    fn lists_at_run_time(&self) -> bool {
+        true
+    }
+
     fn down(&self) -> Option<CallError> {
         let state = self.shared.state.read().unwrap_or_else(|e| e.into_inner());
         state
@@ -503,6 +514,14 @@ impl Drop for McpToolset {
         // The supervisor stops (and with it the child process) even without `shutdown`.
         self.stop.cancel();
     }
+}
+
+/// The error result of a call whose answer was over `max_message_bytes` (`max`).
+fn too_large(source: &str, tool: &str, max: u64) -> String {
+    format!(
+        "the answer of MCP server {source:?} to {tool:?} is larger than `max_message_bytes` \
+         ({max} bytes), the most the tool executor accepts; it was not read"
+    )
 }
 
 /// The client side of one connection: hears `notifications/tools/list_changed`.
@@ -631,8 +650,12 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             if let Some(stderr) = child.stderr.take() {
                 tokio::spawn(log_stderr(stderr).in_current_span());
             }
-            let transport = AsyncRwTransport::new(stdout, stdin)
-                .with_max_line_length(shared.config.max_message_bytes);
+            // The bound is enforced (and an oversized answer answered for) before the
+            // SDK reads a line; its own bound only backs that up.
+            let max = shared.config.max_message_bytes;
+            let stdout = bounded::BoundedLines::new(stdout, max);
+            let transport =
+                AsyncRwTransport::new(stdout, stdin).with_max_line_length(max.saturating_add(1));
             let service = handler
                 .serve(transport)
                 .await
@@ -648,7 +671,10 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                 .custom_headers(headers.clone())
                 .max_json_response_size(shared.config.max_message_bytes)
                 .max_sse_event_size(shared.config.max_message_bytes);
-            let transport = StreamableHttpClientTransport::with_client(client.clone(), config);
+            let transport = StreamableHttpClientTransport::with_client(
+                bounded::BoundedHttpClient(client.clone()),
+                config,
+            );
             let service = handler
                 .serve(transport)
                 .await

@@ -57,6 +57,11 @@ for line in sys.stdin:
             tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
             if extra:
                 tools.append(tool("added"))
+            if mode == "collide":
+                # `odd.name` and `odd_name` are both offered as `fake__odd_name`; a tool
+                # whose arguments could never be an object.
+                tools.append(tool("odd_name"))
+                tools.append({"name": "list", "inputSchema": {"type": "array"}})
             send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
     elif method == "tools/call":
         name, args = params["name"], params.get("arguments") or {}
@@ -67,6 +72,13 @@ for line in sys.stdin:
         elif name == "meta":
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "content": [{"type": "text", "text": json.dumps(params.get("_meta"))}]}})
+        elif name == "big":
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": "A" * args["n"]}]}})
+        elif name == "big_id_last":
+            # As the TypeScript SDK writes answers: the id last.
+            send({"result": {"content": [{"type": "text", "text": "A" * args["n"]}]},
+                  "jsonrpc": "2.0", "id": mid})
         elif name == "fail":
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "content": [{"type": "text", "text": "it failed"}], "isError": True}})
@@ -474,4 +486,185 @@ async fn a_call_that_saw_its_connection_fail_leaves_the_next_connection_alone() 
         "the new connection was dropped for the old one's failure"
     );
     toolset.shutdown().await;
+}
+
+#[tokio::test]
+async fn one_servers_clashing_names_and_non_object_schemas_leave_tools_out_not_the_start() {
+    let fake = Fake::new("collide");
+    let changes = Changes::new();
+    let toolset = Arc::new(
+        McpToolset::start(fake.config("collide"), changes.clone())
+            .await
+            .unwrap(),
+    );
+    assert!(toolset.is_connected(), "the server is up at start");
+    let catalogue = crate::Catalogue::new(vec![toolset.clone() as Arc<dyn Toolset>], changes)
+        .await
+        .expect("one server's clashing tools do not stop the start");
+    let names: Vec<String> = catalogue.specs().into_iter().map(|s| s.name).collect();
+    assert_eq!(
+        names.iter().filter(|n| *n == "fake__odd_name").count(),
+        1,
+        "{names:?}"
+    );
+    assert!(!names.contains(&"fake__list".to_owned()), "{names:?}");
+    assert!(names.contains(&"fake__echo".to_owned()), "{names:?}");
+    // The one kept is the one listed first, `odd.name`: the fake answers it is unknown.
+    let out = catalogue
+        .execute("fake__odd_name", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(out.text.contains("no tool odd.name"), "{}", out.text);
+    toolset.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_answer_over_max_message_bytes_is_a_prompt_error_naming_the_bound() {
+    let fake = Fake::new("big");
+    let mut config = fake.config("good");
+    config.max_message_bytes = 64 * 1024;
+    config.timeout = Duration::from_secs(30);
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let pid = fake.pid();
+    for tool in ["big", "big_id_last"] {
+        let started = Instant::now();
+        let out = toolset
+            .call(tool, json!({"n": 200_000}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert!(out.is_error, "{tool}: {}", out.text);
+        assert!(
+            out.text
+                .contains("larger than `max_message_bytes` (65536 bytes)"),
+            "{tool}: {}",
+            out.text
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{tool}: the call waited {:?}",
+            started.elapsed()
+        );
+    }
+    // An answer within the bound still comes through, on the same connection.
+    let out = toolset
+        .call("big", json!({"n": 1000}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(!out.is_error && out.text.len() == 1000, "{}", out.text);
+    assert_eq!(fake.pid(), pid, "the server was not restarted");
+    toolset.shutdown().await;
+}
+
+/// A streamable HTTP MCP server: `http_fake.py MODE` (`json` or `sse` answers) prints its
+/// port, then serves `echo` and `big` (an answer of `n` bytes of text).
+const HTTP_FAKE_SERVER: &str = r#"
+import json, sys, uuid
+from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+mode = sys.argv[1]
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *a):
+        pass
+    def empty(self, code):
+        self.send_response(code)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def answer(self, obj, headers={}):
+        if mode == "sse":
+            body, ctype = ("event: message\ndata: " + json.dumps(obj) + "\n\n").encode(), "text/event-stream"
+        else:
+            body, ctype = json.dumps(obj).encode(), "application/json"
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.empty(405)
+    def do_DELETE(self):
+        self.empty(200)
+    def do_POST(self):
+        msg = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        method, mid = msg.get("method"), msg.get("id")
+        if mid is None:
+            return self.empty(202)
+        if method == "initialize":
+            return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
+                "protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                "serverInfo": {"name": "fake", "version": "1"}}}, {"Mcp-Session-Id": str(uuid.uuid4())})
+        if method == "tools/list":
+            return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
+                {"name": "big", "inputSchema": {"type": "object"}}]}})
+        if method == "tools/call":
+            n = msg["params"]["arguments"]["n"]
+            return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": "B" * n}]}})
+        self.answer({"jsonrpc": "2.0", "id": mid, "result": {}})
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"#;
+
+#[tokio::test]
+async fn an_http_answer_over_max_message_bytes_is_an_error_naming_the_bound() {
+    use tokio::io::AsyncBufReadExt;
+
+    let fake = Fake::new("http-big");
+    std::fs::write(fake.dir.join("http_fake.py"), HTTP_FAKE_SERVER).unwrap();
+    for mode in ["json", "sse"] {
+        let mut server = tokio::process::Command::new("python3")
+            .arg(fake.dir.join("http_fake.py"))
+            .arg(mode)
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut port = String::new();
+        tokio::io::BufReader::new(server.stdout.take().unwrap())
+            .read_line(&mut port)
+            .await
+            .unwrap();
+        let mut config = fake.config(mode);
+        config.command = None;
+        config.args.clear();
+        config.url = Some(format!("http://127.0.0.1:{}/mcp", port.trim()));
+        config.max_message_bytes = 64 * 1024;
+        config.timeout = Duration::from_secs(30);
+        let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+        assert!(toolset.is_connected(), "{mode}");
+        let connection = toolset.shared.state.read().unwrap().connection;
+        let started = Instant::now();
+        let out = toolset
+            .call("big", json!({"n": 200_000}), &ToolContext::default())
+            .await
+            .expect("not UNAVAILABLE: trying again gets the same answer");
+        assert!(out.is_error, "{mode}: {}", out.text);
+        assert!(
+            out.text
+                .contains("larger than `max_message_bytes` (65536 bytes)"),
+            "{mode}: {}",
+            out.text
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{mode}");
+        let out = toolset
+            .call("big", json!({"n": 1000}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert!(
+            !out.is_error && out.text.len() == 1000,
+            "{mode}: {}",
+            out.text
+        );
+        assert_eq!(
+            toolset.shared.state.read().unwrap().connection,
+            connection,
+            "{mode}: the session was kept"
+        );
+        toolset.shutdown().await;
+        server.kill().await.unwrap();
+    }
 }

@@ -60,9 +60,37 @@ pub(crate) struct Operation {
     pub path: String,
     pub description: String,
     pub parameters: Vec<Parameter>,
-    /// Whether the operation takes a JSON body (`body` in the arguments).
-    pub has_body: bool,
+    /// The media type of its JSON body (`body` in the arguments), as the document
+    /// declares it (`application/merge-patch+json`); `None` when it takes none.
+    pub body_type: Option<reqwest::header::HeaderValue>,
     pub input_schema: Value,
+}
+
+impl Operation {
+    /// Leaves out the parameters for which `set_by_source` holds (those the source sets
+    /// itself, its secret query parameters and headers): they leave the input schema, and
+    /// a call never sends a value the model gave for them.
+    pub(crate) fn drop_parameters(&mut self, set_by_source: impl Fn(&Parameter) -> bool) {
+        let (dropped, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.parameters)
+            .into_iter()
+            .partition(|param| set_by_source(param));
+        self.parameters = kept;
+        for param in dropped {
+            if let Some(properties) = self.input_schema["properties"].as_object_mut() {
+                properties.remove(&param.key);
+            }
+            if let Some(required) = self.input_schema["required"].as_array_mut() {
+                required.retain(|key| key.as_str() != Some(param.key.as_str()));
+            }
+        }
+        if self.input_schema["required"]
+            .as_array()
+            .is_some_and(Vec::is_empty)
+            && let Some(schema) = self.input_schema.as_object_mut()
+        {
+            schema.remove("required");
+        }
+    }
 }
 
 /// What a document holds.
@@ -169,7 +197,14 @@ fn operation(
             Some("path") => Location::Path,
             Some("query") => Location::Query,
             Some("header") => Location::Header,
-            // Cookies are the caller's session, not the model's to set.
+            // Cookies are the caller's session, not the model's to set: an operation that
+            // needs one cannot be called.
+            Some("cookie") if p["required"].as_bool() == Some(true) => {
+                return Err(format!(
+                    "its required cookie parameter {name:?} cannot be sent (cookies are not \
+                     arguments)"
+                ));
+            }
             Some("cookie") => continue,
             other => return Err(format!("parameter {name:?} has an unknown place {other:?}")),
         };
@@ -205,17 +240,19 @@ fn operation(
             explode: p["explode"].as_bool().unwrap_or(true),
         });
     }
-    let mut has_body = false;
+    let mut body_type = None;
     if let Some(body) = op.get("requestBody") {
         let body = resolve_ref(doc, body)?;
         let content = body["content"].as_object();
-        let json_schema = content.and_then(|c| {
+        // `application/json` when offered, else the first other JSON type.
+        let json_media = content.and_then(|c| {
             c.iter()
-                .find(|(media, _)| is_json(media))
-                .map(|(_, m)| m.get("schema").cloned().unwrap_or_else(|| json!({})))
+                .find(|(media, _)| media_essence(media) == "application/json")
+                .or_else(|| c.iter().find(|(media, _)| is_json(media)))
         });
-        match json_schema {
-            Some(schema) => {
+        match json_media {
+            Some((media, m)) => {
+                let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
                 let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
@@ -227,10 +264,28 @@ fn operation(
                 if body["required"].as_bool() == Some(true) {
                     required.push(Value::String("body".into()));
                 }
-                has_body = true;
+                // A range (`application/*+json`) names no type to send: plain JSON is.
+                let sent = if media.contains('*') {
+                    "application/json"
+                } else {
+                    media.as_str()
+                };
+                body_type = Some(reqwest::header::HeaderValue::from_str(sent).map_err(|_| {
+                    format!("its request body's media type {media:?} is not a valid header")
+                })?);
             }
             None if body["required"].as_bool() == Some(true) => {
-                return Err("its request body is not JSON".into());
+                let offered = content
+                    .map(|c| c.keys().map(String::as_str).collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default();
+                return Err(format!(
+                    "its request body is required but not JSON ({}): only JSON bodies are sent",
+                    if offered.is_empty() {
+                        "no media type"
+                    } else {
+                        &offered
+                    }
+                ));
             }
             None => {}
         }
@@ -259,14 +314,25 @@ fn operation(
         path: path.to_owned(),
         description,
         parameters,
-        has_body,
+        body_type,
         input_schema,
     })
 }
 
 fn is_json(media: &str) -> bool {
-    let media = media.split(';').next().unwrap_or_default().trim();
+    let media = media_essence(media);
     media == "application/json" || media.ends_with("+json")
+}
+
+/// A media type without its parameters: `application/json; charset=utf-8` is
+/// `application/json`.
+fn media_essence(media: &str) -> String {
+    media
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase()
 }
 
 /// The value `value` stands for when it is a local `$ref`, followed a bounded number of
@@ -512,7 +578,7 @@ components:
             })
         );
         let create = &doc.operations[0];
-        assert!(create.has_body);
+        assert_eq!(create.body_type.as_ref().unwrap(), "application/json");
         assert_eq!(create.input_schema["required"], json!(["body"]));
         let body = &create.input_schema["properties"]["body"];
         assert_eq!(body["required"], json!(["name"]));
@@ -590,5 +656,60 @@ components:
         assert!(doc.first_server.is_none());
         assert!(parse("swagger: '2.0'").unwrap_err().contains("3.0 or 3.1"));
         assert!(parse("{not json").unwrap_err().contains("JSON"));
+    }
+
+    #[test]
+    fn bodies_keep_their_json_type_and_operations_that_cannot_be_sent_are_left_out() {
+        let doc = parse(
+            r#"{"openapi": "3.1.0", "paths": {
+                "/a": {"patch": {"operationId": "mergePatch", "requestBody": {"content": {
+                    "application/merge-patch+json": {"schema": {"type": "object"}}}}}},
+                "/b": {"post": {"operationId": "several", "requestBody": {"content": {
+                    "application/xml": {}, "application/vnd.api+json": {},
+                    "application/json; charset=utf-8": {}}}}},
+                "/c": {"post": {"operationId": "form", "requestBody": {"required": true,
+                    "content": {"application/x-www-form-urlencoded": {"schema": {"type": "object"}}}}}},
+                "/d": {"get": {"operationId": "cookie", "parameters": [
+                    {"name": "session", "in": "cookie", "required": true, "schema": {"type": "string"}}]}},
+                "/e": {"get": {"operationId": "optionalCookie", "parameters": [
+                    {"name": "theme", "in": "cookie", "schema": {"type": "string"}}]}}}}"#,
+        )
+        .unwrap();
+        let types: Vec<_> = doc
+            .operations
+            .iter()
+            .map(|o| (o.id.as_str(), o.body_type.clone()))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                (
+                    "mergePatch",
+                    Some(reqwest::header::HeaderValue::from_static(
+                        "application/merge-patch+json"
+                    ))
+                ),
+                (
+                    "several",
+                    Some(reqwest::header::HeaderValue::from_static(
+                        "application/json; charset=utf-8"
+                    ))
+                ),
+                ("optionalCookie", None),
+            ]
+        );
+        assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
+        assert!(
+            doc.skipped[0].starts_with("form: ")
+                && doc.skipped[0].contains("application/x-www-form-urlencoded"),
+            "{:?}",
+            doc.skipped
+        );
+        assert!(
+            doc.skipped[1].starts_with("cookie: ")
+                && doc.skipped[1].contains("cookie parameter \"session\""),
+            "{:?}",
+            doc.skipped
+        );
     }
 }

@@ -3,9 +3,12 @@
 //!
 //! A tool's arguments hold the operation's path, query and header parameters by name and
 //! its JSON request body under `body` (a parameter named `body`, or two parameters with
-//! one name, are prefixed with their place: `query_body`, `header_id`). The call fills the
+//! one name, are prefixed with their place: `query_body`, `header_id`). Query parameters
+//! and headers the source sets itself (its `query` and `headers` settings) are not
+//! arguments: the model neither sees them nor sets them. The call fills the
 //! path template (each value percent-escaped, so a value never leaves its segment), adds
-//! the query and headers, sends the body as JSON, and follows no redirects: requests go to
+//! the query and headers, sends the body as JSON (with the JSON media type the document
+//! declares for it), and follows no redirects: requests go to
 //! the base URL's host only. The response body is the output (JSON also as structured
 //! output), bounded by `max_response_bytes`; a 3xx, 4xx or 5xx answer is an error result
 //! naming the status.
@@ -107,6 +110,9 @@ impl OpenApiConfig {
         }
         for (name, secret) in &self.query {
             secret.check().map_err(|e| format!("query {name}: {e}"))?;
+        }
+        if let Some(base_url) = &self.base_url {
+            check_base_url(base_url).map_err(|e| format!("`base_url` {base_url:?}: {e}"))?;
         }
         if self.timeout.is_zero() {
             return Err("`timeout` must be positive".into());
@@ -252,19 +258,19 @@ impl OpenApiToolset {
         for why in &doc.skipped {
             warn!(source = %config.name, operation = %why, "operation left out");
         }
-        let base = config
-            .base_url
-            .clone()
-            .or(doc.first_server)
-            .ok_or_else(|| fail("the document names no server: set `base_url`".into()))?;
-        let base = reqwest::Url::parse(&base).map_err(|e| {
-            fail(format!(
-                "base URL {base:?}: {e} (a relative server URL needs `base_url`)"
-            ))
-        })?;
-        if !matches!(base.scheme(), "http" | "https") || base.host().is_none() {
-            return Err(fail(format!("base URL {base} must be http(s) with a host")));
-        }
+        let base = match (&config.base_url, doc.first_server) {
+            (Some(base_url), _) => check_base_url(base_url)
+                .map_err(|e| fail(format!("`base_url` {base_url:?}: {e}")))?,
+            (None, Some(server)) => check_base_url(&server).map_err(|e| {
+                fail(format!(
+                    "the document's first server URL {server:?}: {e} (set `base_url` to call \
+                     another)"
+                ))
+            })?,
+            (None, None) => {
+                return Err(fail("the document names no server: set `base_url`".into()));
+            }
+        };
         let mut headers = Vec::new();
         for (name, secret) in &config.headers {
             let value = secret
@@ -293,7 +299,17 @@ impl OpenApiToolset {
         let routes = doc
             .operations
             .into_iter()
-            .map(|op| (op.id.clone(), Route::new(op, base_path)))
+            .map(|mut op| {
+                // What the source sets is not the model's to see or set.
+                op.drop_parameters(|param| match param.location {
+                    Location::Query => config.query.contains_key(&param.name),
+                    Location::Header => headers
+                        .iter()
+                        .any(|(name, _)| name.as_str().eq_ignore_ascii_case(&param.name)),
+                    Location::Path => false,
+                });
+                (op.id.clone(), Route::new(op, base_path))
+            })
             .collect::<BTreeMap<_, _>>();
         let transport = match (base.scheme(), base.host_str()) {
             ("http", Some(host)) => {
@@ -376,13 +392,10 @@ impl OpenApiToolset {
         {
             headers.insert(IDEMPOTENCY_KEY, value);
         }
-        let body = if op.has_body
+        let body = if let Some(body_type) = &op.body_type
             && let Some(body) = arguments.get("body")
         {
-            headers.insert(
-                reqwest::header::CONTENT_TYPE,
-                reqwest::header::HeaderValue::from_static("application/json"),
-            );
+            headers.insert(reqwest::header::CONTENT_TYPE, body_type.clone());
             let bytes = serde_json::to_vec(body).map_err(|e| format!("the body: {e}"))?;
             Some(Bytes::from(bytes))
         } else {
@@ -576,6 +589,15 @@ impl OpenApiToolset {
             is_error: false,
         }
     }
+}
+
+/// `url` parsed as a base URL: absolute, `http` or `https`, with a host.
+fn check_base_url(url: &str) -> std::result::Result<reqwest::Url, String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| e.to_string())?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
+        return Err("it must be an http or https URL with a host".into());
+    }
+    Ok(parsed)
 }
 
 /// The argument given for `param`, unless it is missing or null.

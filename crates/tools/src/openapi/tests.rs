@@ -317,3 +317,121 @@ fn the_fast_path_check_only_passes_what_url_keeps() {
     assert!(is_normalized_path("/items/a%2Fb%20c%3F"));
     assert!(!is_normalized_path("/a/%2e%2E"));
 }
+
+#[tokio::test]
+async fn parameters_the_source_sets_are_neither_offered_nor_taken_from_the_model() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-set-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/things/{id}": {"get": {"operationId": "getThing", "parameters": [
+            {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
+            {"name": "verbose", "in": "query", "schema": {"type": "boolean"}},
+            {"name": "api_key", "in": "query", "required": true, "schema": {"type": "string"}},
+            {"name": "authorization", "in": "header", "schema": {"type": "string"}},
+            {"name": "X-Other", "in": "header", "schema": {"type": "string"}}]}}}}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("key"), "k3y\n").unwrap();
+    let mut config: OpenApiConfig = serde_json::from_value(json!({
+        "name": "api",
+        "spec": "api.json",
+        "query": {"api_key": {"file": "key"}},
+        "headers": {"Authorization": {"file": "key", "prefix": "Bearer "}},
+    }))
+    .unwrap();
+    config.resolve_paths(&dir);
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let listed = toolset.list().await.unwrap();
+    let schema = &listed[0].spec.input_schema;
+    let properties: Vec<_> = schema["properties"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    assert_eq!(properties, ["X-Other", "id", "verbose"], "{schema}");
+    assert_eq!(schema["required"], json!(["id"]), "{schema}");
+
+    // Even given (the catalogue's schema check would refuse it first), the model's value
+    // never goes out: the source's does, once.
+    let request = toolset
+        .request(
+            &toolset.routes["getThing"],
+            &json!({"id": "abc", "verbose": true, "api_key": "MODEL-SUPPLIED",
+                    "authorization": "Bearer model", "X-Other": "o"}),
+            "",
+        )
+        .unwrap();
+    assert_eq!(request.target, "/things/abc?verbose=true&api_key=k3y");
+    assert_eq!(request.headers["authorization"], "Bearer k3y");
+    assert_eq!(request.headers.get_all("authorization").iter().count(), 1);
+    assert_eq!(request.headers["x-other"], "o");
+}
+
+#[test]
+fn a_bad_base_url_is_named_as_the_setting_or_the_documents_server() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-base-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.0.0", "servers": [{"url": "/v1"}], "paths": {}}"#,
+    )
+    .unwrap();
+    let config = |base_url: Option<&str>| {
+        let mut value = json!({"name": "api", "spec": dir.join("api.json")});
+        if let Some(base_url) = base_url {
+            value["base_url"] = json!(base_url);
+        }
+        serde_json::from_value::<OpenApiConfig>(value).unwrap()
+    };
+    for bad in ["not a url", "ftp://example.test", "http://"] {
+        let err = config(Some(bad)).check().unwrap_err();
+        assert!(err.starts_with(&format!("`base_url` {bad:?}: ")), "{err}");
+        let err = OpenApiToolset::load(&config(Some(bad))).err().unwrap();
+        assert!(err.to_string().contains("`base_url`"), "{err}");
+    }
+    // The document's own server is relative: that is what the message names.
+    let err = OpenApiToolset::load(&config(None))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("the document's first server URL \"/v1\"") && err.contains("set `base_url`"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-media-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/things/{id}": {"patch": {"operationId": "patchThing",
+            "parameters": [{"name": "id", "in": "path", "required": true}],
+            "requestBody": {"content": {"application/merge-patch+json": {}}}}}}}"#,
+    )
+    .unwrap();
+    let config: OpenApiConfig =
+        serde_json::from_value(json!({"name": "api", "spec": dir.join("api.json")})).unwrap();
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let request = toolset
+        .request(
+            &toolset.routes["patchThing"],
+            &json!({"id": "a", "body": {"name": null}}),
+            "call_1",
+        )
+        .unwrap();
+    assert_eq!(
+        request.headers["content-type"],
+        "application/merge-patch+json"
+    );
+    assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
+}

@@ -1,0 +1,630 @@
+//! The bound on messages from a stdio MCP server, enforced before the SDK reads them.
+//!
+//! The SDK's own bound (`AsyncRwTransport::with_max_line_length`) drops an oversized line
+//! and logs it, and nothing else: the call it answers waits for its timeout, and the
+//! SDK's API says nothing of which call that was. [`BoundedLines`] sits between the child's
+//! stdout and the SDK instead: it passes each line on up to `max_message_bytes`, cuts a
+//! longer one there (the SDK ignores the cut line, which is not valid JSON), and, when the
+//! line was an answer whose id it can read from the line's start or end, hands the SDK an
+//! error answer for that id in its place. The call then ends at once, with an error that
+//! names the bound ([`is_too_large`]).
+//!
+//! Over streamable HTTP the SDK refuses an oversized answer by ending the whole connection
+//! (a JSON body) or the answer's event stream (an SSE event), and the call fails as if the
+//! server had gone. [`BoundedHttpClient`] knows which request each answer is for, and
+//! gives the SDK the same error answer instead.
+
+use std::{
+    io,
+    pin::Pin,
+    task::{Context, Poll, ready},
+};
+
+use std::{collections::HashMap, sync::Arc};
+
+use futures_util::{Stream, StreamExt};
+use reqwest::header::{HeaderName, HeaderValue};
+use rmcp::{
+    model::{ClientJsonRpcMessage, JsonRpcMessage, ServerJsonRpcMessage},
+    transport::common::client_side_sse::BoxedSseResponse,
+    transport::streamable_http_client::{
+        SseError, StreamableHttpClient, StreamableHttpError, StreamableHttpPostResponse,
+        StreamableHttpResponseLimits,
+    },
+};
+use serde_json::{Value, json};
+use tokio::io::{AsyncRead, ReadBuf};
+use tracing::warn;
+
+/// The `data` key of the error answer put in place of an oversized one; its value is the
+/// bound.
+const TOO_LARGE_KEY: &str = "io.agentrt/messageTooLarge";
+/// How much of a line's start is kept to find its id (`{"jsonrpc":"2.0","id":7,...`).
+const HEAD: usize = 256;
+/// How much of an oversized line's end is kept to find its id (`...},"id":7}`), for
+/// servers that write the id last (the TypeScript SDK does).
+const TAIL: usize = 256;
+/// Bytes read from the child at a time.
+const CHUNK: usize = 64 * 1024;
+
+/// A reader of newline-delimited messages that cuts lines longer than `max` bytes and
+/// answers for them (see the module's documentation).
+pub(super) struct BoundedLines<R> {
+    inner: R,
+    max: usize,
+    buf: Box<[u8]>,
+    /// The unread part of `buf`.
+    pos: usize,
+    len: usize,
+    /// Bytes of the current line passed on so far (its newline not counted).
+    line_len: usize,
+    /// The current line's first [`HEAD`] bytes.
+    head: Vec<u8>,
+    /// The current line is over the bound: its bytes are dropped until its newline.
+    discarding: bool,
+    /// The last [`TAIL`] bytes of the line being dropped.
+    tail: Vec<u8>,
+    /// An error answer to hand out before anything else.
+    pending: Vec<u8>,
+    pending_pos: usize,
+}
+
+impl<R> BoundedLines<R> {
+    /// Lines of `inner` longer than `max` bytes are cut; the SDK reading this needs a
+    /// bound of at least `max + 1` (the line and its newline).
+    pub(super) fn new(inner: R, max: usize) -> Self {
+        Self {
+            inner,
+            max,
+            buf: vec![0; CHUNK].into_boxed_slice(),
+            pos: 0,
+            len: 0,
+            line_len: 0,
+            head: Vec::with_capacity(HEAD),
+            discarding: false,
+            tail: Vec::with_capacity(TAIL * 2),
+            pending: Vec::new(),
+            pending_pos: 0,
+        }
+    }
+
+    /// The dropped line ended: queue an error answer for it, when it was an answer.
+    fn finish_oversized(&mut self) {
+        let id = response_id(&self.head, &self.tail);
+        self.head.clear();
+        self.tail.clear();
+        self.discarding = false;
+        self.line_len = 0;
+        let Some(id) = id else {
+            warn!(
+                max_message_bytes = self.max,
+                "a message from the MCP server was larger than `max_message_bytes` and was \
+                 dropped; it was not an answer whose id could be read"
+            );
+            return;
+        };
+        warn!(
+            max_message_bytes = self.max,
+            %id,
+            "an answer from the MCP server was larger than `max_message_bytes` and was \
+             dropped; its call gets an error"
+        );
+        self.pending = too_large_answer(id, self.max).to_string().into_bytes();
+        self.pending.push(b'\n');
+        self.pending_pos = 0;
+    }
+}
+
+/// Appends `bytes` to `kept`, keeping its last `max` bytes.
+fn keep_last(kept: &mut Vec<u8>, bytes: &[u8], max: usize) {
+    let bytes = &bytes[bytes.len().saturating_sub(max)..];
+    kept.extend_from_slice(bytes);
+    if kept.len() > max {
+        kept.drain(..kept.len() - max);
+    }
+}
+
+/// Appends to `kept` what fits of `bytes` in `max` bytes.
+fn keep_first(kept: &mut Vec<u8>, bytes: &[u8], max: usize) {
+    let room = max.saturating_sub(kept.len());
+    kept.extend_from_slice(&bytes[..room.min(bytes.len())]);
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for BoundedLines<R> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if out.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            if this.pending_pos < this.pending.len() {
+                let rest = &this.pending[this.pending_pos..];
+                let n = rest.len().min(out.remaining());
+                out.put_slice(&rest[..n]);
+                this.pending_pos += n;
+                if this.pending_pos == this.pending.len() {
+                    this.pending.clear();
+                    this.pending_pos = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.pos == this.len {
+                let mut read = ReadBuf::new(&mut this.buf);
+                ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
+                let n = read.filled().len();
+                if n == 0 {
+                    // The end: what is left of a cut line is dropped, as the SDK would.
+                    return Poll::Ready(Ok(()));
+                }
+                this.pos = 0;
+                this.len = n;
+            }
+            let before = out.filled().len();
+            while this.pos < this.len && out.remaining() > 0 {
+                let available = &this.buf[this.pos..this.len];
+                let newline = available.iter().position(|b| *b == b'\n');
+                if this.discarding {
+                    let take = newline.map_or(available.len(), |i| i + 1);
+                    keep_last(&mut this.tail, &available[..take], TAIL);
+                    this.pos += take;
+                    if newline.is_some() {
+                        this.finish_oversized();
+                        // The error answer goes out before the lines that follow.
+                        break;
+                    }
+                    continue;
+                }
+                let room = this.max - this.line_len;
+                match newline {
+                    Some(i) if i <= room => {
+                        let take = (i + 1).min(out.remaining());
+                        out.put_slice(&available[..take]);
+                        keep_first(&mut this.head, &available[..take], HEAD);
+                        this.pos += take;
+                        if take == i + 1 {
+                            this.line_len = 0;
+                            this.head.clear();
+                        } else {
+                            this.line_len += take;
+                        }
+                    }
+                    _ if available.len() <= room => {
+                        let take = available.len().min(out.remaining());
+                        out.put_slice(&available[..take]);
+                        keep_first(&mut this.head, &available[..take], HEAD);
+                        this.pos += take;
+                        this.line_len += take;
+                    }
+                    _ if room > 0 => {
+                        // Up to the bound now; the cut comes next.
+                        let take = room.min(out.remaining());
+                        out.put_slice(&available[..take]);
+                        keep_first(&mut this.head, &available[..take], HEAD);
+                        this.pos += take;
+                        this.line_len += take;
+                    }
+                    _ => {
+                        // The line goes over the bound: end it here for the SDK, which
+                        // drops it as unreadable, and drop the rest.
+                        out.put_slice(b"\n");
+                        this.discarding = true;
+                    }
+                }
+            }
+            if out.filled().len() > before {
+                return Poll::Ready(Ok(()));
+            }
+        }
+    }
+}
+
+/// The error answer put in place of an answer to request `id` over `max` bytes.
+fn too_large_answer(id: Value, max: usize) -> Value {
+    json!({
+        "jsonrpc": "2.0",
+        "id": id,
+        "error": {
+            "code": -32603,
+            "message": format!("the answer is larger than `max_message_bytes` ({max} bytes)"),
+            "data": {TOO_LARGE_KEY: max},
+        },
+    })
+}
+
+/// The SDK's reqwest client, with an oversized answer to a request turned into an error
+/// answer for that request (see the module's documentation).
+#[derive(Clone)]
+pub(super) struct BoundedHttpClient(pub(super) reqwest::Client);
+
+/// The error answer for `id` as the SDK's message; `None` if the SDK would not read it.
+fn too_large_message(id: &Value, max: usize) -> Option<ServerJsonRpcMessage> {
+    warn!(
+        max_message_bytes = max,
+        %id,
+        "an answer from the MCP server was larger than `max_message_bytes`; its call gets \
+         an error"
+    );
+    serde_json::from_value(too_large_answer(id.clone(), max)).ok()
+}
+
+/// An SSE message event carrying `data`. (The SDK's event type is another crate's, of a
+/// version this workspace does not otherwise use: it is named through the SDK's stream.)
+fn sse_message(data: String) -> <BoxedSseResponse as Stream>::Item {
+    let mut item: <BoxedSseResponse as Stream>::Item = Ok(Default::default());
+    if let Ok(event) = &mut item {
+        event.data = Some(data);
+    }
+    item
+}
+
+/// Whether an SSE stream failed on an event over its bound. The SDK's error type for it
+/// is private: it is known by its message.
+fn is_event_too_large(error: &SseError) -> bool {
+    match error {
+        SseError::Body(body) => body
+            .to_string()
+            .contains("SSE event exceeded the maximum size"),
+        _ => false,
+    }
+}
+
+impl StreamableHttpClient for BoundedHttpClient {
+    type Error = reqwest::Error;
+
+    async fn post_message(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>> {
+        self.0
+            .post_message(uri, message, session_id, auth_header, custom_headers)
+            .await
+    }
+
+    async fn post_message_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>> {
+        self.0
+            .post_message_with_max_sse_event_size(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                custom_headers,
+                max_sse_event_size,
+            )
+            .await
+    }
+
+    async fn post_message_with_response_limits(
+        &self,
+        uri: Arc<str>,
+        message: ClientJsonRpcMessage,
+        session_id: Option<Arc<str>>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        limits: StreamableHttpResponseLimits,
+    ) -> Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>> {
+        let id = match &message {
+            JsonRpcMessage::Request(request) => serde_json::to_value(&request.id).ok(),
+            _ => None,
+        };
+        let max_event = limits.max_sse_event_size;
+        let response = self
+            .0
+            .post_message_with_response_limits(
+                uri,
+                message,
+                session_id,
+                auth_header,
+                custom_headers,
+                limits,
+            )
+            .await;
+        let Some(id) = id else {
+            return response;
+        };
+        match response {
+            Err(StreamableHttpError::ResponseBodyTooLarge { max_size }) => {
+                match too_large_message(&id, max_size) {
+                    Some(answer) => Ok(StreamableHttpPostResponse::Json(answer, None)),
+                    None => Err(StreamableHttpError::ResponseBodyTooLarge { max_size }),
+                }
+            }
+            Ok(StreamableHttpPostResponse::Sse(stream, session)) => {
+                // The event over the bound becomes the error answer, and ends the stream.
+                let stream = stream
+                    .scan(false, move |ended, event| {
+                        let next = match event {
+                            _ if *ended => None,
+                            Err(error) if is_event_too_large(&error) => {
+                                *ended = true;
+                                let answer = too_large_answer(id.clone(), max_event);
+                                warn!(
+                                    max_message_bytes = max_event,
+                                    %id,
+                                    "an answer from the MCP server was larger than \
+                                     `max_message_bytes`; its call gets an error"
+                                );
+                                Some(sse_message(answer.to_string()))
+                            }
+                            event => Some(event),
+                        };
+                        std::future::ready(next)
+                    })
+                    .boxed();
+                Ok(StreamableHttpPostResponse::Sse(stream, session))
+            }
+            response => response,
+        }
+    }
+
+    async fn delete_session(
+        &self,
+        uri: Arc<str>,
+        session_id: Arc<str>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Result<(), StreamableHttpError<Self::Error>> {
+        self.0
+            .delete_session(uri, session_id, auth_header, custom_headers)
+            .await
+    }
+
+    async fn get_stream(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+    ) -> Result<BoxedSseResponse, StreamableHttpError<Self::Error>> {
+        self.0
+            .get_stream(uri, session_id, last_event_id, auth_header, custom_headers)
+            .await
+    }
+
+    async fn get_stream_with_max_sse_event_size(
+        &self,
+        uri: Arc<str>,
+        session_id: Option<Arc<str>>,
+        last_event_id: Option<String>,
+        auth_header: Option<String>,
+        custom_headers: HashMap<HeaderName, HeaderValue>,
+        max_sse_event_size: usize,
+    ) -> Result<BoxedSseResponse, StreamableHttpError<Self::Error>> {
+        self.0
+            .get_stream_with_max_sse_event_size(
+                uri,
+                session_id,
+                last_event_id,
+                auth_header,
+                custom_headers,
+                max_sse_event_size,
+            )
+            .await
+    }
+}
+
+/// Whether a JSON-RPC error answer is the one put in place of an oversized answer, and
+/// if so the bound it was over.
+pub(super) fn is_too_large(data: Option<&Value>) -> Option<u64> {
+    data?.get(TOO_LARGE_KEY)?.as_u64()
+}
+
+/// The id of the answer a line starts with (`head`) and ends with (`tail`), when the line
+/// is an answer (`result` or `error`, no `method`) and the id is among the members before
+/// its first object or array, or its last member.
+fn response_id(head: &[u8], tail: &[u8]) -> Option<Value> {
+    let mut scan = Scanner { text: head, at: 0 };
+    scan.byte(b'{')?;
+    let mut id = None;
+    let mut answer = false;
+    loop {
+        let key = scan.string()?;
+        scan.byte(b':')?;
+        match key.as_slice() {
+            b"result" | b"error" => {
+                answer = true;
+                break;
+            }
+            b"method" => return None,
+            _ => {}
+        }
+        let value = scan.scalar()?;
+        if key == b"id" {
+            id = Some(value);
+        }
+        if scan.byte(b',').is_none() {
+            break;
+        }
+    }
+    if !answer {
+        return None;
+    }
+    let id = match id {
+        Some(id) => id,
+        None => last_member_id(tail)?,
+    };
+    let id: Value = serde_json::from_slice(&id).ok()?;
+    (id.is_string() || id.is_i64() || id.is_u64()).then_some(id)
+}
+
+/// The value of a line's last member when it is `"id": <number or string>`.
+fn last_member_id(tail: &[u8]) -> Option<Vec<u8>> {
+    let text = tail.trim_ascii_end();
+    let text = text.strip_suffix(b"}")?.trim_ascii_end();
+    let value_start = if text.ends_with(b"\"") {
+        let inner = &text[..text.len() - 1];
+        inner.iter().rposition(|b| *b == b'"')?
+    } else {
+        text.iter()
+            .rposition(|b| !(b.is_ascii_digit() || *b == b'-'))?
+            + 1
+    };
+    let value = &text[value_start..];
+    let before = text[..value_start].trim_ascii_end().strip_suffix(b":")?;
+    let before = before.trim_ascii_end().strip_suffix(b"\"id\"")?;
+    matches!(before.trim_ascii_end().last(), Some(b',' | b'{')).then(|| value.to_vec())
+}
+
+/// A cursor over the start of a JSON object, reading just enough to find its id.
+struct Scanner<'a> {
+    text: &'a [u8],
+    at: usize,
+}
+
+impl Scanner<'_> {
+    fn skip_space(&mut self) {
+        while self.text.get(self.at).is_some_and(u8::is_ascii_whitespace) {
+            self.at += 1;
+        }
+    }
+
+    fn byte(&mut self, expected: u8) -> Option<()> {
+        self.skip_space();
+        (self.text.get(self.at) == Some(&expected)).then(|| self.at += 1)
+    }
+
+    /// A string's raw bytes, quotes and escapes included.
+    fn raw_string(&mut self) -> Option<&[u8]> {
+        self.skip_space();
+        let start = self.at;
+        if self.text.get(self.at) != Some(&b'"') {
+            return None;
+        }
+        self.at += 1;
+        loop {
+            match self.text.get(self.at)? {
+                b'\\' => self.at += 2,
+                b'"' => {
+                    self.at += 1;
+                    return Some(&self.text[start..self.at]);
+                }
+                _ => self.at += 1,
+            }
+        }
+    }
+
+    /// A string's bytes without its quotes (escapes kept: keys that matter have none).
+    fn string(&mut self) -> Option<Vec<u8>> {
+        let raw = self.raw_string()?;
+        Some(raw[1..raw.len() - 1].to_vec())
+    }
+
+    /// A string, number, `true`, `false` or `null`, as its raw text; `None` for an
+    /// object or an array, or when the text ends first.
+    fn scalar(&mut self) -> Option<Vec<u8>> {
+        self.skip_space();
+        match self.text.get(self.at)? {
+            b'"' => self.raw_string().map(<[u8]>::to_vec),
+            b'{' | b'[' => None,
+            _ => {
+                let start = self.at;
+                while self
+                    .text
+                    .get(self.at)
+                    .is_some_and(|b| !matches!(b, b',' | b'}') && !b.is_ascii_whitespace())
+                {
+                    self.at += 1;
+                }
+                // A value cut by the end of `head` is not known whole.
+                (self.at < self.text.len()).then(|| self.text[start..self.at].to_vec())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    async fn read_all(input: &[u8], max: usize, chunk: usize) -> String {
+        let mut reader = BoundedLines::new(input, max);
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; chunk];
+        loop {
+            let n = reader.read(&mut buf).await.unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8(out).unwrap()
+    }
+
+    #[tokio::test]
+    async fn long_lines_are_cut_and_answered_for_short_ones_pass() {
+        let big = "x".repeat(5000);
+        let input = format!(
+            "{{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{{}}}}\n\
+             {{\"jsonrpc\":\"2.0\",\"id\":2,\"result\":{{\"text\":\"{big}\"}}}}\n\
+             {{\"result\":{{\"text\":\"{big}\"}},\"jsonrpc\":\"2.0\",\"id\":\"s-3\"}}\n\
+             {{\"jsonrpc\":\"2.0\",\"method\":\"notifications/message\",\"params\":{{\"data\":\"{big}\"}}}}\n\
+             {{\"jsonrpc\":\"2.0\",\"id\":4,\"result\":{{}}}}\n"
+        );
+        for chunk in [1, 7, 100, 8192] {
+            let out = read_all(input.as_bytes(), 1024, chunk).await;
+            let lines: Vec<&str> = out.lines().collect();
+            assert_eq!(lines[0], r#"{"jsonrpc":"2.0","id":1,"result":{}}"#);
+            assert_eq!(lines[1].len(), 1024, "cut at the bound");
+            let answer: Value = serde_json::from_str(lines[2]).unwrap();
+            assert_eq!(answer["id"], 2);
+            assert_eq!(is_too_large(answer["error"].get("data")), Some(1024));
+            assert_eq!(lines[3].len(), 1024);
+            let answer: Value = serde_json::from_str(lines[4]).unwrap();
+            assert_eq!(answer["id"], "s-3", "an id written last is found");
+            // A notification is cut without an answer.
+            assert_eq!(lines[5].len(), 1024);
+            assert_eq!(lines[6], r#"{"jsonrpc":"2.0","id":4,"result":{}}"#);
+            assert_eq!(lines.len(), 7, "{chunk}: {lines:?}");
+        }
+    }
+
+    #[test]
+    fn ids_are_read_only_from_answers() {
+        let id = |head: &str, tail: &str| response_id(head.as_bytes(), tail.as_bytes());
+        assert_eq!(
+            id(r#"{"jsonrpc": "2.0", "id": 7, "result": {"#, ""),
+            Some(json!(7))
+        );
+        assert_eq!(id(r#"{"id":"a\"b","error":{"#, ""), Some(json!("a\"b")));
+        assert_eq!(
+            id(
+                r#"{"result":{"x":"#,
+                r#"xxx"}}, "jsonrpc": "2.0", "id": 12 }"#
+            ),
+            Some(json!(12))
+        );
+        assert_eq!(
+            id(
+                r#"{"jsonrpc":"2.0","id":3,"method":"sampling/x","params":{"#,
+                ""
+            ),
+            None
+        );
+        assert_eq!(
+            id(r#"{"result":{"x":"#, r#"xx","id": 9}, "other": 1}"#),
+            None
+        );
+        assert_eq!(id(r#"{"jsonrpc":"2.0","params":{"#, r#","id":1}"#), None);
+        assert_eq!(id("not json", ""), None);
+    }
+}
