@@ -680,14 +680,7 @@ async fn two_tools_with_one_name_stop_the_start_naming_both() {
         "tool-executor.toml",
         "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n",
     );
-    let output = tokio::process::Command::new(agentrt_test_support::binary("tool-executor"))
-        .args(["--listen", "127.0.0.1:0", "--config"])
-        .arg(&config)
-        .output()
-        .await
-        .unwrap();
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    let stderr = refused_start(&config).await;
     assert!(stderr.contains("\"api__get_pet\""), "{stderr}");
     assert!(stderr.contains("operation \"get.pet\""), "{stderr}");
     assert!(stderr.contains("operation \"get_pet\""), "{stderr}");
@@ -711,17 +704,22 @@ async fn config_errors_name_the_setting_that_is_wrong() {
         ),
     ] {
         let config = dir.write("tool-executor.toml", config);
-        let output = tokio::process::Command::new(agentrt_test_support::binary("tool-executor"))
-            .args(["--listen", "127.0.0.1:0", "--config"])
-            .arg(&config)
-            .output()
-            .await
-            .unwrap();
-        assert!(!output.status.success());
-        let stderr = String::from_utf8_lossy(&output.stderr);
+        let stderr = refused_start(&config).await;
         assert!(stderr.contains(setting), "{stderr}");
         assert!(!stderr.contains(wrong), "{stderr}");
     }
+}
+
+/// Starts the tool executor with `config`, which it must refuse: what it said.
+async fn refused_start(config: &std::path::Path) -> String {
+    let output = tokio::process::Command::new(agentrt_test_support::binary("tool-executor"))
+        .args(["--listen", "127.0.0.1:0", "--config"])
+        .arg(config)
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success(), "the start was not refused");
+    String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
 #[tokio::test]

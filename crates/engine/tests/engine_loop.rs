@@ -357,32 +357,14 @@ async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
         2,
         "at most max_parallel_tool_calls at once"
     );
-    let finished: Vec<String> = events
-        .iter()
-        .filter(|e| e.kind == EventKind::ToolResult)
-        .map(|e| {
-            e.data.as_ref().unwrap().to_json()["id"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
     assert_eq!(
-        finished,
+        call_ids(&events, EventKind::ToolResult),
         ["b", "c", "a"],
         "results are published as they complete"
     );
     let requests = h.model.requests.lock().unwrap();
-    let ids: Vec<&str> = requests[1]
-        .messages
-        .iter()
-        .filter_map(|m| match m {
-            ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
-            _ => None,
-        })
-        .collect();
     assert_eq!(
-        ids,
+        result_ids(&requests[1]),
         ["a", "b", "c"],
         "results reach the model in call order"
     );
@@ -410,33 +392,39 @@ async fn calls_of_a_round_under_one_id_or_none_get_ids_of_their_own() {
         )
         .await;
     assert_well_formed(&events);
-    let ids_of = |kind: EventKind| {
-        let mut ids: Vec<String> = events
-            .iter()
-            .filter(|e| e.kind == kind)
-            .map(|e| {
-                e.data.as_ref().unwrap().to_json()["id"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned()
-            })
-            .collect();
-        ids.sort();
-        ids
-    };
-    let expected = ["call_2", "d", "d_1", "d_1_3"];
-    assert_eq!(ids_of(EventKind::ToolCall), expected);
-    assert_eq!(ids_of(EventKind::ToolResult), expected);
+    let expected = ["d", "d_1", "call_2", "d_1_3"];
+    assert_eq!(call_ids(&events, EventKind::ToolCall), expected);
+    let mut results = call_ids(&events, EventKind::ToolResult);
+    results.sort();
+    assert_eq!(results, ["call_2", "d", "d_1", "d_1_3"]);
     let requests = h.model.requests.lock().unwrap();
-    let results: Vec<&str> = requests[1]
+    assert_eq!(result_ids(&requests[1]), expected);
+}
+
+/// The call ids of the run's events of `kind` (TOOL_CALL or TOOL_RESULT), in order.
+fn call_ids(events: &[Arc<RunEvent>], kind: EventKind) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e.kind == kind)
+        .map(|e| {
+            e.data.as_ref().unwrap().to_json()["id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect()
+}
+
+/// The call ids of the tool results a model request carries, in order.
+fn result_ids(request: &ChatRequest) -> Vec<&str> {
+    request
         .messages
         .iter()
         .filter_map(|m| match m {
             ChatMessage::Tool { call_id, .. } => Some(call_id.as_str()),
             _ => None,
         })
-        .collect();
-    assert_eq!(results, ["d", "d_1", "call_2", "d_1_3"]);
+        .collect()
 }
 
 #[tokio::test]

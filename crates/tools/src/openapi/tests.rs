@@ -19,8 +19,13 @@ const DOC: &str = r#"{"openapi": "3.1.0",
     "requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}}}}}}"#;
 
 fn toolset(dir: &Path) -> OpenApiToolset {
+    toolset_of(dir, DOC)
+}
+
+/// The source `api` of document `doc`, with a query parameter and a header it sets itself.
+fn toolset_of(dir: &Path, doc: &str) -> OpenApiToolset {
     std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("api.json"), DOC).unwrap();
+    std::fs::write(dir.join("api.json"), doc).unwrap();
     std::fs::write(dir.join("key"), "k3y\n").unwrap();
     let mut config: OpenApiConfig = serde_json::from_value(json!({
         "name": "api",
@@ -321,9 +326,8 @@ fn the_fast_path_check_only_passes_what_url_keeps() {
 #[tokio::test]
 async fn parameters_the_source_sets_are_neither_offered_nor_taken_from_the_model() {
     let dir = std::env::temp_dir().join(format!("agentrt-openapi-set-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("api.json"),
+    let toolset = toolset_of(
+        &dir,
         r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
           "paths": {"/things/{id}": {"get": {"operationId": "getThing", "parameters": [
             {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
@@ -331,18 +335,7 @@ async fn parameters_the_source_sets_are_neither_offered_nor_taken_from_the_model
             {"name": "api_key", "in": "query", "required": true, "schema": {"type": "string"}},
             {"name": "authorization", "in": "header", "schema": {"type": "string"}},
             {"name": "X-Other", "in": "header", "schema": {"type": "string"}}]}}}}"#,
-    )
-    .unwrap();
-    std::fs::write(dir.join("key"), "k3y\n").unwrap();
-    let mut config: OpenApiConfig = serde_json::from_value(json!({
-        "name": "api",
-        "spec": "api.json",
-        "query": {"api_key": {"file": "key"}},
-        "headers": {"Authorization": {"file": "key", "prefix": "Bearer "}},
-    }))
-    .unwrap();
-    config.resolve_paths(&dir);
-    let toolset = OpenApiToolset::load(&config).unwrap();
+    );
     let _ = std::fs::remove_dir_all(&dir);
 
     let listed = toolset.list().await.unwrap();
