@@ -63,6 +63,10 @@ fn the_configmap_settings_load() {
             "{printed}"
         );
         assert!(
+            printed.contains(r#"health_listen = "0.0.0.0:8081""#),
+            "{printed}"
+        );
+        assert!(
             !printed.contains("from-the-secret"),
             "a key was printed: {printed}"
         );
@@ -134,6 +138,33 @@ fn ingress(name: &str) -> Vec<(u64, Option<serde_json::Value>)> {
         }
     }
     rules
+}
+
+#[test]
+fn probes_use_the_health_port_served_apart_from_the_grpc_port() {
+    // Probed on the gRPC port, a server whose connections are at their most would fail
+    // its liveness probe and be restarted (losing every run kept in memory).
+    for file in [
+        "deploy/k8s/base/agent-server.yaml",
+        "deploy/k8s/base/tool-executor.yaml",
+    ] {
+        let deployment = documents(file)
+            .into_iter()
+            .find(|d| d["kind"] == "Deployment")
+            .unwrap();
+        let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+        for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+            assert_eq!(container[probe]["grpc"]["port"], 8081, "{file}: {probe}");
+        }
+        assert!(
+            container["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["containerPort"] == 8081),
+            "{file}"
+        );
+    }
 }
 
 #[test]
