@@ -245,6 +245,7 @@ async fn sigterm_lets_calls_in_progress_finish_within_the_grace() {
     );
     let out = stopped.unwrap().into_inner();
     assert!(out.is_error, "{}", out.output);
+    assert!(out.output.contains("shutting down"), "{}", out.output);
     assert!(server.wait(Duration::from_secs(20)).await.success());
 }
 

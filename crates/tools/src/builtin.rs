@@ -281,7 +281,7 @@ impl Tool for Sleep {
             () = tokio::time::sleep(Duration::from_secs_f64(seconds)) => {
                 ToolOutput::json(json!({ "slept_seconds": seconds }))
             }
-            () = ctx.cancel.cancelled() => ToolOutput::error("cancelled"),
+            () = ctx.cancel.cancelled() => ToolOutput::stopped(),
         }
     }
 }

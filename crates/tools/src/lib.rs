@@ -128,6 +128,15 @@ impl ToolOutput {
             ..Self::default()
         }
     }
+
+    /// The result of a call stopped before it finished: the tool executor is shutting
+    /// down (a caller that went away reads no result).
+    pub fn stopped() -> Self {
+        Self::error(
+            "the call was stopped before it finished: the tool executor is shutting down \
+             (the tool may have done part of its work)",
+        )
+    }
 }
 
 /// Cuts `text` to at most `max` bytes on a character boundary, saying that it did.

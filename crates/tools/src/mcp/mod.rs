@@ -425,7 +425,7 @@ impl Toolset for McpToolset {
         // `notifications/cancelled` for it.
         let outcome = tokio::select! {
             outcome = tokio::time::timeout(timeout, peer.call_tool(params)) => outcome,
-            () = ctx.cancel.cancelled() => return Ok(ToolOutput::error("cancelled")),
+            () = ctx.cancel.cancelled() => return Ok(ToolOutput::stopped()),
         };
         let offered = offered_name(shared.name(), tool);
         match outcome {

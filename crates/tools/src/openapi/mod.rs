@@ -713,7 +713,7 @@ impl Toolset for OpenApiToolset {
         };
         tokio::select! {
             out = self.send(route, request) => Ok(out),
-            () = ctx.cancel.cancelled() => Ok(ToolOutput::error("cancelled")),
+            () = ctx.cancel.cancelled() => Ok(ToolOutput::stopped()),
         }
     }
 
