@@ -106,6 +106,14 @@ fn tools_round(calls: Vec<ChatDelta>) -> Vec<ChatDelta> {
     deltas
 }
 
+/// A model that asks for `calls` in its first round and answers "done" in the next.
+fn calls_then_done(calls: Vec<ChatDelta>) -> Scripted {
+    Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(tools_round(calls)), Ok(answer("done"))])),
+        ..Default::default()
+    }
+}
+
 /// Answers `echo:<arguments>` after a delay taken from the `delay_ms` argument, counting
 /// calls in flight and those dropped before finishing.
 #[derive(Default)]
@@ -334,17 +342,11 @@ async fn a_tool_using_run_streams_every_step_and_ends_once() {
 
 #[tokio::test(start_paused = true)]
 async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
-    let h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([
-            Ok(tools_round(vec![
-                call("a", "calc", r#"{"delay_ms":300}"#),
-                call("b", "calc", r#"{"delay_ms":100}"#),
-                call("c", "calc", r#"{"delay_ms":100}"#),
-            ])),
-            Ok(answer("done")),
-        ])),
-        ..Default::default()
-    });
+    let h = harness(calls_then_done(vec![
+        call("a", "calc", r#"{"delay_ms":300}"#),
+        call("b", "calc", r#"{"delay_ms":100}"#),
+        call("c", "calc", r#"{"delay_ms":100}"#),
+    ]));
     let (events, _) = h
         .run(
             "r",
@@ -372,18 +374,12 @@ async fn parallel_calls_run_under_the_cap_and_return_in_call_order() {
 
 #[tokio::test]
 async fn calls_of_a_round_under_one_id_or_none_get_ids_of_their_own() {
-    let h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([
-            Ok(tools_round(vec![
-                call("d", "calc", r#"{"delay_ms":1}"#),
-                call("d", "calc", r#"{"delay_ms":2}"#),
-                call("", "calc", r#"{"delay_ms":3}"#),
-                call("d_1", "calc", r#"{"delay_ms":4}"#),
-            ])),
-            Ok(answer("done")),
-        ])),
-        ..Default::default()
-    });
+    let h = harness(calls_then_done(vec![
+        call("d", "calc", r#"{"delay_ms":1}"#),
+        call("d", "calc", r#"{"delay_ms":2}"#),
+        call("", "calc", r#"{"delay_ms":3}"#),
+        call("d_1", "calc", r#"{"delay_ms":4}"#),
+    ]));
     let (events, _) = h
         .run(
             "r",
@@ -779,16 +775,10 @@ async fn tool_calls_reach_readers_before_the_tool_returns() {
 
 #[tokio::test]
 async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
-    let mut h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([
-            Ok(tools_round(vec![
-                call("big", "calc", r#"{"output_bytes":10000}"#),
-                call("small", "calc", r#"{"output_bytes":100}"#),
-            ])),
-            Ok(answer("done")),
-        ])),
-        ..Default::default()
-    });
+    let mut h = harness(calls_then_done(vec![
+        call("big", "calc", r#"{"output_bytes":10000}"#),
+        call("small", "calc", r#"{"output_bytes":100}"#),
+    ]));
     h.engine = h.engine.with_max_tool_output_bytes(1001);
     let (events, record) = h
         .run(
@@ -1199,17 +1189,11 @@ async fn run_with_reranker(
     agentrt_engine::RunRecord,
     Vec<agentrt_models::RerankRequest>,
 ) {
-    let model = Arc::new(Scripted {
-        rounds: Mutex::new(VecDeque::from([
-            Ok(tools_round(vec![call(
-                "c1",
-                "search",
-                r#"{"refs":["a","b","c"]}"#,
-            )])),
-            Ok(answer("done")),
-        ])),
-        ..Default::default()
-    });
+    let model = Arc::new(calls_then_done(vec![call(
+        "c1",
+        "search",
+        r#"{"refs":["a","b","c"]}"#,
+    )]));
     let reranker = Arc::new(TableReranker(scores, Mutex::default()));
     let mut models = ChatModels::default();
     models.insert("p", model);
