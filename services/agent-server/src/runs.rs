@@ -146,6 +146,11 @@ const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 /// How long a claimed message id may go without its run's record before another request
 /// takes it over (the replica that claimed it writes the record at once, unless it died).
 const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
+
+/// How long an answer waits for a running run's record to say it waits: a run publishes
+/// its EVENT_TYPE_ACTION_REQUIRED before it saves that record, and a client may answer
+/// the event at once.
+const ANSWER_PATIENCE: Duration = Duration::from_secs(1);
 /// How often `Cancel` asks again for a run executing on another replica while it waits for
 /// it to end.
 const STOP_ASKED_AGAIN: Duration = Duration::from_millis(250);
@@ -754,10 +759,19 @@ impl RunManager {
     /// replica; the run goes on here once the last one is answered.
     pub async fn answer(
         self: &Arc<Self>,
-        record: RunRecord,
+        mut record: RunRecord,
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<AnswerOutcome, crate::error::Error> {
         use crate::error::Error;
+        let mut waited = Duration::ZERO;
+        while !record.waiting() && !record.ended() && waited < ANSWER_PATIENCE {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            waited += Duration::from_millis(20);
+            match self.store.load(&record.run_id).await? {
+                Some(fresh) => record = fresh,
+                None => break,
+            }
+        }
         let run_id = record.run_id.as_str();
         let waiting = || {
             record
