@@ -108,6 +108,12 @@ async fn server_everything_over_stdio_lists_and_calls_with_every_kind_of_content
     ] {
         assert!(names.contains(&name), "{name} missing from {names:?}");
     }
+    // It can only be called as a task (`execution.taskSupport` "required"): every plain
+    // call would fail.
+    assert!(
+        !names.contains(&"everything__simulate-research-query"),
+        "{names:?}"
+    );
     let echo = listed
         .iter()
         .find(|t| t.name == "everything__echo")
@@ -367,6 +373,10 @@ async fn server_everything_over_streamable_http_with_a_secret_header() {
         .map(|t| t.name)
         .collect();
     assert!(names.contains(&"docs__echo".to_owned()), "{names:?}");
+    assert!(
+        !names.contains(&"docs__simulate-research-query".to_owned()),
+        "a tool that can only be called as a task is left out: {names:?}"
+    );
     let out = execute(&mut client, "docs__echo", json!({"message": "over http"})).await;
     assert_eq!(out.output, "Echo: over http");
     let out = execute(&mut client, "docs__get-resource-links", json!({"count": 2})).await;
@@ -423,8 +433,8 @@ async fn an_http_server_that_goes_away_is_unavailable_then_reconnected() {
 }
 
 /// server-everything restarted at once behind the same URL refuses the old session with
-/// a 400 that names no request: calls on it would wait for their timeout, on and on. The
-/// executor's periodic `tools/list` finds the session dead and makes a new one.
+/// a 400 (`No valid session ID provided`) where MCP says 404: the executor makes a new
+/// session at once and sends the call, which the server did not process, again on it.
 #[tokio::test]
 async fn an_http_server_restarted_behind_the_same_url_is_reached_again() {
     let (everything, url) = everything_over_http().await;
@@ -448,21 +458,34 @@ async fn an_http_server_restarted_behind_the_same_url_is_reached_again() {
     }
     let _again = everything_on(port).await;
     let restarted = Instant::now();
+    // The first call goes through; should the executor's periodic `tools/list` have found
+    // the server gone in the moment it was down, the call is UNAVAILABLE while it connects
+    // again, for a moment.
     loop {
         let mut request = tonic::Request::new(call("docs__echo", json!({"message": "two"})));
         request.set_timeout(Duration::from_secs(3));
         match client.execute_tool(request).await {
-            Ok(out) if !out.get_ref().is_error => {
-                assert_eq!(out.into_inner().output, "Echo: two");
+            Ok(out) => {
+                let out = out.into_inner();
+                assert!(!out.is_error, "the old session was not replaced: {out:?}");
+                assert_eq!(out.output, "Echo: two");
                 break;
             }
-            other => assert!(
-                restarted.elapsed() < Duration::from_secs(30),
-                "not reached again: {other:?}"
-            ),
+            Err(status) => {
+                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+                assert!(
+                    restarted.elapsed() < Duration::from_secs(5),
+                    "not reached again at once: {status:?}"
+                );
+            }
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    assert!(
+        restarted.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        restarted.elapsed()
+    );
 }
 
 #[tokio::test]

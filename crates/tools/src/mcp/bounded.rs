@@ -13,6 +13,12 @@
 //! (a JSON body) or the answer's event stream (an SSE event), and the call fails as if the
 //! server had gone. [`BoundedHttpClient`] knows which request each answer is for, and
 //! gives the SDK the same error answer instead.
+//!
+//! Two more things are put right on the way: a request refused because the server does
+//! not know its session (a 400 saying so, where MCP says 404) is handed to the SDK as the
+//! 404 it handles, by making a new session and sending the request again; and the event
+//! stream of a `tools/list` answer keeps what the SDK would drop of the tools
+//! ([`super::lenient::keep_task_support`]).
 
 use std::{
     io,
@@ -25,7 +31,7 @@ use std::{collections::HashMap, sync::Arc};
 use futures_util::{Stream, StreamExt};
 use reqwest::header::{HeaderName, HeaderValue};
 use rmcp::{
-    model::{ClientJsonRpcMessage, JsonRpcMessage, ServerJsonRpcMessage},
+    model::{ClientJsonRpcMessage, ClientRequest, JsonRpcMessage, ServerJsonRpcMessage},
     transport::common::client_side_sse::BoxedSseResponse,
     transport::streamable_http_client::{
         SseError, StreamableHttpClient, StreamableHttpError, StreamableHttpPostResponse,
@@ -34,7 +40,9 @@ use rmcp::{
 };
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, ReadBuf};
-use tracing::warn;
+use tracing::{debug, warn};
+
+use super::lenient::keep_task_support;
 
 /// The `data` key of the error answer put in place of an oversized one; its value is the
 /// bound.
@@ -272,6 +280,37 @@ fn is_event_too_large(error: &SseError) -> bool {
     }
 }
 
+/// Whether `response` refuses a request because the server does not know its session.
+/// MCP says a server answers 404 (which the SDK handles), but servers in the TypeScript
+/// SDK's example style, server-everything among them, answer 400 with a JSON-RPC error
+/// saying so (`Bad Request: No valid session ID provided`, often without the request's
+/// id), and older Python SDK servers a 400 with such a text: after a restart behind the
+/// same URL, each call would fail, or wait for its timeout.
+fn refuses_session(
+    response: &Result<StreamableHttpPostResponse, StreamableHttpError<reqwest::Error>>,
+) -> bool {
+    match response {
+        Ok(StreamableHttpPostResponse::Json(JsonRpcMessage::Error(error), _)) => {
+            // The codes servers use for a request refused before any method ran.
+            matches!(error.error.code.0, -32000 | -32001 | -32600)
+                && names_unknown_session(&error.error.message)
+        }
+        Err(StreamableHttpError::UnexpectedServerResponse(text)) => {
+            text.starts_with("HTTP 400") && names_unknown_session(text)
+        }
+        _ => false,
+    }
+}
+
+/// Whether `text` says that a session is unknown, invalid or expired.
+fn names_unknown_session(text: &str) -> bool {
+    let text = text.to_ascii_lowercase();
+    text.contains("session")
+        && ["no valid", "invalid", "unknown", "not found", "expired"]
+            .iter()
+            .any(|words| text.contains(words))
+}
+
 impl StreamableHttpClient for BoundedHttpClient {
     type Error = reqwest::Error;
 
@@ -318,9 +357,14 @@ impl StreamableHttpClient for BoundedHttpClient {
         custom_headers: HashMap<HeaderName, HeaderValue>,
         limits: StreamableHttpResponseLimits,
     ) -> Result<StreamableHttpPostResponse, StreamableHttpError<Self::Error>> {
-        let id = match &message {
-            JsonRpcMessage::Request(request) => serde_json::to_value(&request.id).ok(),
-            _ => None,
+        let (id, lists_tools, on_session) = match &message {
+            JsonRpcMessage::Request(request) => (
+                serde_json::to_value(&request.id).ok(),
+                matches!(request.request, ClientRequest::ListToolsRequest(_)),
+                session_id.is_some()
+                    && !matches!(request.request, ClientRequest::InitializeRequest(_)),
+            ),
+            _ => (None, false, false),
         };
         let max_event = limits.max_sse_event_size;
         let response = self
@@ -338,6 +382,12 @@ impl StreamableHttpClient for BoundedHttpClient {
             return response;
         };
         match response {
+            // The SDK makes a new session and sends the request again, once, for a 404;
+            // the request was not processed either way.
+            response if on_session && refuses_session(&response) => {
+                debug!("the MCP server does not know the session; a new one is made");
+                Err(StreamableHttpError::SessionExpired)
+            }
             Err(StreamableHttpError::ResponseBodyTooLarge { max_size }) => {
                 match too_large_message(&id, max_size) {
                     Some(answer) => Ok(StreamableHttpPostResponse::Json(answer, None)),
@@ -360,6 +410,17 @@ impl StreamableHttpClient for BoundedHttpClient {
                                      `max_message_bytes`; its call gets an error"
                                 );
                                 Some(sse_message(answer.to_string()))
+                            }
+                            Ok(mut event) if lists_tools => {
+                                // What the SDK would drop of the tools, kept where it looks.
+                                if let Some(data) = event
+                                    .data
+                                    .as_deref()
+                                    .and_then(|data| keep_task_support(data.as_bytes()))
+                                {
+                                    event.data = Some(String::from_utf8_lossy(&data).into_owned());
+                                }
+                                Some(Ok(event))
                             }
                             event => Some(event),
                         };
@@ -596,6 +657,45 @@ mod tests {
             assert_eq!(lines[6], r#"{"jsonrpc":"2.0","id":4,"result":{}}"#);
             assert_eq!(lines.len(), 7, "{chunk}: {lines:?}");
         }
+    }
+
+    #[test]
+    fn refusals_of_an_unknown_session_are_told_from_other_errors() {
+        let error = |code: i32, message: &str| {
+            let answer =
+                json!({"jsonrpc": "2.0", "id": 1, "error": {"code": code, "message": message}});
+            Ok(StreamableHttpPostResponse::Json(
+                serde_json::from_value(answer).unwrap(),
+                None,
+            ))
+        };
+        let text = |text: &str| {
+            Err(StreamableHttpError::UnexpectedServerResponse(
+                text.to_owned().into(),
+            ))
+        };
+        // server-everything, the TypeScript SDK, older Python SDK servers (plain text).
+        assert!(refuses_session(&error(
+            -32000,
+            "Bad Request: No valid session ID provided"
+        )));
+        assert!(refuses_session(&error(-32001, "Session not found")));
+        assert!(refuses_session(&text(
+            "HTTP 400 Bad Request: Bad Request: No valid session ID provided"
+        )));
+        // A tool's own errors, a missing header, other statuses: not a session refused.
+        assert!(!refuses_session(&error(
+            -32602,
+            "unknown session id argument"
+        )));
+        assert!(!refuses_session(&error(
+            -32000,
+            "Bad Request: Mcp-Session-Id header is required"
+        )));
+        assert!(!refuses_session(&text(
+            "HTTP 500 Internal Server Error: session store: unknown error"
+        )));
+        assert!(!refuses_session(&Err(StreamableHttpError::SessionExpired)));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! An MCP `tools/call` result as a tool output: text content becomes the output,
 //! `structuredContent` the structured output, resource links and embedded resources
-//! references, and images and audio a line saying what they were.
+//! references, and images and audio a line saying what they were. Content the SDK cannot
+//! read (a type of a later protocol version) arrives as such a line too
+//! ([`super::lenient`]).
 
 use agentrt_core::Reference;
 use rmcp::model::{CallToolResult, ContentBlock, ResourceContents};

@@ -13,6 +13,8 @@
 
 mod bounded;
 mod content;
+mod describe;
+mod lenient;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -75,11 +77,10 @@ const EXIT_GRACE: Duration = Duration::from_secs(2);
 /// `RetryInfo` of `UNAVAILABLE`); while it waits to reconnect, when it will.
 const RETRY_WHILE_CONNECTING: Duration = Duration::from_secs(1);
 /// How often an HTTP server is asked for its tools while connected. A server restarted
-/// behind the same URL may refuse the old session without saying which request it
-/// refuses (server-everything answers 400 with a JSON-RPC error without an id): its calls
-/// would wait for their timeout, on and on. When `tools/list` gets no answer within
-/// `connect_timeout`, the connection is dropped and made again, with a new session; and
-/// a server that made a new session by itself (after a 404) may offer other tools.
+/// behind the same URL refuses the old session (404, or a 400 saying so): a new session
+/// is made at once, and the server may offer other tools on it. One that stops answering
+/// is found too: when `tools/list` gets no answer within `connect_timeout`, the connection
+/// is dropped and made again.
 const HTTP_CHECK_EVERY: Duration = Duration::from_secs(10);
 /// Environment variables a child process inherits from the tool executor; everything
 /// else it gets from its `env` setting, so that the executor's own secrets stay its own.
@@ -245,6 +246,9 @@ struct State {
     /// Which connection `peer` is (counted from 1): a call that saw its connection fail
     /// asks for that one to be dropped, not a newer one.
     connection: u64,
+    /// The tools last left out because they can only be called as tasks (warned of when
+    /// they change, not at every listing).
+    task_only: Vec<String>,
 }
 
 struct Shared {
@@ -349,6 +353,7 @@ impl McpToolset {
                 retry_at: None,
                 tools: Vec::new(),
                 connection: 0,
+                task_only: Vec::new(),
             }),
             changes,
             relist: Notify::new(),
@@ -462,24 +467,22 @@ impl Toolset for McpToolset {
                     .failed_connection
                     .store(connection, Ordering::Release);
                 shared.reconnect.notify_one();
-                // The SDK's message names its transport's types: said plainly instead.
-                let what = match error {
-                    ServiceError::TransportClosed => "it closed",
-                    _ => "the call could not be sent",
-                };
+                // The server is down (a proxy's 502 says so too): UNAVAILABLE, saying what
+                // it did in words, not in the SDK's types.
                 Err(CallError::Unavailable {
                     source_name: shared.name().to_owned(),
                     reason: format!(
-                        "the connection to MCP server {:?} failed during the call ({what}); \
-                         reconnecting",
-                        shared.name()
+                        "the call to MCP server {:?} failed: {}; reconnecting",
+                        shared.name(),
+                        describe::service_error(&error)
                     ),
                     retry_after: RETRY_WHILE_CONNECTING,
                 })
             }
             Ok(Err(error)) => Ok(ToolOutput::error(format!(
-                "MCP server {:?}: {error}",
-                shared.name()
+                "the call of {tool:?} to MCP server {:?} failed: {}",
+                shared.name(),
+                describe::service_error(&error)
             ))),
         }
     }
@@ -653,13 +656,13 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             // The bound is enforced (and an oversized answer answered for) before the
             // SDK reads a line; its own bound only backs that up.
             let max = shared.config.max_message_bytes;
-            let stdout = bounded::BoundedLines::new(stdout, max);
+            let stdout = lenient::TaskSupportLines::new(bounded::BoundedLines::new(stdout, max));
             let transport =
                 AsyncRwTransport::new(stdout, stdin).with_max_line_length(max.saturating_add(1));
             let service = handler
-                .serve(transport)
+                .serve(lenient::Lenient(transport))
                 .await
-                .map_err(|e| format!("`initialize` failed: {e}"))?;
+                .map_err(|e| describe::init_error(&e))?;
             (service, Some(child))
         }
         Transport::Http {
@@ -676,9 +679,9 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                 config,
             );
             let service = handler
-                .serve(transport)
+                .serve(lenient::Lenient(transport))
                 .await
-                .map_err(|e| format!("cannot connect to {url}: {e}"))?;
+                .map_err(|e| format!("cannot connect to {url}: {}", describe::init_error(&e)))?;
             (service, None)
         }
     };
@@ -687,27 +690,44 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
     Ok(Connection { service, child })
 }
 
-/// Lists every tool, following pages up to the bounds.
+/// Lists every tool, following pages up to the bounds. Tools that can only be called as
+/// tasks are left out: every plain call of one fails.
 async fn list_tools(
     shared: &Shared,
     peer: &Peer<RoleClient>,
 ) -> std::result::Result<Vec<ListedTool>, String> {
     let name = shared.name();
     let mut tools = Vec::new();
+    let mut task_only = Vec::new();
     let mut cursor = None;
-    for _ in 0..MAX_PAGES {
+    let mut pages = 0;
+    'pages: loop {
+        if pages == MAX_PAGES {
+            warn!(
+                max = MAX_PAGES,
+                "the MCP server lists too many pages; the rest are left out"
+            );
+            break;
+        }
+        pages += 1;
         let params = PaginatedRequestParams::default().with_cursor(cursor);
         let page = peer
             .list_tools(Some(params))
             .await
-            .map_err(|e| format!("`tools/list` failed: {e}"))?;
+            .map_err(|e| format!("`tools/list` failed: {}", describe::service_error(&e)))?;
         for tool in page.tools {
             if tools.len() == MAX_TOOLS {
                 warn!(
                     max = MAX_TOOLS,
                     "the MCP server lists too many tools; the rest are left out"
                 );
-                return Ok(tools);
+                break 'pages;
+            }
+            if only_as_task(&tool) {
+                if task_only.len() < MAX_TOOLS {
+                    task_only.push(tool.name.into_owned());
+                }
+                continue;
             }
             let mut description = tool
                 .description
@@ -728,14 +748,31 @@ async fn list_tools(
         }
         cursor = page.next_cursor;
         if cursor.is_none() {
-            return Ok(tools);
+            break;
         }
     }
-    warn!(
-        max = MAX_PAGES,
-        "the MCP server lists too many pages; the rest are left out"
-    );
+    let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
+    if state.task_only != task_only {
+        if !task_only.is_empty() {
+            warn!(
+                tools = ?task_only,
+                "MCP tools that can only be called as tasks (`execution.taskSupport` \
+                 \"required\") are left out of the catalogue: the tool executor makes plain calls"
+            );
+        }
+        state.task_only = task_only;
+    }
     Ok(tools)
+}
+
+/// Whether `tool` can only be called as a task (MCP 2025-11-25), as kept in its `_meta`
+/// by [`lenient::keep_task_support`].
+fn only_as_task(tool: &rmcp::model::Tool) -> bool {
+    tool.meta
+        .as_ref()
+        .and_then(|meta| meta.0.get(lenient::TASK_SUPPORT_META))
+        .and_then(serde_json::Value::as_str)
+        == Some("required")
 }
 
 /// Makes `peer` the live connection with `tools`, and tells the catalogue when they changed.
@@ -783,7 +820,7 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                 let _ = tokio::time::timeout(EXIT_GRACE, &mut waiting).await;
                 break "stopped".to_owned();
             }
-            quit = &mut waiting => break format!("the connection closed ({quit:?})"),
+            quit = &mut waiting => break describe::quit_reason(&quit),
             status = async { match child.as_mut() { Some(c) => c.wait().await, None => std::future::pending().await } } => {
                 break match status {
                     Ok(status) => format!("the process exited ({status})"),

@@ -57,6 +57,10 @@ for line in sys.stdin:
             tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
             if extra:
                 tools.append(tool("added"))
+            if mode == "tasks":
+                # Tools of MCP 2025-11-25 that can only be called as tasks, or either way.
+                tools.append(dict(tool("research"), execution={"taskSupport": "required"}))
+                tools.append(dict(tool("either"), execution={"taskSupport": "optional"}))
             if mode == "collide":
                 # `odd.name` and `odd_name` are both offered as `fake__odd_name`; a tool
                 # whose arguments could never be an object.
@@ -82,6 +86,15 @@ for line in sys.stdin:
         elif name == "fail":
             send({"jsonrpc": "2.0", "id": mid, "result": {
                 "content": [{"type": "text", "text": "it failed"}], "isError": True}})
+        elif name == "video":
+            # A content type from a later protocol version, and one the client knows.
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": "before"},
+                            {"type": "video", "uri": "test://v", "mimeType": "video/mp4"},
+                            {"type": "audio", "data": "AAAA", "mimeType": "audio/wav"},
+                            {"type": "image", "data": "AAAA"},
+                            {"type": "text", "text": "after"}],
+                "structuredContent": {"frames": 3}}})
         elif name == "slow":
             pass
         elif name == "crash":
@@ -555,12 +568,20 @@ async fn an_answer_over_max_message_bytes_is_a_prompt_error_naming_the_bound() {
     toolset.shutdown().await;
 }
 
-/// A streamable HTTP MCP server: `http_fake.py MODE` (`json` or `sse` answers) prints its
-/// port, then serves `echo` and `big` (an answer of `n` bytes of text).
+/// A streamable HTTP MCP server: `http_fake.py MODE [502]` (`json` or `sse` answers) prints
+/// its port, then serves `big` (an answer of `n` bytes of text), `video` (content of a type
+/// the client does not know), `bad_gateway` (answered HTTP 502, as a proxy in front of a
+/// server that is down does) and `restart` (forgets every session, as a server restarted
+/// behind the same URL: it then refuses them with a 400 as server-everything does, which
+/// does not name the request). It
+/// lists `research` too, a tool that can only be called as a task. With `502`, every
+/// request is answered HTTP 502.
 const HTTP_FAKE_SERVER: &str = r#"
 import json, sys, uuid
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
 mode = sys.argv[1]
+down = sys.argv[2:] == ["502"]
+sessions = set()
 
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -570,38 +591,60 @@ class H(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Length", "0")
         self.end_headers()
-    def answer(self, obj, headers={}):
-        if mode == "sse":
-            body, ctype = ("event: message\ndata: " + json.dumps(obj) + "\n\n").encode(), "text/event-stream"
-        else:
-            body, ctype = json.dumps(obj).encode(), "application/json"
-        self.send_response(200)
+    def body(self, code, ctype, body, headers={}):
+        self.send_response(code)
         self.send_header("Content-Type", ctype)
         for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+    def answer(self, obj, headers={}):
+        if mode == "sse":
+            self.body(200, "text/event-stream", ("event: message\ndata: " + json.dumps(obj) + "\n\n").encode(), headers)
+        else:
+            self.body(200, "application/json", json.dumps(obj).encode(), headers)
+    def bad_gateway(self):
+        self.body(502, "text/html", b"<html><body><h1>502 Bad Gateway</h1></body></html>")
     def do_GET(self):
         self.empty(405)
     def do_DELETE(self):
         self.empty(200)
     def do_POST(self):
         msg = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        if down:
+            return self.bad_gateway()
         method, mid = msg.get("method"), msg.get("id")
+        if method != "initialize" and self.headers.get("Mcp-Session-Id") not in sessions:
+            # As server-everything: 400, without the request's id.
+            return self.body(400, "application/json", json.dumps({"jsonrpc": "2.0",
+                "error": {"code": -32000, "message": "Bad Request: No valid session ID provided"}}).encode())
         if mid is None:
             return self.empty(202)
         if method == "initialize":
+            session = str(uuid.uuid4())
+            sessions.add(session)
             return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
                 "protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
-                "serverInfo": {"name": "fake", "version": "1"}}}, {"Mcp-Session-Id": str(uuid.uuid4())})
+                "serverInfo": {"name": "fake", "version": "1"}}}, {"Mcp-Session-Id": session})
         if method == "tools/list":
             return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
-                {"name": "big", "inputSchema": {"type": "object"}}]}})
+                {"name": "big", "inputSchema": {"type": "object"}},
+                {"name": "research", "inputSchema": {"type": "object"},
+                 "execution": {"taskSupport": "required"}}]}})
         if method == "tools/call":
-            n = msg["params"]["arguments"]["n"]
+            name, args = msg["params"]["name"], msg["params"].get("arguments") or {}
+            if name == "bad_gateway":
+                return self.bad_gateway()
+            if name == "restart":
+                sessions.clear()
+                return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
+                    "content": [{"type": "text", "text": "restarted"}]}})
+            if name == "video":
+                return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"content": [
+                    {"type": "video", "uri": "test://v"}, {"type": "text", "text": "seen"}]}})
             return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
-                "content": [{"type": "text", "text": "B" * n}]}})
+                "content": [{"type": "text", "text": "B" * args["n"]}]}})
         self.answer({"jsonrpc": "2.0", "id": mid, "result": {}})
 
 server = ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -609,29 +652,53 @@ print(server.server_address[1], flush=True)
 server.serve_forever()
 "#;
 
-#[tokio::test]
-async fn an_http_answer_over_max_message_bytes_is_an_error_naming_the_bound() {
+/// Starts `HTTP_FAKE_SERVER` with `args`; returns it (killed when dropped) and a config
+/// for it.
+async fn http_fake(fake: &Fake, args: &[&str]) -> (tokio::process::Child, McpServerConfig) {
     use tokio::io::AsyncBufReadExt;
 
-    let fake = Fake::new("http-big");
     std::fs::write(fake.dir.join("http_fake.py"), HTTP_FAKE_SERVER).unwrap();
+    let mut server = tokio::process::Command::new("python3")
+        .arg(fake.dir.join("http_fake.py"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut port = String::new();
+    tokio::io::BufReader::new(server.stdout.take().unwrap())
+        .read_line(&mut port)
+        .await
+        .unwrap();
+    let mut config = fake.config("unused");
+    config.command = None;
+    config.args.clear();
+    config.url = Some(format!("http://127.0.0.1:{}/mcp", port.trim()));
+    (server, config)
+}
+
+/// Asserts that `message` is a sentence for people, not the SDK's types.
+#[track_caller]
+fn names_no_rust_types(message: &str) {
+    for word in [
+        "rmcp",
+        "Transport",
+        "Error",
+        "::",
+        "Some(",
+        "Client(",
+        "reqwest",
+        "Http",
+    ] {
+        assert!(!message.contains(word), "{word:?} in {message:?}");
+    }
+}
+
+#[tokio::test]
+async fn an_http_answer_over_max_message_bytes_is_an_error_naming_the_bound() {
+    let fake = Fake::new("http-big");
     for mode in ["json", "sse"] {
-        let mut server = tokio::process::Command::new("python3")
-            .arg(fake.dir.join("http_fake.py"))
-            .arg(mode)
-            .stdout(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let mut port = String::new();
-        tokio::io::BufReader::new(server.stdout.take().unwrap())
-            .read_line(&mut port)
-            .await
-            .unwrap();
-        let mut config = fake.config(mode);
-        config.command = None;
-        config.args.clear();
-        config.url = Some(format!("http://127.0.0.1:{}/mcp", port.trim()));
+        let (mut server, mut config) = http_fake(&fake, &[mode]).await;
         config.max_message_bytes = 64 * 1024;
         config.timeout = Duration::from_secs(30);
         let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
@@ -663,6 +730,139 @@ async fn an_http_answer_over_max_message_bytes_is_an_error_naming_the_bound() {
             toolset.shared.state.read().unwrap().connection,
             connection,
             "{mode}: the session was kept"
+        );
+        toolset.shutdown().await;
+        server.kill().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn content_of_a_type_the_client_does_not_know_is_described_and_the_rest_kept() {
+    let fake = Fake::new("video");
+    let toolset = McpToolset::start(fake.config("good"), Changes::new())
+        .await
+        .unwrap();
+    let out = toolset
+        .call("video", json!({}), &ToolContext::default())
+        .await
+        .expect("the call succeeds");
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(
+        out.text,
+        "before\n[unsupported content type video]\n[audio: audio/wav, 3 bytes]\n\
+         [unreadable image content]\nafter"
+    );
+    assert_eq!(out.structured, Some(json!({"frames": 3})));
+    toolset.shutdown().await;
+
+    for mode in ["json", "sse"] {
+        let (mut server, config) = http_fake(&fake, &[mode]).await;
+        let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+        let out = toolset
+            .call("video", json!({}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert!(!out.is_error, "{mode}: {}", out.text);
+        assert_eq!(out.text, "[unsupported content type video]\nseen", "{mode}");
+        toolset.shutdown().await;
+        server.kill().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn tools_that_can_only_be_called_as_tasks_are_left_out() {
+    let fake = Fake::new("tasks");
+    let toolset = McpToolset::start(fake.config("tasks"), Changes::new())
+        .await
+        .unwrap();
+    let listed = names(&toolset).await;
+    assert!(!listed.contains(&"fake__research".to_owned()), "{listed:?}");
+    assert!(listed.contains(&"fake__either".to_owned()), "{listed:?}");
+    assert_eq!(listed.len(), 8, "{listed:?}");
+    toolset.shutdown().await;
+
+    // Over streamable HTTP, answered as an event stream.
+    let (mut server, config) = http_fake(&fake, &["sse"]).await;
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert_eq!(names(&toolset).await, ["fake__big"]);
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn an_http_502_is_unavailable_saying_so_in_words() {
+    let fake = Fake::new("http-502");
+    // A proxy answers 502 to a call: the server is down, for now.
+    let (mut server, config) = http_fake(&fake, &["json"]).await;
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert!(toolset.is_connected());
+    let err = toolset
+        .call("bad_gateway", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable {
+        source_name,
+        reason,
+        ..
+    } = &err
+    else {
+        panic!("{err:?}");
+    };
+    assert_eq!(source_name, "fake");
+    assert!(reason.contains("MCP server \"fake\""), "{reason}");
+    assert!(reason.contains("HTTP 502"), "{reason}");
+    names_no_rust_types(reason);
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
+
+    // A proxy answers 502 to everything: the server cannot be reached, and calls say why.
+    let (mut server, config) = http_fake(&fake, &["json", "502"]).await;
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert!(!toolset.is_connected());
+    let err = toolset
+        .call("big", json!({"n": 1}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable { reason, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(reason.contains("MCP server \"fake\""), "{reason}");
+    assert!(reason.contains("HTTP 502"), "{reason}");
+    names_no_rust_types(reason);
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_session_the_server_forgot_is_made_again_at_once() {
+    let fake = Fake::new("http-restart");
+    for mode in ["json", "sse"] {
+        let (mut server, config) = http_fake(&fake, &[mode]).await;
+        let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+        let connection = toolset.shared.state.read().unwrap().connection;
+        let out = toolset
+            .call("restart", json!({}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert_eq!(out.text, "restarted", "{mode}");
+        // The next call is refused on the old session (400, naming it): a new session is
+        // made, and the call, which the server did not process, goes through on it.
+        let started = Instant::now();
+        let out = toolset
+            .call("big", json!({"n": 5}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert!(!out.is_error, "{mode}: {}", out.text);
+        assert_eq!(out.text, "BBBBB", "{mode}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{mode}: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            toolset.shared.state.read().unwrap().connection,
+            connection,
+            "{mode}: the connection was kept, with a new session"
         );
         toolset.shutdown().await;
         server.kill().await.unwrap();
