@@ -335,6 +335,10 @@ async fn bad_connection_limits_are_refused_at_start() {
             ["--max-handshaking-connections", "0"],
             "server.max_handshaking_connections",
         ),
+        (
+            ["--max-connection-age", "500ms"],
+            "server.max_connection_age",
+        ),
     ] {
         let out = tokio::process::Command::new(binary("tool-executor"))
             .args(["--listen", "127.0.0.1:0"])

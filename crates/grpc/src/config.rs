@@ -112,6 +112,11 @@ pub struct ServerSettings {
     pub max_connections: usize,
     /// Most connections still handshaking at once.
     pub max_handshaking_connections: usize,
+    /// A connection older than this is asked to go (HTTP/2 GOAWAY): calls in flight on it
+    /// finish, new ones go to a new connection, which a load balancer may send to another
+    /// replica. Zero (the default) keeps connections as long as their client does.
+    #[serde(with = "duration")]
+    pub max_connection_age: Duration,
     /// Address of the admin HTTP endpoint serving Prometheus metrics at `/metrics`; none
     /// by default (port 0 picks a free port, logged as `metrics_addr`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -187,6 +192,15 @@ impl ServerSettings {
                 message: "must be positive".into(),
             });
         }
+        if !self.max_connection_age.is_zero()
+            && !(Duration::from_secs(1)..=Duration::from_secs(7 * 24 * 3600))
+                .contains(&self.max_connection_age)
+        {
+            return Err(ConfigError::Invalid {
+                field: "server.max_connection_age",
+                message: "must be 0s (no limit) or between 1s and 168h".into(),
+            });
+        }
         Ok(())
     }
 }
@@ -202,6 +216,7 @@ impl Default for ServerSettings {
             handshake_timeout: Duration::from_secs(10),
             max_connections: 10_000,
             max_handshaking_connections: 512,
+            max_connection_age: Duration::ZERO,
             metrics_listen: None,
             health_listen: None,
             tls: None,
@@ -265,6 +280,9 @@ pub struct ServerArgs {
     /// Most connections still handshaking at once.
     #[arg(long, value_name = "N")]
     pub max_handshaking_connections: Option<usize>,
+    /// Ask connections older than this to go (GOAWAY), e.g. `5m`; `0s`: never.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub max_connection_age: Option<Duration>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_listen: Option<SocketAddr>,
@@ -311,6 +329,7 @@ impl ServerArgs {
             &mut settings.max_handshaking_connections,
             self.max_handshaking_connections,
         );
+        override_with(&mut settings.max_connection_age, self.max_connection_age);
         if self.metrics_listen.is_some() {
             settings.metrics_listen = self.metrics_listen;
         }

@@ -220,7 +220,12 @@ impl GrpcServer {
                 metrics_stop,
             ));
         }
-        let builder = Server::builder();
+        let mut builder = Server::builder();
+        if !self.settings.max_connection_age.is_zero() {
+            // No grace: calls in flight on an old connection finish as they would have
+            // (each has its own deadline); only new calls move.
+            builder = builder.max_connection_age(self.settings.max_connection_age);
+        }
         let mut client_names = None;
         let mut acceptor = None;
         if let Some(tls) = &self.settings.tls {

@@ -175,6 +175,7 @@ pub async fn serve(
             &settings.tool_executor,
             tool_client::ToolClientOptions {
                 timeout: settings.tool_executor_timeout,
+                connections: settings.tool_executor_connections,
                 max_message_bytes: settings.server.max_message_bytes,
                 tls: if settings.tool_executor.starts_with("https://") {
                     Some(

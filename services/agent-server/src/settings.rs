@@ -19,6 +19,10 @@ pub struct Settings {
     /// How long a call to the tool executor may take to connect and answer `ListTools`.
     #[serde(with = "config::duration")]
     pub tool_executor_timeout: Duration,
+    /// Connections to the tool executor, which tool calls take in turn: behind a load
+    /// balancer that spreads connections (a Kubernetes Service), calls reach up to this
+    /// many tool executor replicas.
+    pub tool_executor_connections: usize,
     /// TLS towards an `https://` tool executor: its CA, and this server's certificate
     /// when the tool executor requires mutual TLS.
     #[serde(skip_serializing_if = "ClientTlsSettings::is_unset")]
@@ -203,6 +207,7 @@ impl Default for Settings {
             server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50051))),
             tool_executor: "http://127.0.0.1:50052".into(),
             tool_executor_timeout: Duration::from_secs(5),
+            tool_executor_connections: 4,
             tool_executor_tls: ClientTlsSettings::default(),
             tool_executor_token: Secret::default(),
             tool_executor_token_file: None,
@@ -310,6 +315,15 @@ impl Settings {
                 message: "must be between 1ms and 5m".into(),
             });
         }
+        if !(1..=64).contains(&self.tool_executor_connections) {
+            return Err(ConfigError::Invalid {
+                field: "tool_executor_connections",
+                message: format!(
+                    "must be between 1 and 64, got {}",
+                    self.tool_executor_connections
+                ),
+            });
+        }
         if self.engines.ttl.is_zero() {
             return Err(ConfigError::Invalid {
                 field: "engines.ttl",
@@ -406,6 +420,9 @@ pub struct Cli {
     /// Time limit for reaching the tool executor, e.g. `5s`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub tool_executor_timeout: Option<Duration>,
+    /// Connections to the tool executor, which tool calls take in turn.
+    #[arg(long, value_name = "N")]
+    pub tool_executor_connections: Option<usize>,
     /// CA certificates (PEM) of an `https://` tool executor.
     #[arg(long, value_name = "FILE")]
     pub tool_executor_ca: Option<PathBuf>,
@@ -471,6 +488,10 @@ impl Cli {
         config::override_with(
             &mut settings.tool_executor_timeout,
             self.tool_executor_timeout,
+        );
+        config::override_with(
+            &mut settings.tool_executor_connections,
+            self.tool_executor_connections,
         );
         let tls = &mut settings.tool_executor_tls;
         if self.tool_executor_ca.is_some() {

@@ -1,6 +1,12 @@
 //! The tool executor as seen from the agent server: a gRPC client behind [`ToolCatalog`].
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use agentrt::v1::{self, tool_executor_client::ToolExecutorClient};
 use agentrt_core::Secret;
@@ -9,19 +15,76 @@ use agentrt_core::{
     ToolSpec,
 };
 use async_trait::async_trait;
+use tokio::time::Instant;
 use tonic::{
-    Code,
+    Code, ConnectError, Status,
     metadata::{Ascii, MetadataValue},
     transport::{Channel, ClientTlsConfig, Endpoint},
 };
 
-/// A lazily connected gRPC client of `agent.v1.ToolExecutor`.
+/// A lazily connected gRPC client of `agent.v1.ToolExecutor`, over a few connections.
+///
+/// Calls take the connections in turn. Behind a load balancer that spreads connections
+/// (a Kubernetes Service), each connection may reach another tool executor replica, so one
+/// agent-server spreads its calls over several; a tool executor with
+/// `server.max_connection_age` makes the connections move now and then, so replicas added
+/// later get their share. A call the tool executor never received (it could not be reached,
+/// or it refused the call's stream while closing a connection) is sent again.
 #[derive(Clone)]
 pub struct GrpcToolClient {
     endpoint: String,
-    client: ToolExecutorClient<Channel>,
+    clients: Arc<[ToolExecutorClient<Channel>]>,
+    next: Arc<AtomicUsize>,
     timeout: Duration,
     authorization: Option<MetadataValue<Ascii>>,
+}
+
+/// How many times a call the tool executor refused unprocessed (a stream past its GOAWAY,
+/// `REFUSED_STREAM`) is sent again at once: each refusal comes from a connection that is
+/// closing, and the next try goes on another one.
+const MAX_REFUSED: u32 = 4;
+/// The first wait before calling again a tool executor that could not be reached; each
+/// wait doubles, up to [`MOST_UNREACHABLE_WAIT`], for as long as `tool_executor_timeout`
+/// and the call's own deadline allow.
+const FIRST_UNREACHABLE_WAIT: Duration = Duration::from_millis(50);
+const MOST_UNREACHABLE_WAIT: Duration = Duration::from_secs(1);
+
+/// Why a call never reached the tool executor, so that sending it again cannot run a tool
+/// twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unsent {
+    /// No connection could be made.
+    Unreachable,
+    /// The connection refused the call's stream before processing it.
+    Refused,
+}
+
+/// Whether `status` says the call never reached the tool executor: a status the tool
+/// executor sent itself (with `grpc-status`) has no transport error behind it.
+fn unsent(status: &Status) -> Option<Unsent> {
+    let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(current) = error {
+        if current.downcast_ref::<ConnectError>().is_some() {
+            return Some(Unsent::Unreachable);
+        }
+        if let Some(h2) = current.downcast_ref::<h2::Error>() {
+            // RFC 9113: streams past a GOAWAY's last stream id and streams refused with
+            // REFUSED_STREAM were not processed.
+            let refused = h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (h2.is_go_away() && h2.is_remote());
+            return refused.then_some(Unsent::Refused);
+        }
+        if let Some(hyper) = current.downcast_ref::<hyper::Error>()
+            && hyper.is_canceled()
+        {
+            // On HTTP/2, hyper cancels only requests it has not sent: ones still queued
+            // for a connection that closed ("connection closed"), or given to one that was
+            // not ready.
+            return Some(Unsent::Refused);
+        }
+        error = current.source();
+    }
+    None
 }
 
 /// How to reach the tool executor.
@@ -34,6 +97,8 @@ pub struct ToolClientOptions {
     pub tls: Option<ClientTlsConfig>,
     /// The bearer token to send.
     pub token: Option<Secret>,
+    /// Connections to open (lazily), which calls take in turn.
+    pub connections: usize,
 }
 
 impl GrpcToolClient {
@@ -44,6 +109,7 @@ impl GrpcToolClient {
             max_message_bytes,
             tls,
             token,
+            connections,
         } = options;
         let mut endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|e| format!("invalid tool executor URL {url:?}: {e}"))?;
@@ -61,7 +127,7 @@ impl GrpcToolClient {
                 Ok::<_, String>(value)
             })
             .transpose()?;
-        let channel = endpoint
+        let endpoint = endpoint
             .connect_timeout(timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(30))
@@ -69,13 +135,19 @@ impl GrpcToolClient {
             // Every call in flight shares the connection, and each result arrives as a
             // small DATA frame: h2 allows unread small frames up to half the connection
             // window, so thousands of results at once need a large one.
-            .initial_connection_window_size(16 * 1024 * 1024)
-            .connect_lazy();
+            .initial_connection_window_size(16 * 1024 * 1024);
+        // Each channel is a connection of its own (made again when it closes).
+        let clients = (0..connections.max(1))
+            .map(|_| {
+                ToolExecutorClient::new(endpoint.connect_lazy())
+                    .max_decoding_message_size(max_message_bytes)
+                    .max_encoding_message_size(max_message_bytes)
+            })
+            .collect();
         Ok(Self {
             endpoint: url.to_owned(),
-            client: ToolExecutorClient::new(channel)
-                .max_decoding_message_size(max_message_bytes)
-                .max_encoding_message_size(max_message_bytes),
+            clients,
+            next: Arc::new(AtomicUsize::new(0)),
             timeout,
             authorization,
         })
@@ -108,6 +180,53 @@ impl GrpcToolClient {
         request
     }
 
+    /// The client of the next connection in turn.
+    fn client(&self) -> ToolExecutorClient<Channel> {
+        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        self.clients[turn % self.clients.len()].clone()
+    }
+
+    /// Makes the call `call` (given a client and the time left) until the tool executor
+    /// receives it or `deadline` passes: a call that never reached it goes again, at once
+    /// on another connection when a closing connection refused it, after a short wait
+    /// when none could be made (within `tool_executor_timeout`). `Err(())` when the
+    /// deadline passed first.
+    async fn send<T, F, Fut>(&self, deadline: Instant, mut call: F) -> Result<Result<T, Status>, ()>
+    where
+        F: FnMut(ToolExecutorClient<Channel>, Duration) -> Fut,
+        Fut: Future<Output = Result<T, Status>>,
+    {
+        let unreachable_until = Instant::now() + self.timeout;
+        let mut refused = 0;
+        let mut wait = FIRST_UNREACHABLE_WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(());
+            }
+            let outcome = tokio::time::timeout(left, call(self.client(), left))
+                .await
+                .map_err(|_| ())?;
+            let Err(status) = &outcome else {
+                return Ok(outcome);
+            };
+            match unsent(status) {
+                Some(Unsent::Refused) if refused < MAX_REFUSED => {
+                    refused += 1;
+                    tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "a call the tool executor refused unprocessed goes again");
+                }
+                Some(Unsent::Unreachable)
+                    if Instant::now() + wait < unreachable_until.min(deadline) =>
+                {
+                    tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), ?wait, "tool executor unreachable; calling again");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(MOST_UNREACHABLE_WAIT);
+                }
+                _ => return Ok(outcome),
+            }
+        }
+    }
+
     /// The error clients see (`reason`), after logging the details they must not see.
     fn unavailable(&self, reason: String, detail: &str) -> ToolServiceError {
         tracing::warn!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), %detail, "tool executor unavailable");
@@ -121,14 +240,15 @@ impl GrpcToolClient {
 #[async_trait]
 impl ToolCatalog for GrpcToolClient {
     async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
-        let request = self.request(v1::ListToolsRequest {}, self.timeout);
-        let mut client = self.client.clone();
-        let call = client.list_tools(request);
         // The client enforces the limit itself too: a server that accepts the connection
         // but never answers must not hang validation.
-        let response = tokio::time::timeout(self.timeout, call)
+        let response = self
+            .send(Instant::now() + self.timeout, |mut client, left| {
+                let request = self.request(v1::ListToolsRequest {}, left);
+                async move { client.list_tools(request).await }
+            })
             .await
-            .map_err(|_| {
+            .map_err(|()| {
                 let reason = format!("no answer within {:?}", self.timeout);
                 self.unavailable(reason.clone(), &reason)
             })?
@@ -169,22 +289,23 @@ impl ToolRunner for GrpcToolClient {
         let arguments = agentrt::json::json_to_struct(&call.arguments);
         // The parsed arguments are not needed while the call runs, which may be long.
         drop(call.arguments);
-        let request = self.request(
-            v1::ExecuteToolRequest {
-                call_id: call.call_id,
-                tool_name: call.name,
-                arguments,
-                run_id: call.run_id,
-                session_id: call.session_id,
-            },
-            timeout,
-        );
-        let mut client = self.client.clone();
+        let message = v1::ExecuteToolRequest {
+            call_id: call.call_id,
+            tool_name: call.name,
+            arguments,
+            run_id: call.run_id,
+            session_id: call.session_id,
+        };
         let timed_out =
             || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
-        let response = match tokio::time::timeout(timeout, client.execute_tool(request)).await {
-            Err(_) => return timed_out(),
-            Ok(response) => response,
+        let response = self
+            .send(Instant::now() + timeout, |mut client, left| {
+                let request = self.request(message.clone(), left);
+                async move { client.execute_tool(request).await }
+            })
+            .await;
+        let Ok(response) = response else {
+            return timed_out();
         };
         match response {
             Ok(response) => {

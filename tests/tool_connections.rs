@@ -1,0 +1,172 @@
+//! agent-server's connections to the tool executor (`tool_executor_connections`,
+//! `server.max_connection_age`): tool calls take several connections in turn, so that a load
+//! balancer that spreads connections spreads the calls; a tool executor that ages its
+//! connections out (GOAWAY) loses no call; a tool executor restarted while a run calls it
+//! runs the call once it is back. A TCP relay written here counts the connections. Needs
+//! nothing beyond the workspace's binaries.
+
+// Tests fail by panicking, with the value that was wrong.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use agentrt::v1::{self, EventType};
+use agentrt_test_support::{Server, agent_server_with_model, connect, simulator, tool_executor};
+use common::{agent, collect, create_engine, data, done, kind};
+use tokio::net::{TcpListener, TcpStream};
+
+const SCENARIOS: &str = r#"{"scenarios": {
+  "four": {"turns": [
+    {"tool_calls": [
+      {"name": "calculator", "arguments": {"expression": "1 + 1"}},
+      {"name": "calculator", "arguments": {"expression": "2 + 2"}},
+      {"name": "calculator", "arguments": {"expression": "3 + 3"}},
+      {"name": "calculator", "arguments": {"expression": "4 + 4"}}]},
+    {"content": "sums: {tool_results}"}]}
+}}"#;
+
+/// A TCP relay to `target` that counts the connections it accepts.
+async fn relay(target: std::net::SocketAddr) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (url, accepted)
+}
+
+/// An agent (on a session of its own) whose run makes four tool calls at once.
+async fn four_calls(agents: &Server) -> String {
+    let mut service =
+        v1::agent_service_client::AgentServiceClient::new(connect(&agents.url()).await);
+    create_engine(&mut service, agent("four", &["calculator"])).await
+}
+
+/// Runs an agent of its own once and checks that its four tool calls all ran.
+async fn run_four(agents: &Server) {
+    let engine_id = four_calls(agents).await;
+    run(agents, engine_id).await;
+}
+
+/// Runs `engine_id` once and checks that its four tool calls all ran.
+async fn run(agents: &Server, engine_id: String) {
+    let mut engine = v1::agent_engine_client::AgentEngineClient::new(connect(&agents.url()).await);
+    let stream = engine
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "sums".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let events = collect(stream).await;
+    let results: Vec<_> = events
+        .iter()
+        .filter(|e| kind(e) == EventType::ToolResult)
+        .map(data)
+        .collect();
+    assert_eq!(results.len(), 4, "{events:#?}");
+    for result in &results {
+        assert_eq!(result["is_error"], false, "a tool call failed: {result}");
+    }
+    assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
+}
+
+#[tokio::test]
+async fn calls_spread_over_the_connections_and_none_is_lost_when_connections_age_out() {
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = tool_executor(&["--max-connection-age", "1s"]).await;
+    let (tools_url, accepted) = relay(tools.addr).await;
+    let agents = agent_server_with_model(
+        &tools_url,
+        &format!("{}/v1", model.url()),
+        &["--tool-executor-connections", "3"],
+    )
+    .await;
+    // Engine creation lists the tools on one connection; the run's four calls take the
+    // three connections in turn.
+    run_four(&agents).await;
+    let first = accepted.load(Ordering::SeqCst);
+    assert!(
+        first >= 3,
+        "tool calls went over {first} connection(s), not the 3 configured"
+    );
+
+    // For 3.5 s the tool executor asks each connection to go after 1 s, while runs keep
+    // calling it (four runs at once): every call still runs, on new connections.
+    let until = tokio::time::Instant::now() + Duration::from_millis(3500);
+    while tokio::time::Instant::now() < until {
+        tokio::join!(
+            run_four(&agents),
+            run_four(&agents),
+            run_four(&agents),
+            run_four(&agents)
+        );
+    }
+    let total = accepted.load(Ordering::SeqCst);
+    assert!(
+        total >= first + 3,
+        "connections older than 1s were not replaced: {first} before, {total} after 3.5 s"
+    );
+}
+
+#[tokio::test]
+async fn a_call_made_while_the_tool_executor_restarts_runs_once_it_is_back() {
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = tool_executor(&[]).await;
+    let addr = tools.addr;
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    run_four(&agents).await;
+    let engine_id = four_calls(&agents).await;
+
+    // The tool executor goes away; its replacement comes up on the same address 700 ms
+    // later, within agent-server's `tool_executor_timeout` (5 s by default).
+    drop(tools);
+    let listen = addr.to_string();
+    let restart = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        agentrt_test_support::Server::start("tool-executor", &["--listen", &listen], &[]).await
+    });
+    run(&agents, engine_id).await;
+    drop(restart.await.unwrap());
+}
+
+#[tokio::test]
+async fn a_connection_count_out_of_range_is_refused_at_start() {
+    for count in ["0", "65"] {
+        let out = tokio::process::Command::new(agentrt_test_support::binary("agent-server"))
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--tool-executor-connections",
+                count,
+            ])
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success(), "{count} connections must not start");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains("tool_executor_connections") && stderr.contains("between 1 and 64"),
+            "{count}: {stderr}"
+        );
+    }
+}
