@@ -153,6 +153,16 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
         1.0
     );
 
+    // The tool executor has no runs, models or event bus: it does not show their metrics.
+    for agent_only in [
+        "agentrt_runs_",
+        "agentrt_model_",
+        "agentrt_event_bus_",
+        "lease",
+    ] {
+        assert!(!text.contains(agent_only), "{agent_only} in:\n{text}");
+    }
+
     let (status, _) = get(tools.logged_addr("metrics_addr").await, "/other").await;
     assert!(status.contains("404"), "{status}");
 }

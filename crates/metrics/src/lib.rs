@@ -4,11 +4,16 @@
 //! Labels stay bounded, whatever clients send: gRPC services and methods are only those
 //! the server registered (anything else is `unknown`), status codes, stop reasons and
 //! outcomes are fixed sets, and model and tool names, which clients and models choose,
-//! keep at most [`MAX_NAME_LABELS`] distinct values each (later ones count as `other`).
+//! keep at most [`MAX_NAME_LABELS`] distinct values each (later ones count as `other`). A
+//! model name takes one of those values only once a provider has answered a call of it, so
+//! that calls of made-up model names, which fail, cannot use them up for everyone.
+//!
+//! A process says which server it is ([`Metrics::serve_as`]) and exposes that server's
+//! metrics only: the tool executor has no runs, models or event bus to report.
 
 use std::{
     collections::HashSet,
-    sync::{LazyLock, Mutex, PoisonError},
+    sync::{LazyLock, Mutex, OnceLock, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -49,7 +54,29 @@ impl BoundedLabel {
         }
         OTHER.to_owned()
     }
+
+    /// `value` if it is known, else [`OTHER`]: for a value that must not take a place.
+    fn known(&self, value: &str) -> String {
+        let seen = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if seen.contains(value) {
+            value.to_owned()
+        } else {
+            OTHER.to_owned()
+        }
+    }
 }
+
+/// Which server a process is, for the metrics it exposes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// agent-server: every metric.
+    AgentServer,
+    /// tool-executor: its gRPC calls and tool calls.
+    ToolExecutor,
+}
+
+/// The process's role, once said; a process that says none exposes every metric.
+static ROLE: OnceLock<Role> = OnceLock::new();
 
 /// Every metric of the process.
 pub struct Metrics {
@@ -79,7 +106,17 @@ fn seconds() -> Histogram {
 }
 
 impl Metrics {
+    /// Says which server this process is, before its metrics are first used (later it
+    /// changes nothing, and says so by returning `false`).
+    pub fn serve_as(role: Role) -> bool {
+        ROLE.set(role).is_ok() && ROLE.get() == Some(&role)
+    }
+
     fn new() -> Self {
+        Self::for_role(ROLE.get().copied())
+    }
+
+    fn for_role(role: Option<Role>) -> Self {
         let mut registry = Registry::with_prefix("agentrt");
         let metrics = Self {
             models: BoundedLabel::default(),
@@ -112,31 +149,6 @@ impl Metrics {
             metrics.rpc_seconds.clone(),
         );
         registry.register(
-            "runs_active",
-            "Runs in progress",
-            metrics.runs_active.clone(),
-        );
-        registry.register(
-            "runs_finished",
-            "Runs finished, by stop reason",
-            metrics.runs_finished.clone(),
-        );
-        registry.register(
-            "model_request_seconds",
-            "Model call duration, from the request to the end of the stream, by model and outcome",
-            metrics.model_seconds.clone(),
-        );
-        registry.register(
-            "model_time_to_first_token_seconds",
-            "Time from a model request to its first streamed delta, by model",
-            metrics.model_first_token_seconds.clone(),
-        );
-        registry.register(
-            "model_tokens",
-            "Tokens the model reported, by model and type (input, output)",
-            metrics.tokens.clone(),
-        );
-        registry.register(
             "tool_calls",
             "Tool calls finished, by tool and outcome (ok, error)",
             metrics.tool_calls.clone(),
@@ -146,36 +158,63 @@ impl Metrics {
             "Tool call duration, by tool",
             metrics.tool_seconds.clone(),
         );
-        registry.register(
-            "event_bus_lagged",
-            "Subscribers told they fell behind the bounded replay log",
-            metrics.bus_lagged.clone(),
-        );
-        registry.register(
-            "event_bus_reader_lag_events",
-            "Events a subscriber was behind the run's latest event when it read",
-            metrics.bus_reader_lag.clone(),
-        );
-        registry.register(
-            "runs_taken_over",
-            "Runs this replica took over from another, by how (takeover: the owner's lease lapsed; handover: the owner let it go as it shut down)",
-            metrics.runs_taken_over.clone(),
-        );
-        registry.register(
-            "runs_handed_over",
-            "Runs this replica let go to the others as it shut down",
-            metrics.runs_handed_over.clone(),
-        );
-        registry.register(
-            "run_leases_lost",
-            "Runs this replica stopped because another replica took them over (it was paused or cut off past the lease)",
-            metrics.leases_lost.clone(),
-        );
-        registry.register(
-            "run_lease_renewals_failed",
-            "Lease renewals (of all the runs of this replica at once) that failed",
-            metrics.lease_renewals_failed.clone(),
-        );
+        if role != Some(Role::ToolExecutor) {
+            registry.register(
+                "runs_active",
+                "Runs in progress",
+                metrics.runs_active.clone(),
+            );
+            registry.register(
+                "runs_finished",
+                "Runs finished, by stop reason",
+                metrics.runs_finished.clone(),
+            );
+            registry.register(
+                "model_request_seconds",
+                "Model call duration, from the request to the end of the stream, by model and outcome",
+                metrics.model_seconds.clone(),
+            );
+            registry.register(
+                "model_time_to_first_token_seconds",
+                "Time from a model request to its first streamed delta, by model",
+                metrics.model_first_token_seconds.clone(),
+            );
+            registry.register(
+                "model_tokens",
+                "Tokens the model reported, by model and type (input, output)",
+                metrics.tokens.clone(),
+            );
+            registry.register(
+                "event_bus_lagged",
+                "Subscribers told they fell behind the bounded replay log",
+                metrics.bus_lagged.clone(),
+            );
+            registry.register(
+                "event_bus_reader_lag_events",
+                "Events a subscriber was behind the run's latest event when it read",
+                metrics.bus_reader_lag.clone(),
+            );
+            registry.register(
+                "runs_taken_over",
+                "Runs this replica took over from another, by how (takeover: the owner's lease lapsed; handover: the owner let it go as it shut down)",
+                metrics.runs_taken_over.clone(),
+            );
+            registry.register(
+                "runs_handed_over",
+                "Runs this replica let go to the others as it shut down",
+                metrics.runs_handed_over.clone(),
+            );
+            registry.register(
+                "run_leases_lost",
+                "Runs this replica stopped because another replica took them over (it was paused or cut off past the lease)",
+                metrics.leases_lost.clone(),
+            );
+            registry.register(
+                "run_lease_renewals_failed",
+                "Lease renewals (of all the runs of this replica at once) that failed",
+                metrics.lease_renewals_failed.clone(),
+            );
+        }
         Self {
             registry,
             ..metrics
@@ -230,7 +269,11 @@ impl Metrics {
     /// one came.
     pub fn model_call(&self, model: &str, ok: bool, started: Instant, first: Option<Instant>) {
         let outcome = if ok { "ok" } else { "error" };
-        let model = &self.models.value(model);
+        let model = &if ok {
+            self.models.value(model)
+        } else {
+            self.models.known(model)
+        };
         self.model_seconds
             .get_or_create(&[("model", model.to_owned()), ("outcome", outcome.to_owned())])
             .observe(started.elapsed().as_secs_f64());
@@ -361,6 +404,49 @@ mod tests {
                 .encode()
                 .contains(r#"agentrt_tool_calls_total{tool="made_up_0",outcome="error"} 2"#)
         );
+    }
+
+    #[test]
+    fn failed_calls_of_unknown_models_take_no_label() {
+        let metrics = Metrics::new();
+        let started = Instant::now();
+        for i in 0..MAX_NAME_LABELS + 50 {
+            metrics.model_call(&format!("made-up-{i}"), false, started, None);
+        }
+        metrics.model_call("real", true, started, None);
+        metrics.model_call("real", false, started, None);
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                r#"agentrt_model_request_seconds_count{model="other",outcome="error"} 150"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"agentrt_model_request_seconds_count{model="real",outcome="ok"} 1"#)
+        );
+        assert!(
+            text.contains(r#"agentrt_model_request_seconds_count{model="real",outcome="error"} 1"#)
+        );
+        assert!(!text.contains("made-up"));
+    }
+
+    #[test]
+    fn the_tool_executor_exposes_its_own_metrics_only() {
+        let metrics = Metrics::for_role(Some(Role::ToolExecutor));
+        metrics.tool_call("calculator", false, Duration::from_millis(2));
+        metrics.rpc(
+            "agent.v1.ToolExecutor",
+            "ExecuteTool",
+            0,
+            Duration::from_millis(2),
+        );
+        let text = metrics.encode();
+        assert!(text.contains(r#"agentrt_tool_calls_total{tool="calculator",outcome="ok"} 1"#));
+        assert!(text.contains("agentrt_grpc_server_handled"));
+        for agent_only in ["runs_active", "model_", "event_bus", "lease", "taken_over"] {
+            assert!(!text.contains(agent_only), "{agent_only} in:\n{text}");
+        }
     }
 
     #[test]

@@ -155,6 +155,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> std::result::Result<(), StartError> {
+    agentrt_metrics::Metrics::serve_as(agentrt_metrics::Role::AgentServer);
     // The tokenizer's tables are built before the first run needs them: built on first
     // use, they held that run's task (and its cancellation) for up to a second.
     let _ = tokio::task::spawn_blocking(agentrt_context::TokenCounter::shared).await;

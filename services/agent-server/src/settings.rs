@@ -21,7 +21,8 @@ pub struct Settings {
     pub tool_executor_timeout: Duration,
     /// Connections to the tool executor, which tool calls take in turn: behind a load
     /// balancer that spreads connections (a Kubernetes Service), calls reach up to this
-    /// many tool executor replicas.
+    /// many tool executor replicas. One by default: calls that share a connection share
+    /// its writes, and a tool iteration costs about a tenth less CPU than over four.
     pub tool_executor_connections: usize,
     /// TLS towards an `https://` tool executor: its CA, and this server's certificate
     /// when the tool executor requires mutual TLS.
@@ -207,7 +208,7 @@ impl Default for Settings {
             server: ServerSettings::listening_on(SocketAddr::from(([127, 0, 0, 1], 50051))),
             tool_executor: "http://127.0.0.1:50052".into(),
             tool_executor_timeout: Duration::from_secs(5),
-            tool_executor_connections: 4,
+            tool_executor_connections: 1,
             tool_executor_tls: ClientTlsSettings::default(),
             tool_executor_token: Secret::default(),
             tool_executor_token_file: None,

@@ -81,6 +81,7 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), Error> {
+    agentrt_metrics::Metrics::serve_as(agentrt_metrics::Role::ToolExecutor);
     let changes = Changes::new();
     let catalogue = Arc::new(catalogue(&settings, changes).await?);
     // Refreshes the catalogue when a source's tools change, until the server has drained.
