@@ -90,24 +90,27 @@ async fn run(agents: &Server, engine_id: String) {
     assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
 }
 
-#[tokio::test]
-async fn calls_spread_over_the_connections_and_none_is_lost_when_connections_age_out() {
+/// A stack whose tool executor asks connections to go after 1 s, reached through a
+/// counting relay by an agent-server with `connections` connections to it; checks that
+/// the first run's calls took every connection, then runs four runs at a time for 3.5 s
+/// and checks that every call ran and that the connections were replaced.
+async fn calls_survive_connections_aging_out(connections: usize) {
     let model = simulator(SCENARIOS, &[]).await;
     let tools = tool_executor(&["--max-connection-age", "1s"]).await;
     let (tools_url, accepted) = relay(tools.addr).await;
     let agents = agent_server_with_model(
         &tools_url,
         &format!("{}/v1", model.url()),
-        &["--tool-executor-connections", "3"],
+        &["--tool-executor-connections", &connections.to_string()],
     )
     .await;
     // Engine creation lists the tools on one connection; the run's four calls take the
-    // three connections in turn.
+    // connections in turn.
     run_four(&agents).await;
     let first = accepted.load(Ordering::SeqCst);
     assert!(
-        first >= 3,
-        "tool calls went over {first} connection(s), not the 3 configured"
+        first >= connections,
+        "tool calls went over {first} connection(s), not the {connections} configured"
     );
 
     // For 3.5 s the tool executor asks each connection to go after 1 s, while runs keep
@@ -123,9 +126,19 @@ async fn calls_spread_over_the_connections_and_none_is_lost_when_connections_age
     }
     let total = accepted.load(Ordering::SeqCst);
     assert!(
-        total >= first + 3,
+        total >= first + connections,
         "connections older than 1s were not replaced: {first} before, {total} after 3.5 s"
     );
+}
+
+#[tokio::test]
+async fn calls_spread_over_the_connections_and_none_is_lost_when_connections_age_out() {
+    calls_survive_connections_aging_out(3).await;
+}
+
+#[tokio::test]
+async fn over_one_connection_no_call_is_lost_when_it_ages_out() {
+    calls_survive_connections_aging_out(1).await;
 }
 
 #[tokio::test]
