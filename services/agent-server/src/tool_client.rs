@@ -68,10 +68,16 @@ fn unsent(status: &Status) -> Option<Unsent> {
             return Some(Unsent::Unreachable);
         }
         if let Some(h2) = current.downcast_ref::<h2::Error>() {
-            // RFC 9113: streams past a GOAWAY's last stream id and streams refused with
-            // REFUSED_STREAM were not processed.
+            // RFC 9113: streams refused with REFUSED_STREAM, and streams past a GOAWAY's
+            // last stream id, were not processed. h2 does not say which side of that id a
+            // stream failed by a GOAWAY was on; after a graceful one (NO_ERROR: the tool
+            // executor ageing a connection out, or draining) the streams below it end
+            // normally, so one that fails with it was past it. After a GOAWAY for an error,
+            // a failed stream may have been processed, and is not sent again.
             let refused = h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || (h2.is_go_away() && h2.is_remote());
+                || (h2.is_go_away()
+                    && h2.is_remote()
+                    && h2.reason() == Some(h2::Reason::NO_ERROR));
             return refused.then_some(Unsent::Refused);
         }
         if let Some(hyper) = current.downcast_ref::<hyper::Error>()
