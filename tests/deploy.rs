@@ -220,3 +220,44 @@ fn network_policies_open_each_port_only_to_its_callers() {
         "the tool executor's allow-list is not set in production"
     );
 }
+
+#[test]
+fn in_production_the_autoscalers_own_the_replica_counts() {
+    // A replica count in a Deployment an HPA scales is applied again by every `kubectl
+    // apply`, scaling a scaled-out Deployment back down until the HPA catches up.
+    let hpas = documents("deploy/k8s/overlays/production/hpa.yaml");
+    let scaled: Vec<&str> = hpas
+        .iter()
+        .map(|hpa| hpa["spec"]["scaleTargetRef"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(scaled.len(), 2, "{scaled:?}");
+    let state = documents("deploy/k8s/overlays/production/state.yaml");
+    let agent_server = state
+        .iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "agent-server")
+        .unwrap();
+    assert!(scaled.contains(&"agent-server"));
+    assert!(
+        agent_server["spec"]
+            .as_object()
+            .unwrap()
+            .get("replicas")
+            .is_some_and(serde_json::Value::is_null),
+        "state.yaml must remove agent-server's replicas (replicas: null)"
+    );
+    let kustomization = documents("deploy/k8s/overlays/production/kustomization.yaml");
+    let tool_executor = kustomization[0]["patches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["target"]["name"] == "tool-executor" && p["target"]["kind"] == "Deployment")
+        .unwrap();
+    assert!(scaled.contains(&"tool-executor"));
+    let ops: Vec<serde_json::Value> =
+        yaml_serde::from_str(tool_executor["patch"].as_str().unwrap()).unwrap();
+    assert!(
+        ops.iter()
+            .any(|op| op["op"] == "remove" && op["path"] == "/spec/replicas"),
+        "the production overlay must remove tool-executor's replicas: {ops:?}"
+    );
+}

@@ -75,9 +75,7 @@ fn unsent(status: &Status) -> Option<Unsent> {
             // normally, so one that fails with it was past it. After a GOAWAY for an error,
             // a failed stream may have been processed, and is not sent again.
             let refused = h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || (h2.is_go_away()
-                    && h2.is_remote()
-                    && h2.reason() == Some(h2::Reason::NO_ERROR));
+                || (h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR));
             return refused.then_some(Unsent::Refused);
         }
         if let Some(hyper) = current.downcast_ref::<hyper::Error>()
