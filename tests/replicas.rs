@@ -325,3 +325,74 @@ async fn redis_stopped_and_started_again() {
         .await;
     assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
+
+/// The whole log of `run_id` as `engine`'s replica serves it.
+async fn log_of(
+    engine: &mut AgentEngineClient<Channel>,
+    run_id: &str,
+) -> Vec<v1::AgentStreamEvent> {
+    common::rest(
+        engine
+            .subscribe(v1::SubscribeRequest {
+                run_id: run_id.into(),
+                after_sequence: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_run_that_ends_while_it_writes_reads_the_same_everywhere() {
+    // Run timeouts of a few milliseconds end runs at every point, among them while a
+    // checkpoint is being written to Redis: the run's own replica, the other one and
+    // GetRun must then still agree on every event and on the one `done`. (A run that
+    // dropped such a write once numbered its later events otherwise on its own replica:
+    // two `done` events, at 2 there and at 9 elsewhere.)
+    let (mut a, mut b) = replicas("ends-while-writing").await;
+    let mut engines = Vec::new();
+    for ms in [2, 4, 6, 8, 10, 13, 16, 20] {
+        let mut config = agent("calc", &["calculator"]);
+        config.timeouts = Some(v1::Timeouts {
+            run: Some(prost_types::Duration {
+                seconds: 0,
+                nanos: ms * 1_000_000,
+            }),
+            ..Default::default()
+        });
+        engines.push(a.engine_for(config).await);
+    }
+    let mut ended_early = 0;
+    for round in 0..6 {
+        for engine_id in &engines {
+            let events = collect(
+                a.start(engine_id, &format!("what is 6 * 7? ({round})"))
+                    .await,
+            )
+            .await;
+            let run_id = events[0].run_id.clone();
+            if done(&events)["stop_reason"] == "timeout" {
+                ended_early += 1;
+            }
+            assert_eq!(
+                log_of(&mut a.engine, &run_id).await,
+                events,
+                "on its own replica"
+            );
+            assert_eq!(
+                log_of(&mut b.engine, &run_id).await,
+                events,
+                "on the other replica"
+            );
+            let state = get_run(&mut b.engine, &run_id).await;
+            assert_eq!(
+                state.last_sequence,
+                events.last().unwrap().sequence,
+                "GetRun's last sequence"
+            );
+        }
+    }
+    assert!(ended_early >= 10, "only {ended_early} runs timed out");
+}

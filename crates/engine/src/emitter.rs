@@ -166,16 +166,17 @@ impl Emitter {
             return Ok(());
         }
         let batch = std::mem::take(&mut self.pending);
-        let count = batch.len() as u64;
+        // Numbered either way, before the publisher is called: on an error it keeps them,
+        // with their numbers, and writes them with its next call (the end's, at the
+        // latest), as it does when the run stops while they are being written (this
+        // future is then dropped part way).
+        self.published += batch.len() as u64;
+        self.record.last_sequence = self.published;
         let published = if soon {
             self.publisher.publish_soon(batch).await
         } else {
             self.publisher.publish(batch).await
         };
-        // Numbered either way: on an error the publisher keeps them, with their numbers,
-        // and writes them with its next call (the end's, at the latest).
-        self.published += count;
-        self.record.last_sequence = self.published;
         published.map_err(|e| unpublished(&e))
     }
 
@@ -183,8 +184,9 @@ impl Emitter {
     /// replica needs to continue the run from here) when given.
     pub(crate) async fn checkpoint(&mut self, progress: Option<Progress>) -> Result<(), Outcome> {
         let batch = std::mem::take(&mut self.pending);
-        let count = batch.len() as u64;
-        self.record.last_sequence = self.published + count;
+        // Numbered either way (see `publish_pending`).
+        self.published += batch.len() as u64;
+        self.record.last_sequence = self.published;
         let written = self
             .store
             .checkpoint(
@@ -195,8 +197,6 @@ impl Emitter {
                 progress.as_ref(),
             )
             .await;
-        // Numbered either way (see `publish_pending`).
-        self.published += count;
         match written {
             Ok(()) => {}
             Err(CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error)) => {

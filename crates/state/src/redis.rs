@@ -1702,6 +1702,17 @@ impl PublisherCore {
             state.expiring = true;
             (batch, set_ttl.then_some(ended))
         };
+        // A caller may give up on the write part way (a run stopped or timed out while it
+        // wrote): the batch then goes back to the buffer, first, for the next write, which
+        // finds what of it Redis holds already (below). Lost instead, it would never reach
+        // this replica's copy of the log, which would number the run's later events
+        // otherwise than Redis.
+        let mut pending = Unwritten {
+            core: self,
+            batch: Some(batch),
+            set_ttl: set_ttl.is_some(),
+        };
+        let batch: &[(u64, RunEvent)] = pending.batch.as_deref().unwrap_or_default();
         let Some((last, _)) = batch.last() else {
             return match save {
                 Some(save) => save
@@ -1719,7 +1730,15 @@ impl PublisherCore {
                 RUNNING_TTL + self.shared.limits.run_retention
             })
         });
-        let mut written = self.invoke(&batch, save.as_ref(), ttl, last).await?;
+        // An event that cannot be encoded fails its batch for good (as it would again).
+        let give_up = |pending: &mut Unwritten<'_>, error| {
+            pending.batch = None;
+            error
+        };
+        let mut written = match self.invoke(batch, save.as_ref(), ttl, last).await {
+            Ok(written) => written,
+            Err(error) => return Err(give_up(&mut pending, error)),
+        };
         // Events of the batch that are in the log already: a write that timed out (Redis
         // hung) may have run all the same, and its events are not written twice (Redis
         // refuses the repeated ids, and would for ever).
@@ -1742,6 +1761,8 @@ impl PublisherCore {
                 };
             }
         }
+        // Whatever happens now happens whole: the write is no longer given up part way.
+        let batch = pending.batch.take().unwrap_or_default();
         if written == Ok(0) {
             // Another replica has the run: these events are not its to write.
             self.state().fenced = true;
@@ -1778,6 +1799,28 @@ impl PublisherCore {
                 .map_err(CheckpointError::Events)?;
         }
         Ok(())
+    }
+}
+
+/// A batch taken from a publisher's buffer for a write, put back first if the write is
+/// dropped before it is done.
+struct Unwritten<'a> {
+    core: &'a PublisherCore,
+    batch: Option<Vec<(u64, RunEvent)>>,
+    /// Whether the write was to set the log's time to live (set again by the next one).
+    set_ttl: bool,
+}
+
+impl Drop for Unwritten<'_> {
+    fn drop(&mut self) {
+        let Some(batch) = self.batch.take() else {
+            return;
+        };
+        let mut state = self.core.state();
+        state.buffer.splice(0..0, batch);
+        if self.set_ttl {
+            state.expiring = false;
+        }
     }
 }
 

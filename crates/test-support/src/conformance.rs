@@ -183,6 +183,29 @@ where
         [Err(BusError::Lagged { from: 1, to: 3 })]
     );
     assert_eq!(sequences(&*other, "r3", 3).await, [Ok(4), Ok(5), Ok(6)]);
+
+    // A publish its caller gave up on part way (a run stopped or timed out while it
+    // wrote) loses nothing and numbers nothing twice: the log reads the same here and
+    // elsewhere.
+    let (bus, other) = new(BusLimits::default()).await;
+    let publisher = bus.open("dropped", "").await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    {
+        let mut write = std::pin::pin!(publisher.publish(vec![started()]));
+        // Polled once, so that it is under way, then dropped.
+        let _ = futures_util::FutureExt::now_or_never(write.as_mut());
+    }
+    publisher.publish(vec![done()]).await.unwrap();
+    assert_eq!(
+        sequences(&*bus, "dropped", 0).await,
+        [Ok(1), Ok(2), Ok(3)],
+        "the log where the run was published"
+    );
+    assert_eq!(
+        sequences(&*other, "dropped", 0).await,
+        [Ok(1), Ok(2), Ok(3)],
+        "the log elsewhere"
+    );
 }
 
 /// The session store suite; `new` makes a store keeping 3 exchanges per session, and
