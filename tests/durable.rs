@@ -590,6 +590,9 @@ async fn killed_mid_round_the_run_is_taken_over_and_the_client_resumes_on_anothe
     );
     let state = ended(&mut b.engine, &run_id).await;
     assert_succeeded(&log, &state, SLOW_ANSWER);
+    // The interrupted call counts too, estimated: more prompt than the one call B made.
+    let usage = state.usage.unwrap();
+    assert!(usage.estimated, "{usage:?}");
 }
 
 /// Needs Redis. `Cancel` on replica B of a run whose owner A was just killed (-9), before
@@ -618,6 +621,13 @@ async fn a_run_cancelled_after_its_owner_died_ends_cancelled_once_taken_over() {
             v1::StopReason::Cancelled as i32
         ),
         "{state:#?}"
+    );
+    // The model call the owner died in was never reported by its provider: it counts,
+    // estimated, with the deltas it streamed (it was an exact zero).
+    let usage = state.usage.unwrap();
+    assert!(
+        usage.estimated && usage.prompt_tokens > 0 && usage.completion_tokens > 0,
+        "{usage:?}"
     );
     let log = whole_log(&mut b.engine, &run_id).await;
     let done = log.last().unwrap();

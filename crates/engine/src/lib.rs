@@ -507,8 +507,17 @@ impl Engine {
             _ => &[],
         };
         let mut last = record.last_sequence;
+        // What the model streamed in rounds begun since the checkpoint, whose calls ended
+        // with the previous owner: their provider's report of usage went with it.
+        let mut lost_completion = 0u64;
+        let counter = TokenCounter::shared();
         for event in &resumed.tail {
             last = last.max(event.sequence);
+            if event.iteration > state.iteration
+                && matches!(event.kind, EventKind::Thought | EventKind::FinalAnswer)
+            {
+                lost_completion += u64::from(counter.text(&event.content));
+            }
             match (event.kind, event.data.as_deref()) {
                 (
                     EventKind::ToolResult,
@@ -559,7 +568,24 @@ impl Engine {
             .create_time
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        let emitter = Emitter::resumed(resumed.publisher, store, record, last, iteration);
+        let mut emitter = Emitter::resumed(resumed.publisher, store, record, last, iteration);
+        if !interrupted.is_empty() {
+            // Each interrupted round's call counts, estimated (never silently zero): this
+            // turn's messages as its prompt (the system prompt and the session's history
+            // are not counted), and what it streamed.
+            let prompt: u64 = state
+                .messages
+                .iter()
+                .map(|(_, tokens)| u64::from(*tokens))
+                .sum();
+            emitter.usage(
+                Usage {
+                    prompt_tokens: prompt * interrupted.len() as u64,
+                    completion_tokens: lost_completion,
+                },
+                true,
+            );
+        }
         Ok(StartedRun(Box::new(RunParts {
             engine: self.clone(),
             spec,
