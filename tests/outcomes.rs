@@ -390,6 +390,12 @@ async fn a_retry_after_the_clients_own_disconnect_gets_a_new_run() {
         status.message().contains("with another query"),
         "{status:?}"
     );
+    assert_eq!(
+        tonic_types::StatusExt::get_details_error_info(&status)
+            .expect("an ErrorInfo")
+            .reason,
+        "MESSAGE_ID_REUSED"
+    );
 }
 
 #[tokio::test]
@@ -413,6 +419,12 @@ async fn a_client_that_lags_behind_the_replay_log_does_not_cancel_its_run() {
     }
     let status = lagged.expect("the lagging client was told");
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    assert_eq!(
+        tonic_types::StatusExt::get_details_error_info(&status)
+            .expect("an ErrorInfo")
+            .reason,
+        "EVENTS_LAGGED"
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let state = s.state(&run_id).await;

@@ -84,6 +84,18 @@ pub fn failed_precondition(reason: &str, message: String) -> Status {
     Status::with_error_details(Code::FailedPrecondition, message, details)
 }
 
+/// `ALREADY_EXISTS` with an `ErrorInfo` naming the reason.
+pub fn already_exists(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    Status::with_error_details(Code::AlreadyExists, message, details)
+}
+
+/// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason.
+pub fn out_of_range(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    Status::with_error_details(Code::OutOfRange, message, details)
+}
+
 /// `UNAVAILABLE` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Status {
     let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);

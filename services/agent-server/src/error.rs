@@ -132,9 +132,11 @@ impl From<Error> for Status {
             Error::RunNotFound(id) | Error::Bus(BusError::UnknownRun(id)) => {
                 status::not_found("RUN_NOT_FOUND", "run", &id)
             }
-            Error::Bus(error @ BusError::Lagged { .. }) => Status::out_of_range(error.to_string()),
+            Error::Bus(error @ BusError::Lagged { .. }) => {
+                status::out_of_range("EVENTS_LAGGED", error.to_string())
+            }
             Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
-            Error::EventsExpired(_) => Status::out_of_range(error.to_string()),
+            Error::EventsExpired(_) => status::out_of_range("EVENTS_EXPIRED", error.to_string()),
             error @ Error::RunNotWaiting { .. } => {
                 status::failed_precondition("RUN_NOT_WAITING", error.to_string())
             }
@@ -169,7 +171,7 @@ impl From<Error> for Status {
                     status::unavailable(&error.code, error.message, Duration::from_secs(1))
                 }
                 error @ RunStartError::MessageIdReused { .. } => {
-                    Status::already_exists(error.to_string())
+                    status::already_exists("MESSAGE_ID_REUSED", error.to_string())
                 }
             },
         }
