@@ -73,8 +73,38 @@ pub(super) struct BoundedLines<R> {
     /// The last [`TAIL`] bytes of the line being dropped.
     tail: Vec<u8>,
     /// An error answer to hand out before anything else.
-    pending: Vec<u8>,
-    pending_pos: usize,
+    pending: Unread,
+}
+
+/// Bytes a reader has made and not yet handed out, and how far they went out.
+#[derive(Default)]
+pub(super) struct Unread {
+    bytes: Vec<u8>,
+    pos: usize,
+}
+
+impl Unread {
+    /// Appends `bytes` to what is to be handed out.
+    pub(super) fn push(&mut self, bytes: &[u8]) {
+        self.bytes.extend_from_slice(bytes);
+    }
+
+    /// Hands out into `out` what fits of the bytes not yet handed out; false when there
+    /// were none.
+    pub(super) fn hand_out(&mut self, out: &mut ReadBuf<'_>) -> bool {
+        if self.pos == self.bytes.len() {
+            return false;
+        }
+        let rest = &self.bytes[self.pos..];
+        let n = rest.len().min(out.remaining());
+        out.put_slice(&rest[..n]);
+        self.pos += n;
+        if self.pos == self.bytes.len() {
+            self.bytes.clear();
+            self.pos = 0;
+        }
+        true
+    }
 }
 
 impl<R> BoundedLines<R> {
@@ -91,8 +121,7 @@ impl<R> BoundedLines<R> {
             head: Vec::with_capacity(HEAD),
             discarding: false,
             tail: Vec::with_capacity(TAIL * 2),
-            pending: Vec::new(),
-            pending_pos: 0,
+            pending: Unread::default(),
         }
     }
 
@@ -117,9 +146,9 @@ impl<R> BoundedLines<R> {
             "an answer from the MCP server was larger than `max_message_bytes` and was \
              dropped; its call gets an error"
         );
-        self.pending = too_large_answer(id, self.max).to_string().into_bytes();
-        self.pending.push(b'\n');
-        self.pending_pos = 0;
+        let mut answer = too_large_answer(id, self.max).to_string().into_bytes();
+        answer.push(b'\n');
+        self.pending.push(&answer);
     }
 }
 
@@ -149,15 +178,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for BoundedLines<R> {
             return Poll::Ready(Ok(()));
         }
         loop {
-            if this.pending_pos < this.pending.len() {
-                let rest = &this.pending[this.pending_pos..];
-                let n = rest.len().min(out.remaining());
-                out.put_slice(&rest[..n]);
-                this.pending_pos += n;
-                if this.pending_pos == this.pending.len() {
-                    this.pending.clear();
-                    this.pending_pos = 0;
-                }
+            if this.pending.hand_out(out) {
                 return Poll::Ready(Ok(()));
             }
             if this.pos == this.len {

@@ -35,6 +35,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncRead, ReadBuf};
 use tracing::debug;
 
+use super::bounded::Unread;
+
 /// The `_meta` key of a listed tool that carries its `execution.taskSupport`.
 pub(super) const TASK_SUPPORT_META: &str = "io.agentrt/taskSupport";
 /// Content types the SDK reads: an item of one of these that does not parse is malformed,
@@ -170,9 +172,8 @@ pub(super) struct TaskSupportLines<R> {
     buf: Box<[u8]>,
     /// The current line, up to what was read.
     line: Vec<u8>,
-    /// Lines ready to hand out, and how much of them went out.
-    out: Vec<u8>,
-    out_pos: usize,
+    /// Lines ready to hand out.
+    out: Unread,
 }
 
 impl<R> TaskSupportLines<R> {
@@ -181,8 +182,7 @@ impl<R> TaskSupportLines<R> {
             inner,
             buf: vec![0; CHUNK].into_boxed_slice(),
             line: Vec::new(),
-            out: Vec::new(),
-            out_pos: 0,
+            out: Unread::default(),
         }
     }
 }
@@ -198,14 +198,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for TaskSupportLines<R> {
             return Poll::Ready(Ok(()));
         }
         loop {
-            if this.out_pos < this.out.len() {
-                let n = (this.out.len() - this.out_pos).min(out.remaining());
-                out.put_slice(&this.out[this.out_pos..this.out_pos + n]);
-                this.out_pos += n;
-                if this.out_pos == this.out.len() {
-                    this.out.clear();
-                    this.out_pos = 0;
-                }
+            if this.out.hand_out(out) {
                 return Poll::Ready(Ok(()));
             }
             let mut read = ReadBuf::new(&mut this.buf);
@@ -216,7 +209,8 @@ impl<R: AsyncRead + Unpin> AsyncRead for TaskSupportLines<R> {
                     return Poll::Ready(Ok(()));
                 }
                 // The end: a last line without its newline goes as it is.
-                this.out = std::mem::take(&mut this.line);
+                this.out.push(&this.line);
+                this.line.clear();
                 continue;
             }
             let mut rest = &this.buf[..n];
@@ -225,10 +219,10 @@ impl<R: AsyncRead + Unpin> AsyncRead for TaskSupportLines<R> {
                 rest = &rest[i + 1..];
                 match keep_task_support(&this.line) {
                     Some(line) => {
-                        this.out.extend_from_slice(&line);
-                        this.out.push(b'\n');
+                        this.out.push(&line);
+                        this.out.push(b"\n");
                     }
-                    None => this.out.extend_from_slice(&this.line),
+                    None => this.out.push(&this.line),
                 }
                 this.line.clear();
             }
