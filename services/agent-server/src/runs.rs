@@ -883,8 +883,11 @@ impl RunManager {
                     .await?;
                 let deadline = tokio::time::Instant::now() + wait;
                 let mut asked = tokio::time::Instant::now();
+                // The owner stops the run within milliseconds: look soon, then less often.
+                let mut pause = Duration::from_millis(2);
                 while tokio::time::Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(20));
                     if let Some(record) = self.store.load(run_id).await?
                         && record.ended()
                     {
