@@ -1730,14 +1730,14 @@ impl PublisherCore {
                 RUNNING_TTL + self.shared.limits.run_retention
             })
         });
-        // An event that cannot be encoded fails its batch for good (as it would again).
-        let give_up = |pending: &mut Unwritten<'_>, error| {
-            pending.batch = None;
-            error
-        };
         let mut written = match self.invoke(batch, save.as_ref(), ttl, last).await {
             Ok(written) => written,
-            Err(error) => return Err(give_up(&mut pending, error)),
+            Err(error) => {
+                // An event that cannot be encoded fails its batch for good (as it would
+                // again).
+                pending.batch = None;
+                return Err(error);
+            }
         };
         // Events of the batch that are in the log already: a write that timed out (Redis
         // hung) may have run all the same, and its events are not written twice (Redis
