@@ -395,6 +395,71 @@ async fn a_client_that_disconnects_cancels_its_run_unless_detached() {
 }
 
 #[tokio::test]
+async fn a_retry_attached_before_the_first_disconnect_is_noticed_keeps_the_run() {
+    // A client whose connection broke retries with the same message id; the server
+    // notices the first connection's end only later. The retry has the run: the first
+    // stream's end does not cancel it, and the run ends as it would have.
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let request = v1::ExecuteRequest {
+        engine_id: engine_id.clone(),
+        message_id: "turn-1".into(),
+        query: "talk".into(),
+        ..Default::default()
+    };
+    let mut first = s
+        .engine
+        .execute(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let run_id = first.next().await.unwrap().unwrap().run_id;
+    let mut retry = s
+        .engine
+        .execute(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let replayed = retry.next().await.unwrap().unwrap();
+    assert_eq!(replayed.run_id, run_id, "the retry re-attached");
+    drop(first);
+    let mut events = vec![replayed];
+    events.extend(rest(retry).await);
+    assert_well_formed(&events);
+    assert_eq!(
+        done(&events)["stop_reason"],
+        "final_answer",
+        "{}",
+        s.agents.logs()
+    );
+
+    // Once the last of them goes, the run is cancelled as before.
+    let request = v1::ExecuteRequest {
+        message_id: "turn-2".into(),
+        ..request
+    };
+    let mut first = s
+        .engine
+        .execute(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let run_id = first.next().await.unwrap().unwrap().run_id;
+    let mut retry = s.engine.execute(request).await.unwrap().into_inner();
+    assert_eq!(retry.next().await.unwrap().unwrap().run_id, run_id);
+    drop(first);
+    drop(retry);
+    let state = s
+        .ended(
+            &run_id,
+            Duration::from_secs(5),
+            "the run kept going after both streams left",
+        )
+        .await;
+    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+}
+
+#[tokio::test]
 async fn subscribe_replays_from_an_offset_live_and_after_the_end() {
     let mut s = stack().await;
     let engine_id = s.engine_for(agent("slow", &[])).await;

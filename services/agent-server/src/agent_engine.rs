@@ -244,20 +244,31 @@ fn check_answers<'a>(
     }
 }
 
-/// Cancels the run when the `Execute` stream that started it is dropped before the run
-/// ended: the client went away. Disarmed when the stream ends for another reason (the
-/// client fell behind the replay log: it is told so, and resumes with `Subscribe`).
+/// Cancels the run when the `Execute` stream that started it, and every retry of it
+/// attached meanwhile, is dropped before the run ended: the client went away. Disarmed
+/// when the stream ends for another reason (the client fell behind the replay log: it is
+/// told so, and resumes with `Subscribe`).
 struct CancelOnDisconnect {
     runs: Arc<RunManager>,
     run_id: String,
     armed: bool,
 }
 
+impl CancelOnDisconnect {
+    /// The guard of an `Execute` stream of `run_id`, when the run executes here and its
+    /// client going away is to cancel it (see [`RunManager::attach`]).
+    fn attach(runs: &Arc<RunManager>, run_id: &str, first: bool) -> Option<Self> {
+        runs.attach(run_id, first).then(|| Self {
+            runs: runs.clone(),
+            run_id: run_id.to_owned(),
+            armed: true,
+        })
+    }
+}
+
 impl Drop for CancelOnDisconnect {
     fn drop(&mut self) {
-        if self.armed {
-            self.runs.abandon(&self.run_id);
-        }
+        self.runs.detach(&self.run_id, self.armed);
     }
 }
 
@@ -466,12 +477,12 @@ impl AgentEngine for AgentEngineImpl {
             config: engine.config.clone(),
             tools: engine.tools.clone(),
         };
-        let (run, events, owner) = match self.runs.start(spec).await.map_err(Error::from)? {
+        let (run, events, first) = match self.runs.start(spec).await.map_err(Error::from)? {
             // A run started here exists already, and the caller may see it (it may act
             // on its engine): no need to read its record back.
             Started::New(run_id) => {
                 let events = self.events(&run_id, 0).await?;
-                (new, events, !request.detach)
+                (new, events, true)
             }
             Started::Existing(run_id) => {
                 let record = self.run(&caller, &run_id).await?;
@@ -479,11 +490,11 @@ impl AgentEngine for AgentEngineImpl {
                 (RunIds::of(&record), events, false)
             }
         };
-        let guard = owner.then(|| CancelOnDisconnect {
-            runs: self.runs.clone(),
-            run_id: run.run_id.clone(),
-            armed: true,
-        });
+        let guard = if request.detach {
+            None
+        } else {
+            CancelOnDisconnect::attach(&self.runs, &run.run_id, first)
+        };
         Ok(Response::new(stream_events(
             events,
             run,

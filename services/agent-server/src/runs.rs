@@ -170,6 +170,12 @@ struct LocalRun {
     ended: watch::Receiver<bool>,
     /// Its lease token.
     token: String,
+    /// Its `Execute` streams whose client going away cancels it (see
+    /// [`RunManager::attach`]).
+    clients: usize,
+    /// Whether such a stream ended otherwise (its client fell behind and resumes with
+    /// `Subscribe`): disconnects no longer cancel the run.
+    kept: bool,
 }
 
 /// Starts runs here and reaches runs anywhere.
@@ -624,6 +630,8 @@ impl RunManager {
                 control,
                 ended,
                 token,
+                clients: 0,
+                kept: false,
             },
         );
         // Given back by the run's task.
@@ -740,8 +748,41 @@ impl RunManager {
         self.bus.subscribe(run_id, after_sequence).await
     }
 
+    /// Counts an `Execute` stream of a run executing here whose client going away
+    /// cancels the run once no other such stream is left: the stream that started the
+    /// run (`first`), or a retry of it with the same message id while the run is still so
+    /// followed (a retry must not lose its run when the first stream's broken connection
+    /// is noticed, later). False when the run is not executing here, or not followed so
+    /// (started with `detach`).
+    pub fn attach(&self, run_id: &str, first: bool) -> bool {
+        match self.lock().get_mut(run_id) {
+            Some(run) if !run.kept && !*run.ended.borrow() && (first || run.clients > 0) => {
+                run.clients += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A stream counted by [`RunManager::attach`] ended: its client went away (`gone`),
+    /// which cancels the run when no other such stream is left, or it ended otherwise,
+    /// after which disconnects no longer cancel the run.
+    pub fn detach(&self, run_id: &str, gone: bool) {
+        let abandoned = match self.lock().get_mut(run_id) {
+            Some(run) => {
+                run.clients = run.clients.saturating_sub(1);
+                run.kept |= !gone;
+                run.clients == 0 && !run.kept
+            }
+            None => false,
+        };
+        if abandoned {
+            self.abandon(run_id);
+        }
+    }
+
     /// Stops a run executing here because the client of its `Execute` went away.
-    pub fn abandon(&self, run_id: &str) {
+    fn abandon(&self, run_id: &str) {
         // A replica handing its runs over ends its streams: their clients resume
         // elsewhere, and the runs go on.
         if self.draining.is_cancelled() {
@@ -1266,6 +1307,8 @@ mod tests {
                 control: new.clone(),
                 ended,
                 token: "t2".into(),
+                clients: 0,
+                kept: false,
             },
         );
         manager.run_ended("r", &old, true);
