@@ -465,6 +465,34 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
 }
 
 #[tokio::test]
+async fn a_tool_executor_that_never_answers_is_said_to_be_silent() {
+    // It accepts connections and reads nothing back: the message says it did not answer
+    // in time (it said "it answered Cancelled").
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", silent.local_addr().unwrap());
+    let _held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            open.push(socket);
+        }
+    });
+    let agents = agent_server(&url, &["--tool-executor-timeout", "1s"]).await;
+    let mut client = AgentServiceClient::new(connect(&agents.url()).await);
+    let status = client
+        .validate_config(v1::ValidateConfigRequest {
+            config: Some(valid()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        status.message().contains("no answer within 1s"),
+        "{}",
+        status.message()
+    );
+}
+
+#[tokio::test]
 async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
     let (refusing, _held) = refusing_addr();
     let nowhere = format!("http://{refusing}");

@@ -301,8 +301,28 @@ impl AuthSettings {
             }
             entries.extend(inline);
         }
+        refuse_conflicts(&entries)?;
         Ok((!entries.is_empty()).then(|| Arc::new(TokenSet { entries })))
     }
+}
+
+/// Refuses a token given twice (on two lines, or in the file and inline) with other
+/// services, principal or scope: only the first would apply, silently.
+fn refuse_conflicts(entries: &[TokenEntry]) -> Result<(), ConfigError> {
+    for (index, entry) in entries.iter().enumerate() {
+        if entries[..index]
+            .iter()
+            .any(|e| e.digest == entry.digest && e != entry)
+        {
+            return Err(ConfigError::Invalid {
+                field: "server.auth.tokens",
+                message: "a token is given twice with different services, principal or \
+                          scope: give each token once"
+                    .into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Shortest token accepted: shorter ones are guessable.
@@ -455,7 +475,7 @@ impl TokenSet {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 struct TokenEntry {
     digest: [u8; 32],
     /// `None`: every service.
@@ -748,6 +768,25 @@ mod tests {
             assert!(err.contains(says), "{entry}: {err}");
             assert!(!err.contains("ok-token"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_token_given_twice_with_other_rights_is_refused() {
+        let twice = |text: &str| refuse_conflicts(&parse_entries("t", text).unwrap());
+        let err = twice(
+            "dup-token-0123456789 agent.v1.AgentEngine principal=bob\n\
+             dup-token-0123456789 principal=alice",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("given twice"), "{err}");
+        assert!(!err.contains("dup-token"), "{err}");
+        assert!(
+            twice("dup-token-0123456789 principal=a\ndup-token-0123456789 * principal=a").is_ok()
+        );
+        assert!(
+            twice("dup-token-0123456789 principal=a\nother-token-0123456789 principal=b").is_ok()
+        );
     }
 
     #[test]

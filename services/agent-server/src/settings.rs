@@ -325,11 +325,17 @@ impl Settings {
                 ),
             });
         }
-        if self.engines.ttl.is_zero() {
-            return Err(ConfigError::Invalid {
-                field: "engines.ttl",
-                message: "must be positive".into(),
-            });
+        for (field, value) in [
+            ("engines.ttl", self.engines.ttl),
+            ("runs.retention", self.runs.retention),
+            ("sessions.ttl", self.sessions.ttl),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::Invalid {
+                    field,
+                    message: "must be positive".into(),
+                });
+            }
         }
         if self.runs.max_active == 0
             || self.runs.events_per_run == 0
@@ -391,6 +397,8 @@ impl Settings {
                 self.runs.max_waiting_per_principal,
             ),
             ("sessions.max_bytes", self.sessions.max_bytes),
+            ("sessions.max_sessions", self.sessions.max_sessions),
+            ("sessions.max_turns", self.sessions.max_turns),
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid {
@@ -536,5 +544,36 @@ impl Cli {
         }
         settings.validate()?;
         Ok(settings)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_retention_ttls_and_session_bounds_are_refused_naming_the_setting() {
+        assert!(Settings::default().validate().is_ok());
+        type Zero = fn(&mut Settings);
+        let cases: [(&str, Zero); 4] = [
+            ("runs.retention", |s| s.runs.retention = Duration::ZERO),
+            ("sessions.ttl", |s| s.sessions.ttl = Duration::ZERO),
+            ("sessions.max_sessions", |s| s.sessions.max_sessions = 0),
+            ("sessions.max_turns", |s| s.sessions.max_turns = 0),
+        ];
+        for (field, zero) in cases {
+            let mut settings = Settings::default();
+            zero(&mut settings);
+            match settings.validate() {
+                Err(ConfigError::Invalid {
+                    field: named,
+                    message,
+                }) => {
+                    assert_eq!(named, field);
+                    assert_eq!(message, "must be positive");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
     }
 }

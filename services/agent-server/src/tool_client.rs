@@ -257,8 +257,16 @@ impl ToolCatalog for GrpcToolClient {
                 self.unavailable(reason.clone(), &reason)
             })?
             .map_err(|status| {
+                let reason = match status.code() {
+                    // The call's own deadline (`tool_executor_timeout`) passed: the tool
+                    // executor did not answer, it cancelled nothing.
+                    Code::Cancelled | Code::DeadlineExceeded => {
+                        format!("no answer within {:?}", self.timeout)
+                    }
+                    code => format!("it answered {code:?}"),
+                };
                 self.unavailable(
-                    format!("it answered {:?}", status.code()),
+                    reason,
                     &format!("{:?}: {}", status.code(), status.message()),
                 )
             })?;
