@@ -419,11 +419,13 @@ async fn a_client_that_lags_behind_the_replay_log_does_not_cancel_its_run() {
     }
     let status = lagged.expect("the lagging client was told");
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
-    assert_eq!(
-        tonic_types::StatusExt::get_details_error_info(&status)
-            .expect("an ErrorInfo")
-            .reason,
-        "EVENTS_LAGGED"
+    let info = tonic_types::StatusExt::get_details_error_info(&status).expect("an ErrorInfo");
+    assert_eq!(info.reason, "EVENTS_LAGGED");
+    // The client of an Execute may have no run id yet: the error gives it, to resume with.
+    assert_eq!(info.metadata.get("run"), Some(&run_id), "{status:?}");
+    assert!(
+        status.message().contains(&run_id) && status.message().contains("Subscribe"),
+        "{status:?}"
     );
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

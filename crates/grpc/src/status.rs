@@ -90,9 +90,17 @@ pub fn already_exists(reason: &str, message: String) -> Status {
     Status::with_error_details(Code::AlreadyExists, message, details)
 }
 
-/// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason.
-pub fn out_of_range(reason: &str, message: String) -> Status {
-    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+/// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason, and in its metadata what is out
+/// of range (`what`: `id`), when given.
+pub fn out_of_range(reason: &str, message: String, of: Option<(&str, &str)>) -> Status {
+    let metadata = of.map(|(what, id)| (what.to_owned(), bounded(id, ID_BYTES).to_string()));
+    let details = ErrorDetails::with_error_info(
+        reason,
+        ERROR_DOMAIN,
+        metadata
+            .into_iter()
+            .collect::<std::collections::HashMap<_, _>>(),
+    );
     Status::with_error_details(Code::OutOfRange, message, details)
 }
 

@@ -146,7 +146,7 @@ impl AgentEngineImpl {
                 // The run is known, so it ended and its log was dropped early to keep the
                 // ended runs' events within `runs.retained_events`.
                 BusError::UnknownRun(_) => Error::EventsExpired(run_id.to_owned()).into(),
-                error => Error::Bus(error).into(),
+                error => lagged_of(run_id, error).into(),
             })
     }
 
@@ -355,8 +355,20 @@ fn stream_event(
             if let Some(guard) = guard.as_mut() {
                 guard.armed = false;
             }
-            Err(Error::Bus(error).into())
+            Err(lagged_of(&ids.0, error).into())
         }
+    }
+}
+
+/// `error`, naming run `run_id` when a reader lost events of it.
+fn lagged_of(run_id: &str, error: BusError) -> Error {
+    match error {
+        BusError::Lagged { from, to } => Error::EventsLagged {
+            run_id: run_id.to_owned(),
+            from,
+            to,
+        },
+        error => Error::Bus(error),
     }
 }
 

@@ -38,6 +38,18 @@ pub enum Error {
         "the events of run {0:?} are no longer retained (runs.retained_events); GetRun returns how it ended"
     )]
     EventsExpired(String),
+    /// A reader of the run asked for, or fell behind to, events its log no longer keeps.
+    #[error(
+        "events {from} to {to} of run {run_id:?} are no longer retained (runs.events_per_run); resume with Subscribe after {to}"
+    )]
+    EventsLagged {
+        /// The run.
+        run_id: String,
+        /// First event lost.
+        from: u64,
+        /// Last event lost.
+        to: u64,
+    },
     /// A run could not start.
     #[error(transparent)]
     RunStart(#[from] crate::runs::RunStartError),
@@ -133,10 +145,15 @@ impl From<Error> for Status {
                 status::not_found("RUN_NOT_FOUND", "run", &id)
             }
             Error::Bus(error @ BusError::Lagged { .. }) => {
-                status::out_of_range("EVENTS_LAGGED", error.to_string())
+                status::out_of_range("EVENTS_LAGGED", error.to_string(), None)
+            }
+            Error::EventsLagged { ref run_id, .. } => {
+                status::out_of_range("EVENTS_LAGGED", error.to_string(), Some(("run", run_id)))
             }
             Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
-            Error::EventsExpired(_) => status::out_of_range("EVENTS_EXPIRED", error.to_string()),
+            Error::EventsExpired(ref run_id) => {
+                status::out_of_range("EVENTS_EXPIRED", error.to_string(), Some(("run", run_id)))
+            }
             error @ Error::RunNotWaiting { .. } => {
                 status::failed_precondition("RUN_NOT_WAITING", error.to_string())
             }
