@@ -465,6 +465,61 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
 }
 
 #[tokio::test]
+async fn an_answer_over_the_message_limit_is_refused_before_anything_is_done() {
+    // A config whose echo in the answer would pass server.max_message_bytes: the client
+    // is told so (it got OUT_OF_RANGE from the encoder, after the engine was made, its id
+    // never sent), and no engine is made.
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server(&tools.url(), &["--max-message-bytes", "4096"]).await;
+    let mut client = AgentServiceClient::new(connect(&agents.url()).await);
+    let config = v1::AgentConfig {
+        system_prompt: "x".repeat(3950),
+        ..valid()
+    };
+    let status = client
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(config.clone()),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("server.max_message_bytes"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "MESSAGE_TOO_LARGE"
+    );
+    assert!(
+        !agents.logs().contains("engine created"),
+        "{}",
+        agents.logs()
+    );
+    // ValidateConfig's answer (the config, without ids and times) still fits.
+    let checked = client
+        .validate_config(v1::ValidateConfigRequest {
+            config: Some(config),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(checked.valid);
+    // What fits is answered.
+    let created = client
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(valid()),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!created.engine_id.is_empty());
+}
+
+#[tokio::test]
 async fn a_tool_executor_that_never_answers_is_said_to_be_silent() {
     // It accepts connections and reads nothing back: the message says it did not answer
     // in time (it said "it answered Cancelled").

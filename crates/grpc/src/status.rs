@@ -111,6 +111,13 @@ pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Stat
     Status::with_error_details(Code::Unavailable, message, details)
 }
 
+/// `RESOURCE_EXHAUSTED` with an `ErrorInfo`, for what no retry changes (a limit of the
+/// server's that the request goes past).
+pub fn resource_exhausted_for_good(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    Status::with_error_details(Code::ResourceExhausted, message, details)
+}
+
 /// `RESOURCE_EXHAUSTED` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn resource_exhausted(reason: &str, message: String, retry_after: Duration) -> Status {
     let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);

@@ -6,6 +6,7 @@ use agentrt::v1::{self, agent_service_server::AgentService};
 use agentrt_core::Violation;
 use agentrt_grpc::security::Principal;
 use agentrt_state::{EngineStore, StoredEngine};
+use prost::Message;
 use tonic::{Request, Response, Status};
 use tracing::info;
 
@@ -23,11 +24,38 @@ const SESSION_ID_MAX_CHARS: usize = 128;
 pub struct AgentServiceImpl {
     validator: ConfigValidator,
     engines: Arc<dyn EngineStore>,
+    /// `server.max_message_bytes`: the largest answer a client may be sent.
+    max_message_bytes: usize,
 }
 
+/// Room left for what a stored engine's answer holds besides its config and ids (its
+/// timestamps, as set by the store).
+const ANSWER_SLACK: usize = 64;
+
 impl AgentServiceImpl {
-    pub fn new(validator: ConfigValidator, engines: Arc<dyn EngineStore>) -> Self {
-        Self { validator, engines }
+    pub fn new(
+        validator: ConfigValidator,
+        engines: Arc<dyn EngineStore>,
+        max_message_bytes: usize,
+    ) -> Self {
+        Self {
+            validator,
+            engines,
+            max_message_bytes,
+        }
+    }
+
+    /// Refuses an answer of `bytes` that could not be sent (`server.max_message_bytes`):
+    /// said before anything is done, rather than after (an engine made whose id the
+    /// client never gets).
+    fn check_answer(&self, bytes: usize) -> Result<()> {
+        if bytes > self.max_message_bytes {
+            return Err(Error::AnswerTooLarge {
+                bytes,
+                max: self.max_message_bytes,
+            });
+        }
+        Ok(())
     }
 
     async fn create(
@@ -50,17 +78,16 @@ impl AgentServiceImpl {
         }
         let config = convert::config_from_wire(&checked.effective);
         let now = SystemTime::now();
-        let engine = self
-            .engines
-            .insert(StoredEngine {
-                id: uuid::Uuid::new_v4().to_string(),
-                session_id: tenancy::session_key(&caller.name, &session_id),
-                config: Arc::new(config),
-                tools: checked.tools.into(),
-                create_time: now,
-                expire_time: now,
-            })
-            .await?;
+        let engine = StoredEngine {
+            id: uuid::Uuid::new_v4().to_string(),
+            session_id: tenancy::session_key(&caller.name, &session_id),
+            config: Arc::new(config),
+            tools: checked.tools.into(),
+            create_time: now,
+            expire_time: now,
+        };
+        self.check_answer(answer(&engine).encoded_len() + ANSWER_SLACK)?;
+        let engine = self.engines.insert(engine).await?;
         info!(engine_id = %engine.id, session_id = %engine.session_id, agent = %engine.config.name, "engine created");
         Ok(engine)
     }
@@ -77,6 +104,17 @@ impl AgentServiceImpl {
         let engine = self.engines.get(engine_id).await?.ok_or_else(unknown)?;
         let key = engine.session_id.clone();
         tenancy::visible(caller, &key, engine, unknown)
+    }
+}
+
+/// What a client is told of `engine` when it is created.
+fn answer(engine: &StoredEngine) -> v1::CreateAgentEngineResponse {
+    v1::CreateAgentEngineResponse {
+        session_id: tenancy::client_session(&engine.session_id).to_owned(),
+        engine_id: engine.id.clone(),
+        config: Some(convert::config_to_wire(&engine.config)),
+        create_time: Some(convert::timestamp(engine.create_time)),
+        expire_time: Some(convert::timestamp(engine.expire_time)),
     }
 }
 
@@ -107,7 +145,7 @@ impl AgentService for AgentServiceImpl {
             .check(request.config.as_ref())
             .await
             .map_err(Error::from)?;
-        Ok(Response::new(v1::ValidateConfigResponse {
+        let response = v1::ValidateConfigResponse {
             valid: checked.violations.is_empty(),
             violations: checked
                 .violations
@@ -118,7 +156,9 @@ impl AgentService for AgentServiceImpl {
                 })
                 .collect(),
             effective_config: Some(checked.effective),
-        }))
+        };
+        self.check_answer(response.encoded_len())?;
+        Ok(Response::new(response))
     }
 
     async fn create_agent_engine(
@@ -127,13 +167,7 @@ impl AgentService for AgentServiceImpl {
     ) -> std::result::Result<Response<v1::CreateAgentEngineResponse>, Status> {
         let caller = Principal::of(&request);
         let engine = self.create(&caller, request.into_inner()).await?;
-        Ok(Response::new(v1::CreateAgentEngineResponse {
-            session_id: tenancy::client_session(&engine.session_id).to_owned(),
-            engine_id: engine.id,
-            config: Some(convert::config_to_wire(&engine.config)),
-            create_time: Some(convert::timestamp(engine.create_time)),
-            expire_time: Some(convert::timestamp(engine.expire_time)),
-        }))
+        Ok(Response::new(answer(&engine)))
     }
 
     async fn get_agent_engine(
@@ -144,13 +178,16 @@ impl AgentService for AgentServiceImpl {
         let engine = self
             .engine(&caller, &request.into_inner().engine_id)
             .await?;
-        Ok(Response::new(v1::GetAgentEngineResponse {
-            session_id: tenancy::client_session(&engine.session_id).to_owned(),
-            engine_id: engine.id,
-            config: Some(convert::config_to_wire(&engine.config)),
-            create_time: Some(convert::timestamp(engine.create_time)),
-            expire_time: Some(convert::timestamp(engine.expire_time)),
-        }))
+        let created = answer(&engine);
+        let response = v1::GetAgentEngineResponse {
+            session_id: created.session_id,
+            engine_id: created.engine_id,
+            config: created.config,
+            create_time: created.create_time,
+            expire_time: created.expire_time,
+        };
+        self.check_answer(response.encoded_len())?;
+        Ok(Response::new(response))
     }
 
     async fn delete_agent_engine(

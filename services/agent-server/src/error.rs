@@ -38,6 +38,16 @@ pub enum Error {
         "the events of run {0:?} are no longer retained (runs.retained_events); GetRun returns how it ended"
     )]
     EventsExpired(String),
+    /// An answer would be larger than a client may be sent.
+    #[error(
+        "the answer would be {bytes} bytes, more than server.max_message_bytes ({max}); nothing was done"
+    )]
+    AnswerTooLarge {
+        /// Its size, encoded.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A reader of the run asked for, or fell behind to, events its log no longer keeps.
     #[error(
         "events {from} to {to} of run {run_id:?} are no longer retained (runs.events_per_run); resume with Subscribe after {to}"
@@ -114,6 +124,9 @@ impl From<Error> for Status {
         match error {
             Error::InvalidConfig(violations) => {
                 status::invalid_argument("invalid agent config", &violations)
+            }
+            error @ Error::AnswerTooLarge { .. } => {
+                status::resource_exhausted_for_good("MESSAGE_TOO_LARGE", error.to_string())
             }
             Error::InvalidRequest(violations) => {
                 status::invalid_argument("invalid request", &violations)

@@ -226,6 +226,7 @@ pub async fn serve(
         AgentServiceServer::new(agent_service::AgentServiceImpl::new(
             validator,
             engines.clone(),
+            max,
         ))
         .max_decoding_message_size(max)
         .max_encoding_message_size(max),
