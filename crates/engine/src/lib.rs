@@ -1131,7 +1131,11 @@ impl Engine {
             let cut_short = finish == FinishReason::Length;
             let Some(mut parser) = parser else {
                 if !calls.is_empty() {
-                    return Ok(Reply::Tools { content, calls });
+                    return Ok(Reply::Tools {
+                        content,
+                        calls,
+                        cut_short,
+                    });
                 }
                 return answer_or_error(content, cut_short);
             };
@@ -1152,6 +1156,7 @@ impl Engine {
                 return Ok(Reply::Tools {
                     content,
                     calls: vec![call],
+                    cut_short,
                 });
             }
             if let Some(text) = parser.unmarked() {

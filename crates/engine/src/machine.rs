@@ -147,6 +147,9 @@ pub enum Reply {
         content: String,
         /// The calls.
         calls: Vec<ModelToolCall>,
+        /// Whether the reply was cut at the token limit (the text then answers, cut
+        /// short, when it is the final round's).
+        cut_short: bool,
     },
     /// A text reply that neither acts nor answers.
     Unreadable {
@@ -259,7 +262,7 @@ impl RunState {
                 self.after_round();
                 None
             }
-            (false, Reply::Tools { content, calls }) => {
+            (false, Reply::Tools { content, calls, .. }) => {
                 // A model that asks for the same calls round after round is stuck: its
                 // calls do not run again, and it is asked for an answer.
                 let signature: Vec<(String, String)> = calls
@@ -282,11 +285,20 @@ impl RunState {
                 self.phase = Phase::RunTools { content, calls };
                 None
             }
-            (true, Reply::Tools { content, calls }) => {
+            (
+                true,
+                Reply::Tools {
+                    content,
+                    calls,
+                    cut_short,
+                },
+            ) => {
                 // Offered no tools, it called some anyway: none runs. Text it wrote beside
                 // them still answers, when the strategy streams it as an answer.
                 match strategy.answer_beside_calls(content) {
-                    Some(answer) => self.end_answered(answer, false, StopReason::MaxIterations),
+                    Some(answer) => {
+                        self.end_answered(answer, cut_short, StopReason::MaxIterations);
+                    }
                     None => self.end_without_answer(),
                 }
                 Some(Refused {
@@ -450,6 +462,7 @@ mod tests {
             Reply::Tools {
                 content: String::new(),
                 calls: vec![call("a", r#"{"x":1}"#)],
+                cut_short: false,
             },
             fc,
             counter,
@@ -501,6 +514,7 @@ mod tests {
                 Reply::Tools {
                     content: String::new(),
                     calls: vec![call("a", "{}")],
+                    cut_short: false,
                 },
                 fc,
                 counter,
@@ -514,6 +528,7 @@ mod tests {
                 Reply::Tools {
                     content: String::new(),
                     calls: vec![call("a", "{}")],
+                    cut_short: false,
                 },
                 fc,
                 counter,
@@ -546,6 +561,44 @@ mod tests {
     }
 
     #[test]
+    fn a_final_reply_cut_at_the_token_limit_beside_calls_says_so() {
+        // Offered no tools, the model wrote text and called one anyway, and was cut at its
+        // token limit: the text answers, cut short (it ended SUCCEEDED, max_iterations).
+        let counter = TokenCounter::shared();
+        let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let mut state = RunState::new("q", 1, counter);
+        state.model_replied(
+            1,
+            Reply::Tools {
+                content: String::new(),
+                calls: vec![call("a", "{}")],
+                cut_short: false,
+            },
+            fc,
+            counter,
+        );
+        state.tools_ran(vec![result("2")], fc, counter);
+        let refused = state.model_replied(
+            2,
+            Reply::Tools {
+                content: "x".into(),
+                calls: vec![call("b", "{}")],
+                cut_short: true,
+            },
+            fc,
+            counter,
+        );
+        assert_eq!(refused.map(|r| r.why), Some(NO_MORE_CALLS));
+        assert_eq!(
+            state.next(),
+            Step::End(&Ending::Answered {
+                answer: "x".into(),
+                reason: StopReason::MaxTokens
+            })
+        );
+    }
+
+    #[test]
     fn react_keeps_one_observation_and_a_final_reply_that_acts_has_no_answer() {
         let counter = TokenCounter::shared();
         let react = strategy::of(agentrt_core::Strategy::React);
@@ -555,6 +608,7 @@ mod tests {
             Reply::Tools {
                 content: "Thought: add\nAction: calc".into(),
                 calls: vec![call("react_1", "{}")],
+                cut_short: false,
             },
             react,
             counter,
@@ -568,6 +622,7 @@ mod tests {
             Reply::Tools {
                 content: "Action: calc".into(),
                 calls: vec![call("react_2", "{}")],
+                cut_short: false,
             },
             react,
             counter,
