@@ -276,6 +276,11 @@ impl RunState {
                 }
                 self.previous_calls = Some(signature);
                 if self.repeats >= 2 {
+                    // The round and its refusal go to the model with the final request, as
+                    // the events and the record say: it answers knowing the calls did not
+                    // run again.
+                    let refusals = calls.iter().map(|_| ToolResult::error(REPEATED)).collect();
+                    strategy.record_tools(&mut self.messages, content, &calls, refusals, counter);
                     self.phase = Phase::AskFinal;
                     return Some(Refused {
                         calls,
@@ -535,6 +540,12 @@ mod tests {
             )
             .expect("the third identical round is refused");
         assert_eq!(refused.why, REPEATED);
+        // The model is told: its refused round and the refusal are in what it reads next.
+        assert!(
+            matches!(&state.messages.last().unwrap().0, ChatMessage::Tool { content, .. } if content == REPEATED),
+            "{:?}",
+            state.messages.last()
+        );
         assert_eq!(
             state.next(),
             Step::Model {
