@@ -84,8 +84,8 @@ impl Default for Settings {
     about = "An OpenAI-compatible chat completions simulator.",
     long_about = "An OpenAI-compatible chat completions simulator: POST /v1/chat/completions \
         streams scripted turns (the scenarios file; the built-in `demo` model uses the \
-        calculator), honouring `stop`; turns can misbehave as some servers do (see the \
-        scenario module's documentation). POST /v1/rerank ranks documents by the share of \
+        calculator), honouring `stop`; turns can misbehave as some servers do (README, \
+        \"Scripting the simulator\"). POST /v1/rerank ranks documents by the share of \
         the query's words they hold; the rerank model `fail` answers HTTP 500 and `slow` \
         answers after 30 s."
 )]
