@@ -75,18 +75,23 @@ impl Operation {
             .into_iter()
             .partition(|param| set_by_source(param));
         self.parameters = kept;
+        // Looked up, not indexed: indexing a missing key of a JSON object adds it, as
+        // null (a `"required": null` made the schema invalid and the tool left out).
+        let Some(schema) = self.input_schema.as_object_mut() else {
+            return;
+        };
         for param in dropped {
-            if let Some(properties) = self.input_schema["properties"].as_object_mut() {
+            if let Some(properties) = schema.get_mut("properties").and_then(Value::as_object_mut) {
                 properties.remove(&param.key);
             }
-            if let Some(required) = self.input_schema["required"].as_array_mut() {
+            if let Some(required) = schema.get_mut("required").and_then(Value::as_array_mut) {
                 required.retain(|key| key.as_str() != Some(param.key.as_str()));
             }
         }
-        if self.input_schema["required"]
-            .as_array()
+        if schema
+            .get("required")
+            .and_then(Value::as_array)
             .is_some_and(Vec::is_empty)
-            && let Some(schema) = self.input_schema.as_object_mut()
         {
             schema.remove("required");
         }

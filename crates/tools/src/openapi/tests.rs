@@ -365,6 +365,35 @@ async fn parameters_the_source_sets_are_neither_offered_nor_taken_from_the_model
     assert_eq!(request.headers["x-other"], "o");
 }
 
+#[tokio::test]
+async fn an_operation_whose_parameters_the_source_sets_are_optional_stays_listed() {
+    // Optional parameters the source sets (an API key declared optional, as specs often
+    // do), and no required one left: the schema has no `required` (it got
+    // `"required": null`, which is not a schema, and the operation was left out).
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-opt-{}", std::process::id()));
+    let toolset = toolset_of(
+        &dir,
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/a": {"get": {"operationId": "optional", "parameters": [
+            {"name": "api_key", "in": "query", "schema": {"type": "string"}},
+            {"name": "q", "in": "query", "schema": {"type": "string"}}]}},
+                    "/b": {"get": {"operationId": "headerOnly", "parameters": [
+            {"name": "authorization", "in": "header", "schema": {"type": "string"}}]}}}}"#,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let listed = toolset.list().await.unwrap();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    for tool in &listed {
+        let schema = &tool.spec.input_schema;
+        assert!(schema.get("required").is_none(), "{schema}");
+        assert!(
+            jsonschema::validator_for(schema).is_ok(),
+            "{}: {schema}",
+            tool.spec.name
+        );
+    }
+}
+
 #[test]
 fn a_bad_base_url_is_named_as_the_setting_or_the_documents_server() {
     let dir = std::env::temp_dir().join(format!("agentrt-openapi-base-{}", std::process::id()));
