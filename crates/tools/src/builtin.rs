@@ -126,7 +126,7 @@ impl Calculator {
                     "properties": {
                         "expression": {
                             "type": "string",
-                            "description": "The expression to evaluate, e.g. \"2 ^ 10 / 4\".",
+                            "description": "The expression to evaluate (at most 10000 characters), e.g. \"2 ^ 10 / 4\".",
                             "minLength": 1
                         }
                     },
