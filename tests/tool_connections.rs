@@ -30,7 +30,10 @@ const SCENARIOS: &str = r#"{"scenarios": {
       {"name": "calculator", "arguments": {"expression": "2 + 2"}},
       {"name": "calculator", "arguments": {"expression": "3 + 3"}},
       {"name": "calculator", "arguments": {"expression": "4 + 4"}}]},
-    {"content": "sums: {tool_results}"}]}
+    {"content": "sums: {tool_results}"}]},
+  "nap": {"turns": [
+    {"tool_calls": [{"name": "sleep", "arguments": {"seconds": 1}}]},
+    {"content": "rested: {tool_results}"}]}
 }}"#;
 
 /// A TCP relay to `target` that counts the connections it accepts.
@@ -159,6 +162,47 @@ async fn a_call_made_while_the_tool_executor_restarts_runs_once_it_is_back() {
         agentrt_test_support::Server::start("tool-executor", &["--listen", &listen], &[]).await
     });
     run(&agents, engine_id).await;
+    drop(restart.await.unwrap());
+}
+
+#[tokio::test]
+async fn a_call_in_flight_when_the_tool_executor_dies_goes_again_to_its_replacement() {
+    // The tool executor is killed while a 1 s call runs; its replacement comes up on the
+    // same address 300 ms later. The call goes again, once, with its call_id, and the run
+    // ends with its result (it ended with "Unknown: transport error" given to the model).
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = tool_executor(&[]).await;
+    let addr = tools.addr;
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    let mut service =
+        v1::agent_service_client::AgentServiceClient::new(connect(&agents.url()).await);
+    let engine_id = create_engine(&mut service, agent("nap", &["sleep"])).await;
+    let mut engine = v1::agent_engine_client::AgentEngineClient::new(connect(&agents.url()).await);
+    let stream = engine
+        .execute(v1::ExecuteRequest {
+            engine_id,
+            query: "rest".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let listen = addr.to_string();
+    let restart = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        drop(tools);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Server::start("tool-executor", &["--listen", &listen], &[]).await
+    });
+    let events = collect(stream).await;
+    let results: Vec<_> = events
+        .iter()
+        .filter(|e| kind(e) == EventType::ToolResult)
+        .map(data)
+        .collect();
+    assert_eq!(results.len(), 1, "{events:#?}");
+    assert_eq!(results[0]["is_error"], false, "{}", results[0]);
+    assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
     drop(restart.await.unwrap());
 }
 

@@ -49,14 +49,18 @@ const MAX_REFUSED: u32 = 4;
 const FIRST_UNREACHABLE_WAIT: Duration = Duration::from_millis(50);
 const MOST_UNREACHABLE_WAIT: Duration = Duration::from_secs(1);
 
-/// Why a call never reached the tool executor, so that sending it again cannot run a tool
-/// twice.
+/// Why a call is sent again: it never reached the tool executor (sending it again cannot
+/// run a tool twice), or its connection was lost under it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Unsent {
     /// No connection could be made.
     Unreachable,
     /// The connection refused the call's stream before processing it.
     Refused,
+    /// The connection broke under the call (the tool executor crashed or was killed, or
+    /// the call went out on a connection it had just closed): the call may have run. It
+    /// goes again with its `call_id`, the idempotency key, as after a replica's take-over.
+    Lost,
 }
 
 /// Whether `status` says the call never reached the tool executor: a status the tool
@@ -76,7 +80,10 @@ fn unsent(status: &Status) -> Option<Unsent> {
             // a failed stream may have been processed, and is not sent again.
             let refused = h2.reason() == Some(h2::Reason::REFUSED_STREAM)
                 || (h2.is_go_away() && h2.is_remote() && h2.reason() == Some(h2::Reason::NO_ERROR));
-            return refused.then_some(Unsent::Refused);
+            if refused {
+                return Some(Unsent::Refused);
+            }
+            return h2.is_io().then_some(Unsent::Lost);
         }
         if let Some(hyper) = current.downcast_ref::<hyper::Error>()
             && hyper.is_canceled()
@@ -85,6 +92,11 @@ fn unsent(status: &Status) -> Option<Unsent> {
             // for a connection that closed ("connection closed"), or given to one that was
             // not ready.
             return Some(Unsent::Refused);
+        }
+        if current.downcast_ref::<std::io::Error>().is_some() {
+            // The connection broke under the call (hyper passes h2's "stream closed
+            // because of a broken pipe" on as an I/O error).
+            return Some(Unsent::Lost);
         }
         error = current.source();
     }
@@ -202,6 +214,7 @@ impl GrpcToolClient {
     {
         let unreachable_until = Instant::now() + self.timeout;
         let mut refused = 0;
+        let mut lost = false;
         let mut wait = FIRST_UNREACHABLE_WAIT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -218,6 +231,10 @@ impl GrpcToolClient {
                 Some(Unsent::Refused) if refused < MAX_REFUSED => {
                     refused += 1;
                     tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "a call the tool executor refused unprocessed goes again");
+                }
+                Some(Unsent::Lost) if !lost => {
+                    lost = true;
+                    tracing::info!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "the connection to the tool executor broke under a call; it goes again, once, with its call_id");
                 }
                 Some(Unsent::Unreachable)
                     if Instant::now() + wait < unreachable_until.min(deadline) =>
