@@ -394,16 +394,20 @@ async fn a_client_that_disconnects_cancels_its_run_unless_detached() {
     );
 }
 
-#[tokio::test]
-async fn a_retry_attached_before_the_first_disconnect_is_noticed_keeps_the_run() {
-    // A client whose connection broke retries with the same message id; the server
-    // notices the first connection's end only later. The retry has the run: the first
-    // stream's end does not cancel it, and the run ends as it would have.
-    let mut s = stack().await;
-    let engine_id = s.engine_for(agent("slow", &[])).await;
+/// Starts a run of `engine_id` with `message_id` and retries it at once: both streams,
+/// and the retry's first event (checked to be the first run's).
+async fn execute_and_retry(
+    s: &mut Stack,
+    engine_id: &str,
+    message_id: &str,
+) -> (
+    Streaming<v1::AgentStreamEvent>,
+    Streaming<v1::AgentStreamEvent>,
+    v1::AgentStreamEvent,
+) {
     let request = v1::ExecuteRequest {
-        engine_id: engine_id.clone(),
-        message_id: "turn-1".into(),
+        engine_id: engine_id.into(),
+        message_id: message_id.into(),
         query: "talk".into(),
         ..Default::default()
     };
@@ -414,14 +418,20 @@ async fn a_retry_attached_before_the_first_disconnect_is_noticed_keeps_the_run()
         .unwrap()
         .into_inner();
     let run_id = first.next().await.unwrap().unwrap().run_id;
-    let mut retry = s
-        .engine
-        .execute(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
+    let mut retry = s.engine.execute(request).await.unwrap().into_inner();
     let replayed = retry.next().await.unwrap().unwrap();
     assert_eq!(replayed.run_id, run_id, "the retry re-attached");
+    (first, retry, replayed)
+}
+
+#[tokio::test]
+async fn a_retry_attached_before_the_first_disconnect_is_noticed_keeps_the_run() {
+    // A client whose connection broke retries with the same message id; the server
+    // notices the first connection's end only later. The retry has the run: the first
+    // stream's end does not cancel it, and the run ends as it would have.
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let (first, retry, replayed) = execute_and_retry(&mut s, &engine_id, "turn-1").await;
     drop(first);
     let mut events = vec![replayed];
     events.extend(rest(retry).await);
@@ -434,19 +444,8 @@ async fn a_retry_attached_before_the_first_disconnect_is_noticed_keeps_the_run()
     );
 
     // Once the last of them goes, the run is cancelled as before.
-    let request = v1::ExecuteRequest {
-        message_id: "turn-2".into(),
-        ..request
-    };
-    let mut first = s
-        .engine
-        .execute(request.clone())
-        .await
-        .unwrap()
-        .into_inner();
-    let run_id = first.next().await.unwrap().unwrap().run_id;
-    let mut retry = s.engine.execute(request).await.unwrap().into_inner();
-    assert_eq!(retry.next().await.unwrap().unwrap().run_id, run_id);
+    let (first, retry, replayed) = execute_and_retry(&mut s, &engine_id, "turn-2").await;
+    let run_id = replayed.run_id;
     drop(first);
     drop(retry);
     let state = s
