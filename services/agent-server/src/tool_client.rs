@@ -63,8 +63,9 @@ enum Unsent {
     Lost,
 }
 
-/// Whether `status` says the call never reached the tool executor: a status the tool
-/// executor sent itself (with `grpc-status`) has no transport error behind it.
+/// Whether `status` says the call is to go again, and why: it never reached the tool
+/// executor, or its connection broke under it. A status the tool executor sent itself
+/// (with `grpc-status`) has no transport error behind it, and is final.
 fn unsent(status: &Status) -> Option<Unsent> {
     let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
     while let Some(current) = error {
