@@ -25,7 +25,15 @@ const SCENARIOS: &str = r#"{"scenarios": {
     {"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}]},
     {"content": "the answer is 42"}]},
   "memory": {"turns": [{"content": "seen {user_messages}"}]},
-  "slow": {"turns": [{"content": "a very slow answer, one character at a time, taking its time", "chunk_chars": 1, "chunk_delay_ms": 50}]}
+  "slow": {"turns": [{"content": "a very slow answer, one character at a time, taking its time", "chunk_chars": 1, "chunk_delay_ms": 50}]},
+  "steps": {"turns": [
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "1 + 1"}}], "latency_ms": 300},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "2 + 2"}}], "latency_ms": 300},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "3 + 3"}}], "latency_ms": 300},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "4 + 4"}}], "latency_ms": 300},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "5 + 5"}}], "latency_ms": 300},
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 + 6"}}], "latency_ms": 300},
+    {"content": "done at last"}]}
 }}"#;
 
 struct Replica {
@@ -395,4 +403,127 @@ async fn a_run_that_ends_while_it_writes_reads_the_same_everywhere() {
         }
     }
     assert!(ended_early >= 10, "only {ended_early} runs timed out");
+}
+
+/// How a stream ends: its `done` event, or the status it ends with (`None`: it ended
+/// without either). Panics when it does not end within `limit`.
+async fn ending(
+    stream: &mut tonic::Streaming<v1::AgentStreamEvent>,
+    limit: Duration,
+    what: &str,
+) -> Result<Option<v1::AgentStreamEvent>, tonic::Status> {
+    tokio::time::timeout(limit, async {
+        loop {
+            match stream.message().await {
+                Ok(Some(event)) if event.done => return Ok(Some(event)),
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(None),
+                Err(status) => return Err(status),
+            }
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what} still waits after {limit:?}"))
+}
+
+#[tokio::test]
+async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
+    // A Redis that loses its data (restarted without persistence, a failover to an empty
+    // replica) while a run executes: the run's replica must not write the run back
+    // piecemeal (keys without a time to live, a record without an owner that fences its
+    // own next write), and no reader may wait for ever. Before, the run's next write made
+    // its log and record again, the one after was refused as another replica's, and the
+    // run stopped silently: its readers waited for a `done` that never came.
+    let prefix = redis_prefix("emptied");
+    let url = redis_url();
+    let args = [
+        "--state",
+        url.as_str(),
+        "--state-key-prefix",
+        prefix.as_str(),
+    ];
+    let mut a = Stack::up(SCENARIOS, &args).await;
+    let server =
+        agent_server_with_model(&a.tools.url(), &format!("{}/v1", a.model.url()), &args).await;
+    let mut b = AgentEngineClient::new(connect(&server.url()).await);
+    let engine_id = a.engine_for(agent("steps", &["calculator"])).await;
+    let mut execute = a.start(&engine_id, "count up").await;
+    let first = execute.message().await.unwrap().unwrap();
+    let run_id = first.run_id.clone();
+    let mut subscribed = b
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.clone(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // Once the first tool ran, everything the run had in Redis is gone.
+    loop {
+        let event = execute.message().await.unwrap().unwrap();
+        assert!(!event.done, "the run ended before its state was lost");
+        if kind(&event) == v1::EventType::ToolResult {
+            break;
+        }
+    }
+    let mut redis = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys = async |redis: &mut redis::aio::MultiplexedConnection| -> Vec<String> {
+        redis::cmd("KEYS")
+            .arg(format!("{prefix}:*"))
+            .query_async(redis)
+            .await
+            .unwrap()
+    };
+    let _: () = redis::cmd("DEL")
+        .arg(keys(&mut redis).await)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+
+    for (stream, what) in [
+        (&mut execute, "Execute on the run's replica"),
+        (&mut subscribed, "Subscribe on the other replica"),
+    ] {
+        match ending(stream, Duration::from_secs(20), what).await {
+            Err(status) => assert!(
+                matches!(
+                    status.code(),
+                    tonic::Code::NotFound | tonic::Code::Unavailable
+                ),
+                "{what}: {status:?}"
+            ),
+            Ok(end) => panic!("{what} ended with {end:?} although the run's state was lost"),
+        }
+    }
+    // The run is forgotten everywhere, and nothing of it is left in Redis for ever.
+    for engine in [&mut a.engine, &mut b] {
+        let status = engine
+            .get_run(v1::GetRunRequest {
+                run_id: run_id.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for key in keys(&mut redis).await {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        assert!(
+            ttl != -1 || key.ends_with(":leases:all"),
+            "{key} was written again without a time to live"
+        );
+    }
+    // The replicas serve new runs as before.
+    let events = a
+        .run(agent("calc", &["calculator"]), "what is 6 * 7?")
+        .await;
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
 }

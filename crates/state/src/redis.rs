@@ -587,25 +587,24 @@ fn claim_script() -> &'static redis::Script {
     SCRIPT.get_or_init(|| redis::Script::new(CLAIM))
 }
 
-/// Whether the owner `ARGV[2]` may write run `ARGV[1]`: it holds the lease (`KEYS[2]`), or
-/// nobody does and the record (`KEYS[1]`) is not written yet (a new run). Then the save:
-/// record fields, progress fields (`KEYS[6]`), times to live, and the lease taken with
-/// the first record (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped
-/// with the last. `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e`
-/// ended), record field count, wait (ms, or empty when the run does not wait), the number
-/// of pending call ids, the ids, then record fields and progress fields, and with flag `a`
-/// last the agent of the run's engine. A run that waits has no owner (`KEYS[2]` empty),
-/// its lease lapses when the wait ends, and its answers are kept in `KEYS[7]`
-/// (`c:<call id>` fields, empty until answered; `!done`, `!cancel` and `!taken` marks).
-/// The agent is one key for all its runs (`KEYS[8]`, given with it; else `KEYS[8]` is the
-/// agent keys' prefix and its id is the run's `a` progress field), kept as long as the
-/// longest-lived run that uses it.
+/// `may_write(record, owner_key, owner, opening)` answers 1 when `owner` may write the run:
+/// it holds the lease, or the run has no owner, or this is the run's opening save (the one
+/// that takes the lease) and nothing of the run is written yet. It answers 0 when another
+/// replica holds the lease (the writer stops its copy, fenced off), and 2 when the run is
+/// gone: its owner key is not there although the run was opened (Redis lost its data,
+/// restarted empty or failed over to an empty replica, or evicted the keys). A gone run
+/// is not written back piece by piece (keys without a time to live, a record that fences
+/// off its own writer): its writer stops it, and its readers find it unknown.
 const FENCE: &str = r"
-local function may_write(record, owner_key, owner)
-  if owner == '' then return true end
+local function may_write(record, owner_key, owner, opening)
+  if owner == '' then return 1 end
   local holder = redis.call('GET', owner_key)
-  if holder then return holder == owner end
-  return redis.call('EXISTS', record) == 0
+  if holder then
+    if holder == owner then return 1 end
+    return 0
+  end
+  if opening and redis.call('EXISTS', record) == 0 then return 1 end
+  return 2
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -613,8 +612,26 @@ local function now_ms()
 end
 ";
 
+/// Whether the save may write (see [`FENCE`]): `KEYS[1]` the record, `KEYS[2]` the
+/// owner key, flag `o` in `ARGV[5]` for a save of the whole run (its opening).
+const SAVE_FENCE: &str = r"
+local allowed = may_write(KEYS[1], KEYS[2], ARGV[2], string.find(ARGV[5], 'o', 1, true))
+if allowed ~= 1 then return allowed end
+";
+
+/// Saves run `ARGV[1]` for owner `ARGV[2]` once [`SAVE_FENCE`] let it: record fields,
+/// progress fields (`KEYS[6]`), times to live, and the lease taken with the first record
+/// (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped with the last.
+/// `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e` ended, `o` a save
+/// of the whole run, `a` with the agent), record field count, wait (ms, or empty when the run
+/// does not wait), the number of pending call ids, the ids, then record fields and
+/// progress fields, and with flag `a` last the agent of the run's engine. A run that waits
+/// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
+/// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
+/// and `!taken` marks). The agent is one key for all its runs (`KEYS[8]`, given with it;
+/// else `KEYS[8]` is the agent keys' prefix and its id is the run's `a` progress field),
+/// kept as long as the longest-lived run that uses it.
 const SAVE: &str = r"
-if not may_write(KEYS[1], KEYS[2], ARGV[2]) then return 0 end
 local fields = tonumber(ARGV[6])
 local waits = tonumber(ARGV[8])
 local base = 8 + waits
@@ -815,7 +832,7 @@ macro_rules! script {
     };
 }
 
-script!(save_script, SAVE);
+script!(save_script, SAVE_FENCE, SAVE);
 script!(renew_script, RENEW);
 script!(release_script, RELEASE);
 script!(lapsed_script, LAPSED);
@@ -872,6 +889,16 @@ impl RedisRuns {
             (false, false) => "",
         }
         .to_owned();
+        // The save that opens the run (all of it: no steps yet, every message) may write
+        // a run that has nothing written yet; any other finds the run gone then (see
+        // [`FENCE`]), for it would write a part of it.
+        if !record.ended()
+            && record.steps.is_empty()
+            && from_step == 0
+            && progress.is_none_or(|p| p.first_message == 0)
+        {
+            flags.push('o');
+        }
         let agent = progress
             .filter(|_| !record.ended())
             .and_then(|p| p.agent.as_ref())
@@ -1403,11 +1430,16 @@ const DELTA_LINGER: Duration = Duration::from_millis(10);
 /// Deltas buffered at most before they are written at once.
 const DELTA_BUFFER: usize = 128;
 
-/// Writes events when the writer may (see [`FENCE`]): `KEYS[1]` the log, `KEYS[2]` the
-/// run's owner, `KEYS[3]` its record; `ARGV`: run, owner, bound of the log, time to live
-/// (0: unchanged), last sequence, then id and event of each entry.
+/// Whether the publish may write (see [`FENCE`]; never an opening save).
+const PUBLISH_FENCE: &str = r"
+local allowed = may_write(KEYS[3], KEYS[2], ARGV[2], false)
+if allowed ~= 1 then return allowed end
+";
+
+/// Writes events once [`PUBLISH_FENCE`] let it: `KEYS[1]` the log, `KEYS[2]` the run's
+/// owner, `KEYS[3]` its record; `ARGV`: run, owner, bound of the log, time to live (0:
+/// unchanged), last sequence, then id and event of each entry.
 const PUBLISH: &str = r"
-if not may_write(KEYS[3], KEYS[2], ARGV[2]) then return 0 end
 for i = 6, #ARGV, 2 do
   redis.call('XADD', KEYS[1], 'MAXLEN', '=', ARGV[3], ARGV[i], 'e', ARGV[i + 1])
 end
@@ -1416,7 +1448,7 @@ redis.call('PUBLISH', KEYS[1], ARGV[5])
 return 1
 ";
 
-script!(publish_script, PUBLISH);
+script!(publish_script, PUBLISH_FENCE, PUBLISH);
 
 /// A checkpoint in one call: the events of [`PUBLISH`], then the record of [`SAVE`], both
 /// or neither (one fence). `KEYS`: the publish's 3 then the save's; `ARGV[1]`: how many
@@ -1440,7 +1472,9 @@ end
 for i = 2, #ARGV do
   if i <= published + 1 then publish_args[i - 1] = ARGV[i] else save_args[i - published - 1] = ARGV[i] end
 end
-if publish(publish_keys, publish_args) == 0 then return 0 end
+local allowed = may_write(save_keys[1], save_keys[2], save_args[2], string.find(save_args[5], 'o', 1, true))
+if allowed ~= 1 then return allowed end
+publish(publish_keys, publish_args)
 return save(save_keys, save_args)
 "
         ))
@@ -1465,11 +1499,25 @@ impl SaveCall {
             .invoke_async(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
-        if written == 0 {
+        if refused(written, run_id) {
             return Err(StateError::Fenced(run_id.to_owned()));
         }
         Ok(())
     }
+}
+
+/// Whether the answer of a fenced write (see [`FENCE`]) refused it: 0, another replica
+/// has the run; 2, the run is gone from Redis, which is said here once (its writer then
+/// stops it as it stops a run another replica took, and its readers find it unknown).
+fn refused(written: u8, run_id: &str) -> bool {
+    if written == 2 {
+        warn!(
+            %run_id,
+            "the run is gone from Redis (restarted empty, failed over to an empty replica, \
+             or its keys evicted): it stops here, and its readers are told it is not found"
+        );
+    }
+    written != 1
 }
 
 /// Writes the events publishers let wait, once they have waited [`DELTA_LINGER`]: one
@@ -1763,8 +1811,12 @@ impl PublisherCore {
         }
         // Whatever happens now happens whole: the write is no longer given up part way.
         let batch = pending.batch.take().unwrap_or_default();
-        if written == Ok(0) {
-            // Another replica has the run: these events are not its to write.
+        if written
+            .as_ref()
+            .is_ok_and(|&written| refused(written, &self.run_id))
+        {
+            // Another replica has the run, or nobody has any more (it is gone from Redis):
+            // these events are not this replica's to write.
             self.state().fenced = true;
             return Err(CheckpointError::Events(BusError::Fenced(
                 self.run_id.clone(),

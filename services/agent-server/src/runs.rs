@@ -256,7 +256,11 @@ impl Held {
         let control = self.local().get(run_id).map(|r| r.control.clone());
         if let Some(control) = control {
             Metrics::global().lease_lost();
-            warn!(%run_id, "lost the run's lease to another replica: stopping it here");
+            warn!(
+                %run_id,
+                "lost the run's lease (another replica took the run over, or Redis lost \
+                 it): stopping it here"
+            );
             control.let_go();
         }
     }
