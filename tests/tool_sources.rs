@@ -260,9 +260,12 @@ async fn a_server_killed_mid_call_is_unavailable_then_restarted() {
     let status = long_call.await.unwrap().unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("\"everything\""), "{status:?}");
+    let info = status.get_details_error_info().unwrap();
+    assert_eq!(info.reason, "TOOL_SOURCE_UNAVAILABLE");
+    assert_eq!(info.metadata["source"], "everything", "{info:?}");
     assert_eq!(
-        status.get_details_error_info().unwrap().reason,
-        "TOOL_SOURCE_UNAVAILABLE"
+        info.metadata["tool"], "everything__trigger-long-running-operation",
+        "{info:?}"
     );
 
     // The rest of the executor serves on: built-ins answer and health is SERVING.

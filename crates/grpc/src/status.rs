@@ -106,7 +106,22 @@ pub fn out_of_range(reason: &str, message: String, of: Option<(&str, &str)>) -> 
 
 /// `UNAVAILABLE` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Status {
-    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    unavailable_about(reason, message, retry_after, &[])
+}
+
+/// [`unavailable`], with `ErrorInfo` metadata naming what is unavailable (`("tool",
+/// name)`, ...; each value bounded as ids are).
+pub fn unavailable_about(
+    reason: &str,
+    message: String,
+    retry_after: Duration,
+    about: &[(&str, &str)],
+) -> Status {
+    let metadata: std::collections::HashMap<String, String> = about
+        .iter()
+        .map(|(what, id)| ((*what).to_owned(), bounded(id, ID_BYTES).to_string()))
+        .collect();
+    let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
     details.set_retry_info(Some(retry_after));
     Status::with_error_details(Code::Unavailable, message, details)
 }

@@ -124,13 +124,14 @@ fn execute_error_to_status(error: &ExecuteError) -> Status {
         ),
         ExecuteError::Unavailable {
             tool,
+            source_name,
             reason,
             retry_after,
-            ..
-        } => status::unavailable(
+        } => status::unavailable_about(
             "TOOL_SOURCE_UNAVAILABLE",
             format!("tool {tool:?} is unavailable: {reason}"),
             *retry_after,
+            &[("tool", tool), ("source", source_name)],
         ),
     }
 }
