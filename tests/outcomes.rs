@@ -32,7 +32,7 @@ const SCENARIOS: &str = r#"{"scenarios": {
   "empty": {"turns": [{"content": ""}]},
   "unfinished": {"turns": [{"content": "half an ans", "omit_finish": true}]},
   "not_sse": {"turns": [{"plain_body": "{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}", "plain_content_type": "application/json"}]},
-  "unterminated": {"turns": [{"content": "cut", "unterminated_last_line": true}]},
+  "unterminated": {"turns": [{"content": "cut", "unterminated_last_line": true, "omit_usage": true}]},
   "cut_short": {"turns": [{"content": "The answer is forty", "finish_reason": "length"}]},
   "filtered": {"turns": [{"content": "The answer is", "finish_reason": "content_filter"}]},
   "quiet": {"turns": [{"content": "hello world", "omit_usage": true}]},
@@ -164,6 +164,8 @@ async fn empty_and_broken_responses_are_model_errors_never_answers() {
         ("empty", "MODEL_EMPTY_RESPONSE"),
         ("unfinished", ""),
         ("not_sse", ""),
+        // Torn in its last line, right after the finish reason. (Torn after the usage
+        // chunk that follows the finish reason, the answer is whole: it stands.)
         ("unterminated", ""),
     ] {
         let events = run(&mut s, agent(model, &[]), "hi").await;

@@ -1052,6 +1052,7 @@ impl Engine {
             let mut calls = Vec::new();
             let mut finish = FinishReason::Unknown;
             let mut usage = None;
+            let mut refusal = None;
             loop {
                 // Deltas that are already here are published as one batch; readers are
                 // woken only when the model makes us wait.
@@ -1087,6 +1088,7 @@ impl Engine {
                         }
                     },
                     ChatDelta::ToolCall(call) => add_call(&mut calls, call),
+                    ChatDelta::Refusal(text) => refusal = Some(text),
                     ChatDelta::Finish {
                         reason,
                         usage: reported,
@@ -1123,6 +1125,19 @@ impl Engine {
                         message: "the provider's content filter stopped the model's response \
                                   (finish_reason: content_filter)"
                             .into(),
+                        category: "model",
+                        retryable: false,
+                    },
+                ));
+            }
+            if let Some(refusal) = refusal.filter(|_| content.trim().is_empty() && calls.is_empty())
+            {
+                // A refusal is the model's, not an empty answer: asking again gets it again.
+                return Err(Outcome::Failed(
+                    StopReason::ModelError,
+                    RunError {
+                        code: "MODEL_REFUSED".into(),
+                        message: format!("the model refused to answer: {refusal}"),
                         category: "model",
                         retryable: false,
                     },

@@ -1412,6 +1412,38 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
     assert!(record.usage.estimated && record.usage.completion_tokens > 0);
 }
 
+#[tokio::test]
+async fn a_refusal_is_a_model_error_that_says_it_and_is_not_retried() {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(vec![
+            ChatDelta::Refusal("I cannot help with that.".into()),
+            ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            },
+        ])])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap();
+    assert_eq!(done.kind, EventKind::Error);
+    let data = done.data.as_ref().unwrap().to_json();
+    assert_eq!(data["code"], "MODEL_REFUSED", "{data}");
+    assert_eq!(data["retryable"], false, "{data}");
+    assert!(
+        data["message"]
+            .as_str()
+            .unwrap()
+            .contains("I cannot help with that."),
+        "{data}"
+    );
+    assert_eq!(record.stop_reason, Some(StopReason::ModelError));
+    assert_eq!(record.final_answer, "", "not an answer");
+}
+
 /// A publisher whose write number `fail_at` (0 is the first) fails, as a shared bus's does
 /// while its store cannot be reached: it keeps the events, numbered, and writes them with
 /// its next call.

@@ -109,6 +109,9 @@ pub enum ChatDelta {
     Content(String),
     /// A tool call, complete.
     ToolCall(ModelToolCall),
+    /// The model refused to answer (OpenAI's `refusal`), with its words (at most 4 KiB),
+    /// before the `Finish`.
+    Refusal(String),
     /// The end of the call.
     Finish {
         /// Why it ended.

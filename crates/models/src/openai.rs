@@ -187,10 +187,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 impl OpenAiChat {
     /// A client for `settings`, retrying as `retry` says.
     pub fn new(settings: &ProviderSettings, retry: RetryPolicy) -> Result<Self, ModelError> {
-        let url = format!(
-            "{}/chat/completions",
-            settings.base_url.trim_end_matches('/')
-        );
+        let url = crate::providers::endpoint(&settings.base_url, "chat/completions");
         let site = Site::new(&url);
         let invalid = |e: &dyn std::fmt::Display| {
             ModelError::Connect(format!("invalid base URL {:?}: {e}", site.url))
@@ -999,9 +996,20 @@ where
                     continue;
                 }
             };
+            // The usage chunk (no choices) after the finish reason is the answer's last:
+            // what follows is `[DONE]` and the end, read as after `[DONE]` itself, so that
+            // a server that sends neither does not hold a complete answer until the call's
+            // timeout.
+            let last = chunk.choices.is_none() && chunk.usage.is_some();
             if let Err(error) = this.assembler.chunk(chunk, &mut this.ready) {
                 this.state = DecodeState::Ended;
                 this.failure = Some(error);
+            } else if last && this.assembler.finish.is_some() {
+                this.assembler.finish(&mut this.ready);
+                this.state = DecodeState::Draining {
+                    left: MAX_TRAILING_EVENTS,
+                    grace: None,
+                };
             }
         }
     }
@@ -1051,6 +1059,10 @@ fn first_choice<'de, D: serde::Deserializer<'de>>(
 
 #[derive(serde::Deserialize)]
 struct Choice<'a> {
+    /// Which answer it is: only the first (0) is read, as `n` is never set; a server that
+    /// sends others anyway does not get them mixed into it.
+    #[serde(default)]
+    index: Option<u64>,
     #[serde(default, borrow)]
     delta: Option<Delta<'a>>,
     #[serde(default, borrow)]
@@ -1067,6 +1079,9 @@ struct Delta<'a> {
     reasoning: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
     tool_calls: Option<Vec<CallDelta<'a>>>,
+    /// The model's refusal (OpenAI's `refusal`), in place of an answer.
+    #[serde(default, borrow)]
+    refusal: Option<Cow<'a, str>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -1161,10 +1176,15 @@ struct Assembler {
     /// For each `index`, the call its next fragments continue.
     open: BTreeMap<u64, usize>,
     think: ThinkSplitter,
+    /// The refusal's text so far, at most [`MAX_REFUSAL_BYTES`].
+    refusal: String,
     finish: Option<FinishReason>,
     usage: Option<Usage>,
     finished: bool,
 }
+
+/// What is kept of a refusal's text: it is said in an error message, not streamed.
+const MAX_REFUSAL_BYTES: usize = 4096;
 
 impl Assembler {
     fn chunk(&mut self, chunk: Chunk<'_>, out: &mut VecDeque<ChatDelta>) -> Result<(), ModelError> {
@@ -1187,10 +1207,18 @@ impl Assembler {
                 }),
             };
         }
-        let Some(choice) = chunk.choices else {
+        let Some(choice) = chunk.choices.filter(|c| c.index.unwrap_or(0) == 0) else {
             return Ok(());
         };
         if let Some(delta) = choice.delta {
+            if let Some(text) = delta.refusal.filter(|t| !t.is_empty()) {
+                let room = MAX_REFUSAL_BYTES.saturating_sub(self.refusal.len());
+                let mut cut = room.min(text.len());
+                while !text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                self.refusal.push_str(&text[..cut]);
+            }
             for text in [delta.reasoning_content, delta.reasoning]
                 .into_iter()
                 .flatten()
@@ -1235,10 +1263,13 @@ impl Assembler {
                     entry.id = id.into_owned();
                 }
                 if let Some(function) = call.function {
-                    if let Some(name) = function.name.filter(|n| !n.is_empty())
-                        && entry.name.is_empty()
-                    {
-                        entry.name = name.into_owned();
+                    if let Some(name) = function.name.filter(|n| !n.is_empty()) {
+                        if entry.name.is_empty() {
+                            entry.name = name.into_owned();
+                        } else if continues_name(entry, &name) {
+                            // A name sent in pieces, as its arguments are.
+                            entry.name.push_str(&name);
+                        }
                     }
                     if let Some(arguments) = function.arguments {
                         if entry.arguments.len() + arguments.len() > self.max_arguments {
@@ -1270,6 +1301,9 @@ impl Assembler {
         }
         self.finished = true;
         self.think.finish(|piece| out.push_back(piece_delta(piece)));
+        if !self.refusal.is_empty() {
+            out.push_back(ChatDelta::Refusal(std::mem::take(&mut self.refusal)));
+        }
         let mut calls = std::mem::take(&mut self.calls);
         // In the order of their index; calls that shared one, in the order they came.
         calls.sort_by_key(|(index, _)| *index);
@@ -1295,11 +1329,18 @@ impl Assembler {
 /// Whether a fragment with this id and function name begins a call other than `call`: it
 /// names a function, the call has one already, and either the name or the id is another.
 fn starts_another(call: &PartialCall, id: Option<&str>, name: Option<&str>) -> bool {
+    let other_id = id.is_some_and(|id| !id.is_empty() && !call.id.is_empty() && id != call.id);
     name.is_some_and(|name| {
-        !call.name.is_empty()
-            && (name != call.name
-                || id.is_some_and(|id| !id.is_empty() && !call.id.is_empty() && id != call.id))
+        !call.name.is_empty() && (other_id || (name != call.name && !continues_name(call, name)))
     })
+}
+
+/// Whether `name`, sent for a call that has a name already and no other id, is the rest
+/// of its name rather than another call's (servers that send every call under index 0):
+/// a name comes before any of its call's arguments, so a call with arguments has its
+/// whole name; and a name sent again whole is not a piece of it.
+fn continues_name(call: &PartialCall, name: &str) -> bool {
+    call.arguments.is_empty() && name != call.name
 }
 
 fn piece_delta(piece: Piece) -> ChatDelta {
@@ -1366,6 +1407,83 @@ mod tests {
             .await);
         assert_eq!(deltas.len(), 2, "{deltas:?}");
         assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_usage_after_the_finish_ends_an_answer_whose_stream_stays_open() {
+        // Neither `[DONE]` nor the end follows: the answer stands once its grace is over,
+        // with the usage reported, instead of waiting for the call's timeout.
+        let answer = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":7}}\n\n",
+        );
+        let body =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
+                .chain(futures_util::stream::pending());
+        let started = tokio::time::Instant::now();
+        let deltas = ok(decode(Box::pin(body), ResponseLimits::default())
+            .collect()
+            .await);
+        assert_eq!(
+            deltas,
+            [
+                ChatDelta::Content("hi".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: Some(Usage {
+                        prompt_tokens: 11,
+                        completion_tokens: 7
+                    })
+                }
+            ]
+        );
+        assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
+    }
+
+    #[tokio::test]
+    async fn a_name_sent_in_pieces_is_one_call() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_A\",\"function\":{\"name\":\"calcu\",\"arguments\":\"\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"lator\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"expression\\\":\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"6 * 7\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let calls: Vec<_> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            [ModelToolCall {
+                id: "call_A".into(),
+                name: "calculator".into(),
+                arguments: "{\"expression\":\"6 * 7\"}".into(),
+            }]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_said_and_other_choices_are_left_out() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"refusal\":\"I cannot \"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":1,\"delta\":{\"content\":\"ONE\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"refusal\":\"help with that.\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Refusal("I cannot help with that.".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                },
+            ]
+        );
     }
 
     #[tokio::test]

@@ -69,6 +69,16 @@ pub enum ProviderError {
         /// The URL given.
         url: String,
     },
+    /// A base URL that no call could be made to.
+    #[error("provider {name:?}: base_url {url:?} {why}")]
+    InvalidUrl {
+        /// The provider.
+        name: String,
+        /// The URL given.
+        url: String,
+        /// What is wrong with it.
+        why: String,
+    },
     /// The default provider is not among the configured ones.
     #[error("default provider {0:?} is not configured")]
     UnknownDefault(String),
@@ -126,6 +136,18 @@ impl ProviderRegistry {
                     url: settings.base_url.clone(),
                 });
             }
+            let invalid = |why: String| ProviderError::InvalidUrl {
+                name: name.clone(),
+                url: settings.base_url.clone(),
+                why,
+            };
+            let url = reqwest::Url::parse(&settings.base_url)
+                .map_err(|e| invalid(format!("is not a valid URL: {e}")))?;
+            if url.fragment().is_some() {
+                return Err(invalid(
+                    "has a fragment (`#...`), which no request sends".to_owned(),
+                ));
+            }
             if settings.api_key.is_empty()
                 && let Some(var) = &settings.api_key_env
                 && let Some(key) = env(var)
@@ -161,6 +183,20 @@ impl ProviderRegistry {
     pub fn settings(&self) -> &BTreeMap<String, ProviderSettings> {
         &self.providers
     }
+}
+
+/// The URL of `path` (`chat/completions`, `rerank`) under `base_url`, before the base
+/// URL's query, which every call then carries (the `?api-version=...` some gateways ask for).
+pub(crate) fn endpoint(base_url: &str, path: &str) -> String {
+    let (base, query) = base_url
+        .split_once('?')
+        .map_or((base_url, ""), |(base, query)| (base, query));
+    let mut url = format!("{}/{path}", base.trim_end_matches('/'));
+    if !query.is_empty() {
+        url.push('?');
+        url.push_str(query);
+    }
+    url
 }
 
 #[cfg(test)]
@@ -226,12 +262,42 @@ mod tests {
             "ftp".into(),
             ProviderSettings {
                 base_url: "ftp://x".into(),
-                ..local
+                ..local.clone()
             },
         );
         assert!(matches!(
-            ProviderRegistry::new(providers, None, env_of(&[])),
+            ProviderRegistry::new(providers.clone(), None, env_of(&[])),
             Err(ProviderError::BadUrl { .. })
         ));
+        for (url, says) in [
+            ("http://exa mple.com/v1", "is not a valid URL"),
+            ("http://example.com/v1#frag", "has a fragment"),
+        ] {
+            providers.insert(
+                "ftp".into(),
+                ProviderSettings {
+                    base_url: url.into(),
+                    ..local.clone()
+                },
+            );
+            let error = ProviderRegistry::new(providers.clone(), None, env_of(&[])).unwrap_err();
+            assert!(error.to_string().contains(says), "{url}: {error}");
+        }
+    }
+
+    #[test]
+    fn calls_go_under_the_base_url_before_its_query() {
+        assert_eq!(
+            endpoint("http://h/v1/", "chat/completions"),
+            "http://h/v1/chat/completions"
+        );
+        assert_eq!(
+            endpoint(
+                "https://h/openai/deployments/d?api-version=2024-10-21",
+                "chat/completions"
+            ),
+            "https://h/openai/deployments/d/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(endpoint("http://h/v1?", "rerank"), "http://h/v1/rerank");
     }
 }

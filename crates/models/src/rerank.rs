@@ -70,7 +70,7 @@ impl HttpReranker {
     /// A reranker of the provider `settings` describes, with [`RERANK_TIMEOUT`] and
     /// [`MAX_RERANK_RESPONSE_BYTES`].
     pub fn new(settings: &ProviderSettings) -> Result<Self, ModelError> {
-        let url = format!("{}/rerank", settings.base_url.trim_end_matches('/'));
+        let url = crate::providers::endpoint(&settings.base_url, "rerank");
         let site = Site::new(&url);
         let url = reqwest::Url::parse(&url)
             .map_err(|e| ModelError::Connect(format!("invalid base URL {:?}: {e}", site.url())))?;
