@@ -68,6 +68,10 @@ fn scenarios() -> String {
             {"tool_calls": [{"id": "nap-1", "name": "sleep", "arguments": {"seconds": 3}}]},
             {"content": "rested: {tool_results}"}]},
         "quick": {"turns": [{"content": "still here"}]},
+        "naps": {"turns": [
+            {"tool_calls": [{"id": "nap-1", "name": "sleep", "arguments": {"seconds": 0}}]},
+            {"tool_calls": [{"id": "nap-1", "name": "sleep", "arguments": {"seconds": 0.01}}]},
+            {"content": "rested twice"}]},
         "slow_nap": {"turns": [
             {"content": SLOW_ANSWER, "chunk_chars": 2, "chunk_delay_ms": SLOW_DELAY_MS,
              "tool_calls": [{"id": "nap-2", "name": "sleep", "arguments": {"seconds": 0}}]},
@@ -662,9 +666,16 @@ async fn killed_mid_tool_call_the_call_is_sent_again_with_its_id_and_its_result_
     );
     assert_eq!(call["name"], "sleep", "{call}");
     let call_id = call["id"].as_str().unwrap().to_owned();
+    let round = received
+        .iter()
+        .find(|e| kind(e) == v1::EventType::ToolCall)
+        .unwrap()
+        .iteration;
+    // The tool executor's idempotency key: the run, the round and the model's call id.
+    let key = format!("{run_id}.{round}.{call_id}");
     // The call is running on the tool executor (3 s) when the owner dies.
     let first = c.tools.wait_for(1, Duration::from_secs(10)).await;
-    assert_eq!(first[0].call_id, call_id);
+    assert_eq!(first[0].call_id, key);
 
     let killed = Instant::now();
     c.replicas[0].kill().await;
@@ -706,7 +717,7 @@ async fn killed_mid_tool_call_the_call_is_sent_again_with_its_id_and_its_result_
     let seen = c.tools.calls();
     assert_eq!(
         seen.iter().map(|s| s.call_id.as_str()).collect::<Vec<_>>(),
-        [call_id.as_str(), call_id.as_str()],
+        [key.as_str(), key.as_str()],
         "the call in flight is sent again, once, with the same call_id: {seen:?}"
     );
     assert!(seen.iter().all(|s| s.run_id == run_id), "{seen:?}");
@@ -723,6 +734,42 @@ async fn killed_mid_tool_call_the_call_is_sent_again_with_its_id_and_its_result_
     assert_eq!(calls.len(), 1, "{state:#?}");
     assert_eq!(calls[0].id, call_id);
     assert_eq!(calls[0].output, NAP_RESULT);
+}
+
+/// Needs Redis. The tool executor's `call_id` is the call's idempotency key (an OpenAPI
+/// `Idempotency-Key`): calls of other runs, or of other rounds of one run, never share one,
+/// although the model gives them the same id (as models that number their calls per round
+/// do: `functions.create:0`). They did: another user's create was taken for a repeat.
+#[tokio::test]
+async fn calls_the_model_gives_the_same_id_reach_the_tool_executor_under_keys_of_their_own() {
+    let mut c = Cluster::up("durable-call-keys", 1).await;
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        // An engine, and so a session, of its own: the same conversation again.
+        let engine_id = create_engine(&mut c.replicas[0].service, agent("naps", &["sleep"])).await;
+        let mut stream = execute(&mut c.replicas[0].engine, &engine_id).await;
+        let mut events = Vec::new();
+        assert!(matches!(
+            read_to_end(&mut stream, &mut events).await,
+            End::Done
+        ));
+        assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
+        runs.push(events[0].run_id.clone());
+    }
+    let seen = c.tools.calls();
+    let keys: Vec<&str> = seen.iter().map(|s| s.call_id.as_str()).collect();
+    assert_eq!(keys.len(), 4, "{seen:?}");
+    let mut unique = keys.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), 4, "every call has a key of its own: {keys:?}");
+    for (seen, run_id) in seen.iter().zip([&runs[0], &runs[0], &runs[1], &runs[1]]) {
+        assert_eq!(&seen.run_id, run_id);
+        assert!(
+            seen.call_id.starts_with(run_id.as_str()) && seen.call_id.ends_with(".nap-1"),
+            "{seen:?}"
+        );
+    }
 }
 
 /// Needs Redis. The owner is killed (-9) while the model streams the text of a round that

@@ -141,8 +141,13 @@ pub trait ToolCatalog: Send + Sync {
 /// One tool call the engine asks for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolInvocation {
-    /// The call's id.
+    /// The call's id, as the model gave it.
     pub call_id: String,
+    /// The call's idempotency key, unique among the calls of every run: the run, the
+    /// round and the call's id (models number their calls per round, some the same way in
+    /// every round: `functions.create:0`). A call sent again (by the replica that takes
+    /// its run over, or after its connection broke) has the same key. Empty: the call id.
+    pub key: String,
     /// The tool.
     pub name: String,
     /// The parsed arguments.

@@ -228,6 +228,11 @@ impl Emitter {
         &mut record.steps[last]
     }
 
+    /// The round under way.
+    pub(crate) fn iteration(&self) -> u32 {
+        self.iteration
+    }
+
     pub(crate) fn begin_round(&mut self, iteration: u32) {
         self.iteration = iteration;
         self.step();

@@ -1431,10 +1431,13 @@ impl Engine {
         let timeout = config.timeouts.tool_call;
         let runner = &self.tools;
         let max_output = self.max_tool_output_bytes;
+        let round = em.iteration();
         let execute = |index: usize, prepared: Result<ToolInvocation, ToolResult>| async move {
             let started = Instant::now();
             let mut result = match prepared {
-                Ok(invocation) => {
+                Ok(mut invocation) => {
+                    invocation.key =
+                        format!("{}.{round}.{}", invocation.run_id, invocation.call_id);
                     let span = info_span!(
                         "execute_tool",
                         otel.name = %format!("execute_tool {}", invocation.name),
@@ -1592,6 +1595,7 @@ fn invocation(
 ) -> ToolInvocation {
     ToolInvocation {
         call_id: call.id.clone(),
+        key: String::new(),
         name: call.name.clone(),
         arguments,
         run_id: spec.run_id.clone(),

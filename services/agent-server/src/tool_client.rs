@@ -320,7 +320,12 @@ impl ToolRunner for GrpcToolClient {
         // The parsed arguments are not needed while the call runs, which may be long.
         drop(call.arguments);
         let message = v1::ExecuteToolRequest {
-            call_id: call.call_id,
+            // The tool executor's idempotency key: unique among every run's calls.
+            call_id: if call.key.is_empty() {
+                call.call_id
+            } else {
+                call.key
+            },
             tool_name: call.name,
             arguments,
             run_id: call.run_id,
