@@ -793,3 +793,58 @@ fn the_readme_tool_sources_config_is_accepted_with_secrets_masked() {
     }
     assert!(!stdout.contains("readme-secret"), "{stdout}");
 }
+
+#[tokio::test]
+async fn a_catalogue_larger_than_a_message_is_listed_and_offered() {
+    // 1,100 operations with descriptions of 4,000 bytes: a catalogue of about 4.5 MB, over
+    // the 4 MiB a peer's message may have (`server.max_message_bytes`). ListTools answered
+    // OUT_OF_RANGE, and agent-server, which lists the catalogue to check a config, refused
+    // every engine, even one asking for the calculator alone.
+    let dir = TempDir::new("large-catalogue");
+    let description = "d".repeat(4000);
+    let paths: serde_json::Map<String, serde_json::Value> = (0..1100)
+        .map(|i| {
+            (
+                format!("/op{i}"),
+                json!({"get": {"operationId": format!("op{i}"), "description": description}}),
+            )
+        })
+        .collect();
+    dir.write(
+        "api.json",
+        &json!({"openapi": "3.1.0", "info": {"title": "large", "version": "1"}, "paths": paths})
+            .to_string(),
+    );
+    let (server, client) = executor_with(
+        &dir,
+        "[[openapi]]\nname = \"large\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n",
+        &[],
+    )
+    .await;
+    let listed = client
+        .max_decoding_message_size(usize::MAX)
+        .list_tools(v1::ListToolsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        prost::Message::encoded_len(&listed) > 4 * 1024 * 1024,
+        "the catalogue is larger than a message"
+    );
+    assert_eq!(listed.tools.len(), 1100 + 3, "with the built-ins");
+
+    let agents =
+        agentrt_test_support::agent_server_with_model(&server.url(), "http://127.0.0.1:9/v1", &[])
+            .await;
+    let mut service =
+        v1::agent_service_client::AgentServiceClient::new(connect(&agents.url()).await);
+    for tools in [vec!["calculator"], vec!["large__op1099", "calculator"]] {
+        let created = service
+            .create_agent_engine(v1::CreateAgentEngineRequest {
+                config: Some(common::agent("m", &tools)),
+                session_id: String::new(),
+            })
+            .await;
+        assert!(created.is_ok(), "{tools:?}: {created:?}");
+    }
+}

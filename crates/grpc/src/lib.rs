@@ -18,6 +18,11 @@ pub mod security;
 pub mod trace;
 
 pub use grpc::{GrpcServer, ServerError};
+
+/// The largest `ListTools` answer: the tool executor's own catalogue, which its config
+/// bounds (at most 1,000 tools a source), may outgrow `server.max_message_bytes`, the
+/// bound on what a peer sends; past this one it is refused, naming it.
+pub const MAX_CATALOGUE_BYTES: usize = 64 * 1024 * 1024;
 pub mod status;
 
 /// The service and method of a gRPC call's path (`/package.Service/Method`); `None` for

@@ -157,7 +157,10 @@ impl GrpcToolClient {
         let clients = (0..connections.max(1))
             .map(|_| {
                 ToolExecutorClient::new(endpoint.connect_lazy())
-                    .max_decoding_message_size(max_message_bytes)
+                    // The catalogue may be larger than a message a peer may send.
+                    .max_decoding_message_size(
+                        max_message_bytes.max(agentrt_grpc::MAX_CATALOGUE_BYTES),
+                    )
                     .max_encoding_message_size(max_message_bytes)
             })
             .collect();

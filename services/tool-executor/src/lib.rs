@@ -110,7 +110,9 @@ pub async fn serve(
     let routes = Routes::new(
         agentrt::v1::tool_executor_server::ToolExecutorServer::new(service)
             .max_decoding_message_size(max)
-            .max_encoding_message_size(max),
+            // Answers: the catalogue, bounded on its own (see `list_tools`), and tool
+            // outputs, bounded by `max_output_bytes`.
+            .max_encoding_message_size(max.max(agentrt_grpc::MAX_CATALOGUE_BYTES)),
     );
     let served = GrpcServer::new("tool-executor", settings.server)
         .reporting(service_names::TOOL_EXECUTOR)

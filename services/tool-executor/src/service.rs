@@ -38,7 +38,20 @@ impl ToolExecutor for ToolExecutorService {
         _request: Request<v1::ListToolsRequest>,
     ) -> Result<Response<v1::ListToolsResponse>, Status> {
         let tools = self.catalogue.specs().iter().map(tool_to_wire).collect();
-        Ok(Response::new(v1::ListToolsResponse { tools }))
+        let response = v1::ListToolsResponse { tools };
+        let size = prost::Message::encoded_len(&response);
+        if size > agentrt_grpc::MAX_CATALOGUE_BYTES {
+            return Err(status::resource_exhausted_for_good(
+                "CATALOGUE_TOO_LARGE",
+                format!(
+                    "the tool catalogue takes {size} bytes, over the {} a ListTools answer \
+                     may have: configure fewer tools, or sources with shorter descriptions \
+                     and schemas",
+                    agentrt_grpc::MAX_CATALOGUE_BYTES
+                ),
+            ));
+        }
+        Ok(Response::new(response))
     }
 
     async fn execute_tool(
