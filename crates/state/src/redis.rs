@@ -651,6 +651,11 @@ if not ended and last > base + 2 * fields then
   local progress = {}
   for i = base + 1 + 2 * fields, last do progress[#progress + 1] = ARGV[i] end
   redis.call('HSET', KEYS[6], unpack(progress))
+  -- Progress saved after a wait holds what the run was told: later take-overs are told
+  -- nothing (until then, each is, as the replica that took it over may have died).
+  if ARGV[7] == '' and redis.call('HEXISTS', KEYS[7], '!taken') == 1 then
+    redis.call('HSET', KEYS[7], '!past', '1')
+  end
 end
 local function keep_agent()
   if not agent then
@@ -753,8 +758,8 @@ local previous = redis.call('GET', KEYS[2]) or ''
 redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
 local taken = {previous, '0'}
 if tonumber(lapses) == 0 then taken[2] = '1' end
--- A run that waited: what it was told, once (it waits no more).
-if redis.call('EXISTS', KEYS[4]) == 1 and redis.call('HEXISTS', KEYS[4], '!taken') == 0 then
+-- A run that waited: what it was told (it waits no more), until it saves progress past it.
+if redis.call('EXISTS', KEYS[4]) == 1 and redis.call('HEXISTS', KEYS[4], '!past') == 0 then
   local told = redis.call('HGETALL', KEYS[4])
   redis.call('HSET', KEYS[4], '!taken', '1')
   for i = 1, #told do taken[#taken + 1] = told[i] end

@@ -555,6 +555,10 @@ struct Wait {
     cancelled: bool,
     /// Set when a replica took the run over: it waits no more.
     taken: bool,
+    /// Set when the run saved progress since it was taken over: what it was told is in
+    /// its state, and a later take-over is told nothing. Until then, every take-over is
+    /// told (the replica that took it over may have died before it saved anything).
+    past: bool,
 }
 
 /// What a record weighs in memory: its text, and a little for each part.
@@ -895,6 +899,14 @@ impl RunStore for MemoryRunStore {
                     wait.taken = true;
                 }
             } else if let Some(progress) = progress {
+                let waits =
+                    progress.wait.is_some() && record.waiting() && !record.pending.is_empty();
+                if !waits
+                    && let Some(wait) = inner.waits.get_mut(&record.run_id)
+                    && wait.taken
+                {
+                    wait.past = true;
+                }
                 let new_agent = match &progress.agent {
                     Some(json) if !inner.progress.contains_key(&record.run_id) => {
                         let id = agent_id(json);
@@ -1132,7 +1144,7 @@ impl RunStore for MemoryRunStore {
                 stop: continuation.stop,
             };
             if let Some(wait) = inner.waits.get_mut(run_id)
-                && !wait.taken
+                && !wait.past
             {
                 wait.taken = true;
                 resumable.waited = Some(Answers {

@@ -790,7 +790,8 @@ async fn take_over_once(
 /// leases last [`TEST_LEASE`]. A waiting save lets the run's lease go until every pending
 /// call is answered (exactly one of several replicas answering at once completes it), it
 /// is cancelled, or its wait elapses; then the lease lapses, and the replica taking the
-/// run over is told, once, what the run was told while it waited. Answers are checked
+/// run over is told what the run was told while it waited (and so is the next one, until
+/// the run saves progress past the wait). Answers are checked
 /// whole, the first answer of a call wins, and late answers are refused unless they
 /// repeat ones the run received.
 pub async fn run_waits<F, Fut>(new: F)
@@ -1022,6 +1023,19 @@ where
         Answered::NotWaiting
     );
     assert!(!store.cancel_waiting("w1").await.unwrap());
+
+    // Should the replica that took it over go before it saves anything (killed, or shut
+    // down, the moment it was answered), the next one is told again: what the run was
+    // told is in no saved state yet. (It was told nothing, and the run failed with its
+    // answers lost.)
+    other.release(&[lease("w1", &winner)]).await.unwrap();
+    assert!(is_lapsed(&*store, "w1").await);
+    let retaken = store.take_over("w1", "w1.t9").await.unwrap().unwrap();
+    assert_eq!(retaken.waited, taken.waited);
+    assert_eq!(retaken.state, taken.state);
+    let taken = retaken;
+    let winner = taken.record.owner.clone();
+    assert_eq!(winner, "w1.t9");
 
     // The new owner goes on with the run; the one that made it wait is still fenced off.
     assert_eq!(
