@@ -728,6 +728,19 @@ async fn config_errors_name_the_setting_that_is_wrong() {
             "invalid setting `openapi`: \"api\": `base_url` \"not a url\": ",
             "a relative server URL needs",
         ),
+        // Credentials in a URL: refused, and the password shown nowhere. (They were
+        // logged and put in errors that reach clients, or dropped without a word.)
+        (
+            "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\n\
+             base_url = \"http://u:hunter2@127.0.0.1:9/v1\"\n",
+            "`base_url` \"http://***@127.0.0.1:9/v1\": it carries credentials",
+            "hunter2",
+        ),
+        (
+            "[[mcp_servers]]\nname = \"docs\"\nurl = \"http://u:hunter2@127.0.0.1:9/mcp\"\n",
+            "url \"http://***@127.0.0.1:9/mcp\": it carries credentials",
+            "hunter2",
+        ),
     ] {
         let config = dir.write("tool-executor.toml", config);
         let stderr = refused_start(&config).await;

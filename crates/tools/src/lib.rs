@@ -151,3 +151,30 @@ pub(crate) fn truncate_text(text: &mut String, max: usize) {
     text.truncate(end);
     text.push_str(&format!("\n[output truncated at {max} bytes]"));
 }
+
+/// `url` as errors and logs show it: a user and password in it (`http://user:pass@host`)
+/// masked.
+pub(crate) fn shown_url(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(mut parsed) if !parsed.username().is_empty() || parsed.password().is_some() => {
+            let _ = parsed.set_password(None);
+            let _ = parsed.set_username("***");
+            parsed.to_string()
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Refuses a URL that carries credentials: they would sit in the config and in every log
+/// and error that names the URL, and no request sends them.
+pub(crate) fn no_credentials(url: &reqwest::Url) -> Result<(), String> {
+    if url.username().is_empty() && url.password().is_none() {
+        return Ok(());
+    }
+    Err(
+        "it carries credentials (`user:password@`), which no request sends and every log \
+         would show: give them in `headers` instead (`Authorization = { env = \"...\", \
+         prefix = \"Basic \" }`, the value base64 of `user:password`)"
+            .into(),
+    )
+}

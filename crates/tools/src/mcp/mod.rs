@@ -185,10 +185,12 @@ impl McpServerConfig {
         match (&self.command, &self.url) {
             (Some(command), None) if !command.is_empty() => {}
             (None, Some(url)) => {
-                let parsed = reqwest::Url::parse(url).map_err(|e| format!("url {url:?}: {e}"))?;
+                let shown = crate::shown_url(url);
+                let parsed = reqwest::Url::parse(url).map_err(|e| format!("url {shown:?}: {e}"))?;
                 if !matches!(parsed.scheme(), "http" | "https") {
-                    return Err(format!("url {url:?} must be http or https"));
+                    return Err(format!("url {shown:?} must be http or https"));
                 }
+                crate::no_credentials(&parsed).map_err(|e| format!("url {shown:?}: {e}"))?;
             }
             _ => return Err("give either `command` (stdio) or `url` (streamable HTTP)".into()),
         }

@@ -112,7 +112,8 @@ impl OpenApiConfig {
             secret.check().map_err(|e| format!("query {name}: {e}"))?;
         }
         if let Some(base_url) = &self.base_url {
-            check_base_url(base_url).map_err(|e| format!("`base_url` {base_url:?}: {e}"))?;
+            check_base_url(base_url)
+                .map_err(|e| format!("`base_url` {:?}: {e}", crate::shown_url(base_url)))?;
         }
         if self.timeout.is_zero() {
             return Err("`timeout` must be positive".into());
@@ -260,11 +261,12 @@ impl OpenApiToolset {
         }
         let base = match (&config.base_url, doc.first_server) {
             (Some(base_url), _) => check_base_url(base_url)
-                .map_err(|e| fail(format!("`base_url` {base_url:?}: {e}")))?,
+                .map_err(|e| fail(format!("`base_url` {:?}: {e}", crate::shown_url(base_url))))?,
             (None, Some(server)) => check_base_url(&server).map_err(|e| {
                 fail(format!(
-                    "the document's first server URL {server:?}: {e} (set `base_url` to call \
-                     another)"
+                    "the document's first server URL {:?}: {e} (set `base_url` to call \
+                     another)",
+                    crate::shown_url(&server)
                 ))
             })?,
             (None, None) => {
@@ -597,6 +599,7 @@ fn check_base_url(url: &str) -> std::result::Result<reqwest::Url, String> {
     if !matches!(parsed.scheme(), "http" | "https") || parsed.host().is_none() {
         return Err("it must be an http or https URL with a host".into());
     }
+    crate::no_credentials(&parsed)?;
     Ok(parsed)
 }
 
