@@ -69,8 +69,10 @@ const MAX_DESCRIPTION_BYTES: usize = 4096;
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// The longest wait before reconnecting.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// A connection that lasted this long starts the backoff over.
-const STABLE: Duration = Duration::from_secs(60);
+/// A connection that lasted this long starts the backoff over: a server that fails now and
+/// then is reached again at once, one that fails soon after each start waits longer each
+/// time. (At 60 s, a server that failed every minute was down 30 s each time.)
+const STABLE: Duration = Duration::from_secs(10);
 /// How long a child process may take to exit once its stdin is closed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 /// When a client may try a server's tool again while the server is being connected (the
