@@ -18,7 +18,7 @@
 //! not know its session (a 400 saying so, where MCP says 404) is handed to the SDK as the
 //! 404 it handles, by making a new session and sending the request again; and the event
 //! stream of a `tools/list` answer keeps what the SDK would drop of the tools
-//! ([`super::lenient::keep_task_support`]).
+//! ([`super::lenient::mend_tool_list`]).
 
 use std::{
     io,
@@ -42,7 +42,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncRead, ReadBuf};
 use tracing::{debug, warn};
 
-use super::lenient::keep_task_support;
+use super::lenient::mend_tool_list;
 
 /// The `data` key of the error answer put in place of an oversized one; its value is the
 /// bound.
@@ -437,7 +437,7 @@ impl StreamableHttpClient for BoundedHttpClient {
                                 if let Some(data) = event
                                     .data
                                     .as_deref()
-                                    .and_then(|data| keep_task_support(data.as_bytes()))
+                                    .and_then(|data| mend_tool_list(data.as_bytes()))
                                 {
                                     event.data = Some(String::from_utf8_lossy(&data).into_owned());
                                 }

@@ -8,12 +8,16 @@
 //!   each such item, so that the rest of the result comes through.
 //! - A tool that can only be called as a task (`"execution": {"taskSupport": "required"}`,
 //!   MCP 2025-11-25) fails on every plain call, and the SDK drops `execution` when it reads
-//!   `tools/list`. [`keep_task_support`] copies the value into the tool's `_meta` (under
-//!   [`TASK_SUPPORT_META`]), which the SDK keeps, in the raw answer: each line of a stdio
-//!   server ([`TaskSupportLines`]) and each event of an HTTP server's event stream. An HTTP
-//!   server that answers with a JSON body is read by the SDK's HTTP client before this crate
-//!   sees the text: its task-only tools stay listed, and their calls fail with the server's
-//!   error.
+//!   `tools/list`; and a tool listed without `inputSchema` (which MCP requires, and some
+//!   servers leave out for tools without arguments) fails the whole `tools/list` answer in
+//!   the SDK, and with it every tool of the server. [`mend_tool_list`] copies the first into
+//!   the tool's `_meta` (under [`TASK_SUPPORT_META`]), which the SDK keeps, and gives the
+//!   second the schema of any object, marked in `_meta` ([`NO_SCHEMA_META`]), in the raw
+//!   answer: each line of a stdio server ([`ToolListLines`]) and each event of an HTTP
+//!   server's event stream. An HTTP server that answers with a JSON body is read by the
+//!   SDK's HTTP client before this crate sees the text: its task-only tools stay listed
+//!   (their calls fail with the server's error), and a tool without `inputSchema` fails
+//!   its listing.
 
 use std::{
     borrow::Cow,
@@ -39,6 +43,9 @@ use super::bounded::Unread;
 
 /// The `_meta` key of a listed tool that carries its `execution.taskSupport`.
 pub(super) const TASK_SUPPORT_META: &str = "io.agentrt/taskSupport";
+/// The `_meta` key that marks a listed tool given the schema of any object for the
+/// `inputSchema` it did not have.
+pub(super) const NO_SCHEMA_META: &str = "io.agentrt/noInputSchema";
 /// Content types the SDK reads: an item of one of these that does not parse is malformed,
 /// not of a later protocol version.
 const KNOWN_CONTENT: [&str; 5] = ["text", "image", "audio", "resource", "resource_link"];
@@ -129,11 +136,12 @@ fn describe(item: &Value) -> String {
     }
 }
 
-/// `message` (one raw JSON-RPC message) with each listed tool's `execution.taskSupport`
-/// copied into its `_meta` under [`TASK_SUPPORT_META`], when it is a `tools/list` answer
-/// with such tools; `None` when there is nothing to keep.
-pub(super) fn keep_task_support(message: &[u8]) -> Option<Vec<u8>> {
-    const NEEDLE: &[u8] = b"taskSupport";
+/// `message` (one raw JSON-RPC message) put right when it is a `tools/list` answer (see
+/// the module's documentation): each listed tool's `execution.taskSupport` copied into its
+/// `_meta` under [`TASK_SUPPORT_META`], and a tool without `inputSchema` given the schema
+/// of any object, marked with [`NO_SCHEMA_META`]; `None` when there is nothing to mend.
+pub(super) fn mend_tool_list(message: &[u8]) -> Option<Vec<u8>> {
+    const NEEDLE: &[u8] = b"\"tools\"";
     // Most messages are not such answers: they are not parsed again.
     if !message
         .windows(NEEDLE.len())
@@ -143,31 +151,40 @@ pub(super) fn keep_task_support(message: &[u8]) -> Option<Vec<u8>> {
     }
     let mut value: Value = serde_json::from_slice(message).ok()?;
     let tools = value.get_mut("result")?.get_mut("tools")?.as_array_mut()?;
-    let mut kept = false;
+    let mut mended = false;
     for tool in tools.iter_mut().filter_map(Value::as_object_mut) {
-        let Some(support) = tool
+        let support = tool
             .get("execution")
             .and_then(|e| e.get("taskSupport"))
             .and_then(Value::as_str)
-            .map(str::to_owned)
-        else {
+            .map(str::to_owned);
+        let schemaless = !tool.get("inputSchema").is_some_and(Value::is_object);
+        if support.is_none() && !schemaless {
             continue;
-        };
+        }
+        mended = true;
+        if schemaless {
+            tool.insert("inputSchema".into(), json!({"type": "object"}));
+        }
         let meta = tool
             .entry("_meta")
             .or_insert_with(|| Value::Object(Default::default()));
         if let Some(meta) = meta.as_object_mut() {
-            meta.insert(TASK_SUPPORT_META.into(), support.into());
-            kept = true;
+            if let Some(support) = support {
+                meta.insert(TASK_SUPPORT_META.into(), support.into());
+            }
+            if schemaless {
+                meta.insert(NO_SCHEMA_META.into(), true.into());
+            }
         }
     }
-    kept.then(|| serde_json::to_vec(&value).ok()).flatten()
+    mended.then(|| serde_json::to_vec(&value).ok()).flatten()
 }
 
 /// A reader of newline-delimited messages that passes each through
-/// [`keep_task_support`]. Lines are held whole until their newline: the reader it reads
+/// [`mend_tool_list`]. Lines are held whole until their newline: the reader it reads
 /// from bounds them ([`super::bounded::BoundedLines`]).
-pub(super) struct TaskSupportLines<R> {
+pub(super) struct ToolListLines<R> {
     inner: R,
     buf: Box<[u8]>,
     /// The current line, up to what was read.
@@ -176,7 +193,7 @@ pub(super) struct TaskSupportLines<R> {
     out: Unread,
 }
 
-impl<R> TaskSupportLines<R> {
+impl<R> ToolListLines<R> {
     pub(super) fn new(inner: R) -> Self {
         Self {
             inner,
@@ -187,7 +204,7 @@ impl<R> TaskSupportLines<R> {
     }
 }
 
-impl<R: AsyncRead + Unpin> AsyncRead for TaskSupportLines<R> {
+impl<R: AsyncRead + Unpin> AsyncRead for ToolListLines<R> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -217,7 +234,7 @@ impl<R: AsyncRead + Unpin> AsyncRead for TaskSupportLines<R> {
             while let Some(i) = rest.iter().position(|b| *b == b'\n') {
                 this.line.extend_from_slice(&rest[..=i]);
                 rest = &rest[i + 1..];
-                match keep_task_support(&this.line) {
+                match mend_tool_list(&this.line) {
                     Some(line) => {
                         this.out.push(&line);
                         this.out.push(b"\n");
@@ -283,7 +300,7 @@ mod tests {
         let other = r#"{"jsonrpc":"2.0","id":2,"result":{"content":[{"type":"text","text":"taskSupport"}]}}"#;
         let input = format!("{list}\n{other}\n{{\"partial\":");
         for chunk in [1, 10, 4096] {
-            let mut reader = TaskSupportLines::new(chunked(input.as_bytes(), chunk));
+            let mut reader = ToolListLines::new(chunked(input.as_bytes(), chunk));
             let mut read = String::new();
             reader.read_to_string(&mut read).await.unwrap();
             let lines: Vec<&str> = read.lines().collect();

@@ -660,7 +660,7 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             // The bound is enforced (and an oversized answer answered for) before the
             // SDK reads a line; its own bound only backs that up.
             let max = shared.config.max_message_bytes;
-            let stdout = lenient::TaskSupportLines::new(bounded::BoundedLines::new(stdout, max));
+            let stdout = lenient::ToolListLines::new(bounded::BoundedLines::new(stdout, max));
             let transport =
                 AsyncRwTransport::new(stdout, stdin).with_max_line_length(max.saturating_add(1));
             let service = handler
@@ -703,6 +703,7 @@ async fn list_tools(
     let name = shared.name();
     let mut tools = Vec::new();
     let mut task_only = Vec::new();
+    let mut schemaless = Vec::new();
     let mut cursor = None;
     let mut pages = 0;
     'pages: loop {
@@ -733,6 +734,13 @@ async fn list_tools(
                 }
                 continue;
             }
+            if tool
+                .meta
+                .as_ref()
+                .is_some_and(|meta| meta.0.contains_key(lenient::NO_SCHEMA_META))
+            {
+                schemaless.push(tool.name.to_string());
+            }
             let mut description = tool
                 .description
                 .map(|d| d.into_owned())
@@ -755,6 +763,12 @@ async fn list_tools(
             break;
         }
     }
+    if !schemaless.is_empty() {
+        warn!(
+            tools = ?schemaless,
+            "MCP tools listed without `inputSchema` are offered as taking any object"
+        );
+    }
     let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
     if state.task_only != task_only {
         if !task_only.is_empty() {
@@ -770,7 +784,7 @@ async fn list_tools(
 }
 
 /// Whether `tool` can only be called as a task (MCP 2025-11-25), as kept in its `_meta`
-/// by [`lenient::keep_task_support`].
+/// by [`lenient::mend_tool_list`].
 fn only_as_task(tool: &rmcp::model::Tool) -> bool {
     tool.meta
         .as_ref()

@@ -61,6 +61,8 @@ for line in sys.stdin:
                 # Tools of MCP 2025-11-25 that can only be called as tasks, or either way.
                 tools.append(dict(tool("research"), execution={"taskSupport": "required"}))
                 tools.append(dict(tool("either"), execution={"taskSupport": "optional"}))
+                # A tool listed without the inputSchema MCP requires.
+                tools.append({"name": "bare", "description": "takes nothing"})
             if mode == "collide":
                 # `odd.name` and `odd_name` are both offered as `fake__odd_name`; a tool
                 # whose arguments could never be an object.
@@ -631,7 +633,9 @@ class H(BaseHTTPRequestHandler):
             return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
                 {"name": "big", "inputSchema": {"type": "object"}},
                 {"name": "research", "inputSchema": {"type": "object"},
-                 "execution": {"taskSupport": "required"}}]}})
+                 "execution": {"taskSupport": "required"}}]
+                # Without the inputSchema MCP requires: mended in an event stream only.
+                + ([{"name": "bare"}] if mode == "sse" else [])}})
         if method == "tools/call":
             name, args = msg["params"]["name"], msg["params"].get("arguments") or {}
             if name == "bad_gateway":
@@ -778,13 +782,22 @@ async fn tools_that_can_only_be_called_as_tasks_are_left_out() {
     let listed = names(&toolset).await;
     assert!(!listed.contains(&"fake__research".to_owned()), "{listed:?}");
     assert!(listed.contains(&"fake__either".to_owned()), "{listed:?}");
-    assert_eq!(listed.len(), 8, "{listed:?}");
+    // A tool without inputSchema takes any object; it failed the server's whole listing.
+    let bare = toolset
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|t| t.spec.name == "fake__bare")
+        .expect("fake__bare is listed");
+    assert_eq!(*bare.spec.input_schema, json!({"type": "object"}));
+    assert_eq!(listed.len(), 9, "{listed:?}");
     toolset.shutdown().await;
 
     // Over streamable HTTP, answered as an event stream.
     let (mut server, config) = http_fake(&fake, &["sse"]).await;
     let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
-    assert_eq!(names(&toolset).await, ["fake__big"]);
+    assert_eq!(names(&toolset).await, ["fake__big", "fake__bare"]);
     toolset.shutdown().await;
     server.kill().await.unwrap();
 }
