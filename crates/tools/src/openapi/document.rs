@@ -38,6 +38,25 @@ impl Location {
     }
 }
 
+/// How a parameter's array or object value is written (OpenAPI's `style`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Style {
+    /// `a,b` (path and header default).
+    Simple,
+    /// `.a,b` or `.a.b` (path).
+    Label,
+    /// `;id=a,b` or `;id=a;id=b` (path).
+    Matrix,
+    /// `id=a,b` or `id=a&id=b` (query default).
+    Form,
+    /// `id=a b` (query arrays).
+    SpaceDelimited,
+    /// `id=a|b` (query arrays).
+    PipeDelimited,
+    /// `id[k]=v` (query objects).
+    DeepObject,
+}
+
 /// One parameter of an operation.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Parameter {
@@ -46,8 +65,9 @@ pub(crate) struct Parameter {
     /// Its name in the request.
     pub name: String,
     pub location: Location,
-    /// For a query array: one `name=value` per item (`explode`, the default) or one
-    /// comma-separated value.
+    pub style: Style,
+    /// Whether arrays and objects are written a name-value pair per item (the default for
+    /// `form` only).
     pub explode: bool,
 }
 
@@ -216,6 +236,30 @@ fn operation(
         if name.is_empty() {
             return Err("a parameter has no name".into());
         }
+        // Described by the document otherwise (the media types, the security schemes):
+        // OpenAPI has such header parameters ignored.
+        if location == Location::Header
+            && ["accept", "content-type", "authorization"]
+                .iter()
+                .any(|h| name.eq_ignore_ascii_case(h))
+        {
+            continue;
+        }
+        let style = match (p["style"].as_str(), location) {
+            (None | Some("simple"), Location::Path | Location::Header) => Style::Simple,
+            (Some("label"), Location::Path) => Style::Label,
+            (Some("matrix"), Location::Path) => Style::Matrix,
+            (None | Some("form"), Location::Query) => Style::Form,
+            (Some("spaceDelimited"), Location::Query) => Style::SpaceDelimited,
+            (Some("pipeDelimited"), Location::Query) => Style::PipeDelimited,
+            (Some("deepObject"), Location::Query) => Style::DeepObject,
+            (Some(other), _) => {
+                return Err(format!(
+                    "parameter {name:?} has style {other:?}, which a {} parameter cannot have",
+                    location.as_str()
+                ));
+            }
+        };
         let schema = p
             .get("schema")
             .or_else(|| p["content"].as_object()?.values().next()?.get("schema"))
@@ -242,8 +286,29 @@ fn operation(
             key,
             name,
             location,
-            explode: p["explode"].as_bool().unwrap_or(true),
+            style,
+            explode: p["explode"]
+                .as_bool()
+                .unwrap_or(matches!(style, Style::Form | Style::DeepObject)),
         });
+    }
+    // Every placeholder of the path needs its parameter: one the document does not declare
+    // would be sent as it is (`/pets/%7Bid%7D`).
+    let mut rest = path;
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            break;
+        };
+        let placeholder = &rest[open + 1..open + close];
+        if !parameters
+            .iter()
+            .any(|p| p.location == Location::Path && p.name == placeholder)
+        {
+            return Err(format!(
+                "its path names {{{placeholder}}}, which no path parameter declares"
+            ));
+        }
+        rest = &rest[open + close + 1..];
     }
     let mut body_type = None;
     if let Some(body) = op.get("requestBody") {
@@ -259,6 +324,7 @@ fn operation(
             Some((media, m)) => {
                 let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
                 let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
+                drop_read_only(&mut schema);
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
                 {
@@ -322,6 +388,42 @@ fn operation(
         body_type,
         input_schema,
     })
+}
+
+/// `schema` (of a request body) without its `readOnly` properties: they are the server's
+/// to set, are not sent, and are required in responses only.
+fn drop_read_only(schema: &mut Value) {
+    let Some(object) = schema.as_object_mut() else {
+        return;
+    };
+    let mut dropped = Vec::new();
+    if let Some(properties) = object.get_mut("properties").and_then(Value::as_object_mut) {
+        properties.retain(|name, property| {
+            let read_only = property.get("readOnly").and_then(Value::as_bool) == Some(true);
+            if read_only {
+                dropped.push(name.clone());
+            }
+            !read_only
+        });
+        for property in properties.values_mut() {
+            drop_read_only(property);
+        }
+    }
+    if !dropped.is_empty()
+        && let Some(required) = object.get_mut("required").and_then(Value::as_array_mut)
+    {
+        required.retain(|name| !dropped.iter().any(|d| name.as_str() == Some(d)));
+    }
+    for key in ["items", "additionalProperties"] {
+        if let Some(inner) = object.get_mut(key) {
+            drop_read_only(inner);
+        }
+    }
+    for key in ["allOf", "anyOf", "oneOf"] {
+        if let Some(list) = object.get_mut(key).and_then(Value::as_array_mut) {
+            list.iter_mut().for_each(drop_read_only);
+        }
+    }
 }
 
 fn is_json(media: &str) -> bool {

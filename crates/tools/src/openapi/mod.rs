@@ -36,7 +36,7 @@ use crate::{
     CallError, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset, check_source_name,
     offered_name, secret::SecretRef, truncate_text,
 };
-use document::{Location, Operation, Parameter};
+use document::{Location, Operation, Parameter, Style};
 
 /// The header that carries a call's id on requests that may change something.
 const IDEMPOTENCY_KEY: reqwest::header::HeaderName =
@@ -374,7 +374,7 @@ impl OpenApiToolset {
                         .clone()
                         .ok_or_else(|| format!("{:?} is not a valid header name", param.name))?;
                     let value =
-                        reqwest::header::HeaderValue::try_from(scalar_text(value).into_owned())
+                        reqwest::header::HeaderValue::try_from(simple_text(param, value))
                             .map_err(|_| format!("header {:?}: not a valid value", param.name))?;
                     headers.insert(name, value);
                 }
@@ -422,9 +422,7 @@ impl OpenApiToolset {
                 Piece::Param(index) => {
                     let param = &route.op.parameters[*index];
                     match given(arguments, param) {
-                        Some(value) => {
-                            target.extend(utf8_percent_encode(&scalar_text(value), SEGMENT));
-                        }
+                        Some(value) => push_path_value(&mut target, param, value),
                         // Left as the template has it.
                         None => {
                             target.push('{');
@@ -447,16 +445,10 @@ impl OpenApiToolset {
             if param.location != Location::Query {
                 continue;
             }
-            match given(arguments, param) {
-                Some(Value::Array(items)) if param.explode => {
-                    for item in items {
-                        push_query_pair(&mut target, query_start, &param.name, &scalar_text(item));
-                    }
+            if let Some(value) = given(arguments, param) {
+                for (name, text) in query_pairs(param, value) {
+                    push_query_pair(&mut target, query_start, &name, &text);
                 }
-                Some(value) => {
-                    push_query_pair(&mut target, query_start, &param.name, &scalar_text(value));
-                }
-                None => {}
             }
         }
         let fixed = self.query.expose();
@@ -617,6 +609,118 @@ fn scalar_text(value: &Value) -> Cow<'_, str> {
             Cow::Owned(items.iter().map(scalar_text).collect::<Vec<_>>().join(","))
         }
         other => Cow::Owned(other.to_string()),
+    }
+}
+
+/// A path, header or query value's items, in the order they are written: an array's items
+/// (without names), an object's properties.
+fn items(value: &Value) -> Vec<(Option<&str>, Cow<'_, str>)> {
+    match value {
+        Value::Array(items) => items.iter().map(|item| (None, scalar_text(item))).collect(),
+        Value::Object(properties) => properties
+            .iter()
+            .map(|(name, item)| (Some(name.as_str()), scalar_text(item)))
+            .collect(),
+        scalar => vec![(None, scalar_text(scalar))],
+    }
+}
+
+/// `value` as the `simple` style writes it (a header's value): `a,b`; an object `k,v,k2,v2`,
+/// or `k=v,k2=v2` exploded.
+fn simple_text(param: &Parameter, value: &Value) -> String {
+    let mut text = String::new();
+    for (i, (name, item)) in items(value).into_iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        if let Some(name) = name {
+            text.push_str(name);
+            text.push(if param.explode { '=' } else { ',' });
+        }
+        text.push_str(&item);
+    }
+    text
+}
+
+/// Writes a path parameter's `value` in its style (`simple`, `label`, `matrix`, exploded or
+/// not), each name and value escaped as a path segment's text.
+fn push_path_value(target: &mut String, param: &Parameter, value: &Value) {
+    let escaped = |text: &str| utf8_percent_encode(text, SEGMENT).to_string();
+    let (lead, between) = match (param.style, param.explode) {
+        (Style::Label, true) => (".", "."),
+        (Style::Label, false) => (".", ","),
+        (Style::Matrix, true) => (";", ";"),
+        (Style::Matrix, false) => (";", ","),
+        _ => ("", ","),
+    };
+    target.push_str(lead);
+    let matrix = param.style == Style::Matrix;
+    let named_items = matrix && param.explode && !value.is_object();
+    if matrix && !(param.explode && value.is_object()) {
+        target.push_str(&escaped(&param.name));
+        target.push('=');
+    }
+    for (i, (name, item)) in items(value).into_iter().enumerate() {
+        if i > 0 {
+            target.push_str(between);
+            if named_items {
+                target.push_str(&escaped(&param.name));
+                target.push('=');
+            }
+        }
+        if let Some(name) = name {
+            target.push_str(&escaped(name));
+            target.push_str(if param.explode { "=" } else { "," });
+        }
+        target.push_str(&escaped(&item));
+    }
+}
+
+/// The query pairs of `value` in its parameter's style: `form` (`id=a&id=b` exploded,
+/// `id=a,b` not; an object's properties as pairs, or `id=k,v,k2,v2`), `spaceDelimited`
+/// and `pipeDelimited` (`id=a b`, `id=a|b`), `deepObject` (`id[k]=v`).
+fn query_pairs<'a>(param: &'a Parameter, value: &'a Value) -> Vec<(Cow<'a, str>, Cow<'a, str>)> {
+    let name = Cow::Borrowed(param.name.as_str());
+    match value {
+        Value::Object(properties) if param.style == Style::DeepObject => properties
+            .iter()
+            .map(|(key, item)| {
+                (
+                    Cow::Owned(format!("{}[{key}]", param.name)),
+                    scalar_text(item),
+                )
+            })
+            .collect(),
+        Value::Object(properties) if param.explode => properties
+            .iter()
+            .map(|(key, item)| (Cow::Borrowed(key.as_str()), scalar_text(item)))
+            .collect(),
+        Value::Array(items) if param.explode => items
+            .iter()
+            .map(|item| (name.clone(), scalar_text(item)))
+            .collect(),
+        Value::Array(items) => {
+            let between = match param.style {
+                Style::SpaceDelimited => " ",
+                Style::PipeDelimited => "|",
+                _ => ",",
+            };
+            let text = items
+                .iter()
+                .map(scalar_text)
+                .collect::<Vec<_>>()
+                .join(between);
+            vec![(name, Cow::Owned(text))]
+        }
+        Value::Object(_) => {
+            let text = items(value)
+                .into_iter()
+                .flat_map(|(key, item)| [Cow::Borrowed(key.unwrap_or_default()), item])
+                .collect::<Vec<_>>()
+                .join(",");
+            vec![(name, Cow::Owned(text))]
+        }
+        scalar => vec![(name, scalar_text(scalar))],
     }
 }
 

@@ -144,7 +144,15 @@ fn reference(
                         param.name
                     ));
                 }
-                let escaped = utf8_percent_encode(&text, SEGMENT).to_string();
+                // The `simple` style: each item escaped, joined by a literal `,`.
+                let escaped = match value {
+                    Value::Array(items) => items
+                        .iter()
+                        .map(|item| utf8_percent_encode(&scalar_text(item), SEGMENT).to_string())
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    _ => utf8_percent_encode(&text, SEGMENT).to_string(),
+                };
                 path = path.replace(&format!("{{{}}}", param.name), &escaped);
             }
             Location::Query => match value {
@@ -456,4 +464,82 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
         "application/merge-patch+json"
     );
     assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
+}
+
+#[tokio::test]
+async fn parameters_are_written_in_their_style() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-style-{}", std::process::id()));
+    let doc = r#"{"openapi": "3.1.0",
+      "servers": [{"url": "http://api.example.test"}],
+      "paths": {
+        "/l/{label}/m/{matrix}/{exploded}/s/{simple}": {"get": {"operationId": "styles",
+          "parameters": [
+            {"name": "label", "in": "path", "required": true, "style": "label", "explode": true,
+             "schema": {"type": "array"}},
+            {"name": "matrix", "in": "path", "required": true, "style": "matrix",
+             "schema": {"type": "array"}},
+            {"name": "exploded", "in": "path", "required": true, "style": "matrix", "explode": true,
+             "schema": {"type": "object"}},
+            {"name": "simple", "in": "path", "required": true, "explode": true,
+             "schema": {"type": "object"}},
+            {"name": "filter", "in": "query", "style": "deepObject", "schema": {"type": "object"}},
+            {"name": "point", "in": "query", "schema": {"type": "object"}},
+            {"name": "flat", "in": "query", "explode": false, "schema": {"type": "object"}},
+            {"name": "ids", "in": "query", "style": "pipeDelimited", "explode": false,
+             "schema": {"type": "array"}},
+            {"name": "words", "in": "query", "style": "spaceDelimited", "explode": false,
+             "schema": {"type": "array"}},
+            {"name": "X-Pair", "in": "header", "schema": {"type": "object"}},
+            {"name": "Accept", "in": "header", "schema": {"type": "string"}},
+            {"name": "Content-Type", "in": "header", "schema": {"type": "string"}},
+            {"name": "Authorization", "in": "header", "schema": {"type": "string"}}]}},
+        "/undeclared/{id}": {"get": {"operationId": "undeclared"}},
+        "/things": {"post": {"operationId": "create",
+          "requestBody": {"required": true, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["id", "name"],
+            "properties": {"id": {"type": "integer", "readOnly": true}, "name": {"type": "string"},
+              "parts": {"type": "array", "items": {"type": "object", "required": ["made"],
+                "properties": {"made": {"type": "string", "readOnly": true}}}}}}}}}}}
+      }}"#;
+    let toolset = toolset_of(&dir, doc);
+    let listed = toolset.list().await.unwrap();
+    let names: Vec<&str> = listed.iter().map(|t| t.spec.name.as_str()).collect();
+    // A path placeholder no parameter declares: left out (it was sent as `%7Bid%7D`).
+    assert_eq!(names, ["api__create", "api__styles"]);
+    // Headers the document describes otherwise are not the model's to set.
+    let styles = &listed[1].spec.input_schema;
+    for header in ["Accept", "Content-Type", "Authorization"] {
+        assert!(styles["properties"].get(header).is_none(), "{styles}");
+    }
+    // readOnly properties are the server's: not asked for, not required.
+    let body = &listed[0].spec.input_schema["properties"]["body"];
+    assert!(body["properties"].get("id").is_none(), "{body}");
+    assert_eq!(body["required"], json!(["name"]), "{body}");
+    assert_eq!(
+        body["properties"]["parts"]["items"]["required"],
+        json!([]),
+        "{body}"
+    );
+
+    let request = toolset
+        .request(
+            &toolset.routes["styles"],
+            &json!({
+                "label": ["a", "b"], "matrix": ["c", "d"], "exploded": {"x": 1, "y": 2},
+                "simple": {"r": 1, "g": 2},
+                "filter": {"color": "brown", "age": 3}, "point": {"x": 1, "y": 2},
+                "flat": {"r": 1, "g": 2}, "ids": [1, 2, 3], "words": ["a b", "c"],
+                "X-Pair": {"k": "v", "n": 2}
+            }),
+            "c",
+        )
+        .unwrap();
+    assert_eq!(
+        request.target,
+        "/l/.a.b/m/;matrix=c,d/;x=1;y=2/s/g=2,r=1\
+         ?filter%5Bage%5D=3&filter%5Bcolor%5D=brown&x=1&y=2&flat=g%2C2%2Cr%2C1\
+         &ids=1%7C2%7C3&words=a+b+c&api_key=k3y"
+    );
+    assert_eq!(request.headers["x-pair"], "k,v,n,2");
+    std::fs::remove_dir_all(dir).unwrap();
 }
