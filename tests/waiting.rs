@@ -584,22 +584,6 @@ async fn a_disconnect_after_the_wait_does_not_cancel_the_run_either() {
         get_run(&mut stack.engine, &run_id).await.status,
         v1::RunStatus::Running as i32
     );
-    // Answered again while it goes on: said at once, with where the run is. (Each took a
-    // second, the wait meant for an answer sent before the run has saved its wait.)
-    let asked = std::time::Instant::now();
-    let again = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
-        .await
-        .unwrap();
-    assert_eq!(again.status, v1::RunStatus::Running as i32);
-    let other = submit(&mut stack.engine, &run_id, &[("k1", "lost")])
-        .await
-        .unwrap_err();
-    assert_eq!(status_reason(&other), "TOOL_CALL_ANSWERED", "{other:?}");
-    let took = asked.elapsed();
-    assert!(
-        took < Duration::from_millis(500),
-        "two repeats took {took:?}"
-    );
     let mut stream = stack
         .engine
         .subscribe(v1::SubscribeRequest {

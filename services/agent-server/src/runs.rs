@@ -808,22 +808,8 @@ impl RunManager {
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<AnswerOutcome, crate::error::Error> {
         use crate::error::Error;
-        let encoded: Vec<(String, String)> = answers
-            .iter()
-            .map(|(id, answer)| (id.clone(), answer.encode()))
-            .collect();
-        // A repeat of answers the run received, sent after it went on, is said at once;
-        // only a run that may not have saved its wait yet is waited for.
-        let mut settled = None;
-        if !record.waiting() && !record.ended() {
-            match self.store.answer(&record.run_id, &encoded).await? {
-                told @ (Answered::Accepted { .. } | Answered::Conflict(_)) => settled = Some(told),
-                Answered::NotWaiting | Answered::NotPending(_) => {}
-            }
-        }
         let mut waited = Duration::ZERO;
-        while settled.is_none() && !record.waiting() && !record.ended() && waited < ANSWER_PATIENCE
-        {
+        while !record.waiting() && !record.ended() && waited < ANSWER_PATIENCE {
             tokio::time::sleep(Duration::from_millis(20)).await;
             waited += Duration::from_millis(20);
             match self.store.load(&record.run_id).await? {
@@ -841,7 +827,7 @@ impl RunManager {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
-        if record.waiting() && settled.is_none() {
+        if record.waiting() {
             for (call_id, answer) in &answers {
                 match record.pending.iter().find(|p| p.id == *call_id) {
                     None => {
@@ -867,11 +853,11 @@ impl RunManager {
                 }
             }
         }
-        let settled = match settled {
-            Some(settled) => settled,
-            None => self.store.answer(run_id, &encoded).await?,
-        };
-        match settled {
+        let encoded: Vec<(String, String)> = answers
+            .iter()
+            .map(|(id, answer)| (id.clone(), answer.encode()))
+            .collect();
+        match self.store.answer(run_id, &encoded).await? {
             Answered::NotWaiting => Err(Error::RunNotWaiting {
                 run_id: run_id.to_owned(),
                 status: status_name(record.status),
