@@ -11,7 +11,7 @@ use tracing::{debug, warn};
 
 use crate::{
     ChatDelta, ChatMessage, ChatModel, ChatRequest, ChatStream, FinishReason, ModelError,
-    ModelToolCall, ProviderSettings, Usage,
+    ModelToolCall, ProviderSettings, ToolDefinition, Usage,
     h2c::H2cClient,
     think::{Piece, ThinkSplitter},
 };
@@ -408,6 +408,7 @@ impl ChatModel for OpenAiChat {
     ) -> Result<ChatStream, ModelError> {
         let body = bytes::Bytes::from(request_body(&request));
         let deadline = request.deadline;
+        let offered = request.tools.clone();
         // The body is all that is sent; the messages need not wait with it for the reply.
         drop(request);
         let mut attempt = 0;
@@ -420,7 +421,7 @@ impl ChatModel for OpenAiChat {
                 Ok(body) => {
                     // Nothing has streamed before the first delta: a connection lost
                     // until then is as transient as one lost before the answer began.
-                    let mut deltas = decode(body, self.limits);
+                    let mut deltas = decode(body, self.limits, offered.clone());
                     let first = tokio::select! {
                         first = std::future::poll_fn(|cx| deltas.poll_first(cx)) => first,
                         () = cancel.cancelled() => return Err(ModelError::Cancelled),
@@ -721,7 +722,11 @@ const MAX_TRAILING_EVENTS: usize = 16;
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// Turns an SSE byte stream into deltas.
-fn decode<S, E>(bytes: S, limits: ResponseLimits) -> Decoder<Bounded<S>>
+fn decode<S, E>(
+    bytes: S,
+    limits: ResponseLimits,
+    offered: std::sync::Arc<[ToolDefinition]>,
+) -> Decoder<Bounded<S>>
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Send + Unpin + 'static,
     E: std::error::Error + Send + Sync + 'static,
@@ -730,6 +735,7 @@ where
         events: sse_stream::SseByteStream::new(Bounded::new(bytes, limits.max_event_bytes)),
         assembler: Assembler {
             max_arguments: limits.max_tool_arguments_bytes,
+            offered,
             ..Assembler::default()
         },
         ready: VecDeque::new(),
@@ -1176,6 +1182,9 @@ struct Assembler {
     /// For each `index`, the call its next fragments continue.
     open: BTreeMap<u64, usize>,
     think: ThinkSplitter,
+    /// The tools the request offered: a name sent in pieces is put together into one of
+    /// theirs (see [`continued_name`]).
+    offered: std::sync::Arc<[ToolDefinition]>,
     /// The refusal's text so far, at most [`MAX_REFUSAL_BYTES`].
     refusal: String,
     finish: Option<FinishReason>,
@@ -1244,7 +1253,12 @@ impl Assembler {
                     // (Servers that repeat the id or the name on every fragment, or send
                     // a new id without a name, continue the call.)
                     Some(&slot)
-                        if !starts_another(&self.calls[slot].1, call.id.as_deref(), name) =>
+                        if !starts_another(
+                            &self.calls[slot].1,
+                            call.id.as_deref(),
+                            name,
+                            &self.offered,
+                        ) =>
                     {
                         slot
                     }
@@ -1266,9 +1280,9 @@ impl Assembler {
                     if let Some(name) = function.name.filter(|n| !n.is_empty()) {
                         if entry.name.is_empty() {
                             entry.name = name.into_owned();
-                        } else if continues_name(entry, &name) {
+                        } else if let Some(whole) = continued_name(entry, &name, &self.offered) {
                             // A name sent in pieces, as its arguments are.
-                            entry.name.push_str(&name);
+                            entry.name = whole;
                         }
                     }
                     if let Some(arguments) = function.arguments {
@@ -1328,19 +1342,41 @@ impl Assembler {
 
 /// Whether a fragment with this id and function name begins a call other than `call`: it
 /// names a function, the call has one already, and either the name or the id is another.
-fn starts_another(call: &PartialCall, id: Option<&str>, name: Option<&str>) -> bool {
+fn starts_another(
+    call: &PartialCall,
+    id: Option<&str>,
+    name: Option<&str>,
+    offered: &[ToolDefinition],
+) -> bool {
     let other_id = id.is_some_and(|id| !id.is_empty() && !call.id.is_empty() && id != call.id);
     name.is_some_and(|name| {
-        !call.name.is_empty() && (other_id || (name != call.name && !continues_name(call, name)))
+        !call.name.is_empty()
+            && (other_id || (name != call.name && continued_name(call, name, offered).is_none()))
     })
 }
 
-/// Whether `name`, sent for a call that has a name already and no other id, is the rest
-/// of its name rather than another call's (servers that send every call under index 0):
-/// a name comes before any of its call's arguments, so a call with arguments has its
-/// whole name; and a name sent again whole is not a piece of it.
-fn continues_name(call: &PartialCall, name: &str) -> bool {
-    call.arguments.is_empty() && name != call.name
+/// The name `name` makes of the name of `call` (which has one, and no other id) when it
+/// continues it rather than begins another call (servers that send every call under index
+/// 0): the rest of a name sent in pieces (`calcu`, `lator`), or the name sent again longer
+/// (`calcu`, `calculator`). Only a call without arguments yet (a name comes before them),
+/// whose name is no offered tool's, continues, and only into (the start of) an offered
+/// tool's name; a parameterless call of an offered tool is whole.
+fn continued_name(call: &PartialCall, name: &str, offered: &[ToolDefinition]) -> Option<String> {
+    if !call.arguments.is_empty()
+        || name == call.name
+        || offered.iter().any(|t| t.name == call.name)
+    {
+        return None;
+    }
+    let whole = if name.starts_with(&call.name) {
+        name.to_owned()
+    } else {
+        format!("{}{name}", call.name)
+    };
+    offered
+        .iter()
+        .any(|t| t.name.starts_with(&whole))
+        .then_some(whole)
 }
 
 fn piece_delta(piece: Piece) -> ChatDelta {
@@ -1365,9 +1401,22 @@ mod tests {
         decode(
             futures_util::stream::iter(chunks),
             ResponseLimits::default(),
+            offered(),
         )
         .collect()
         .await
+    }
+
+    /// The tools the tests' requests offer.
+    fn offered() -> std::sync::Arc<[ToolDefinition]> {
+        ["calculator", "current_time", "t"]
+            .into_iter()
+            .map(|name| ToolDefinition {
+                name: name.into(),
+                description: String::new(),
+                parameters: serde_json::json!({"type": "object"}).into(),
+            })
+            .collect()
     }
 
     fn ok(deltas: Vec<Result<ChatDelta, ModelError>>) -> Vec<ChatDelta> {
@@ -1388,7 +1437,7 @@ mod tests {
         let body =
             futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
                 .chain(end);
-        let deltas = ok(decode(Box::pin(body), ResponseLimits::default())
+        let deltas = ok(decode(Box::pin(body), ResponseLimits::default(), offered())
             .collect()
             .await);
         assert_eq!(deltas[0], ChatDelta::Content("hi".into()));
@@ -1402,7 +1451,7 @@ mod tests {
             futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
                 .chain(futures_util::stream::pending());
         let started = tokio::time::Instant::now();
-        let deltas = ok(decode(Box::pin(body), ResponseLimits::default())
+        let deltas = ok(decode(Box::pin(body), ResponseLimits::default(), offered())
             .collect()
             .await);
         assert_eq!(deltas.len(), 2, "{deltas:?}");
@@ -1421,7 +1470,7 @@ mod tests {
             futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
                 .chain(futures_util::stream::pending());
         let started = tokio::time::Instant::now();
-        let deltas = ok(decode(Box::pin(body), ResponseLimits::default())
+        let deltas = ok(decode(Box::pin(body), ResponseLimits::default(), offered())
             .collect()
             .await);
         assert_eq!(
@@ -1464,6 +1513,24 @@ mod tests {
                 arguments: "{\"expression\":\"6 * 7\"}".into(),
             }]
         );
+
+        // Sent again longer; and, under index 0 without ids, a call of an offered tool
+        // without arguments, then another call: two calls, not one made-up name.
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"calcu\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"calculator\",\"arguments\":\"{}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"function\":{\"name\":\"current_time\",\"arguments\":\"\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"function\":{\"name\":\"t\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let names: Vec<String> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call.name),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names, ["calculator", "current_time", "t"]);
     }
 
     #[tokio::test]
@@ -1729,7 +1796,7 @@ mod tests {
             (&b"data: xxxxxxxxxx\n"[..], "one SSE event of the answer"),
         ] {
             let pulled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-            let deltas: Vec<_> = decode(endless(chunk, start, pulled.clone()), limits)
+            let deltas: Vec<_> = decode(endless(chunk, start, pulled.clone()), limits, offered())
                 .collect()
                 .await;
             assert_eq!(deltas[0], Ok(ChatDelta::Content("a".into())));
@@ -1758,7 +1825,7 @@ mod tests {
             .chunks(4096)
             .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
             .collect();
-        let deltas: Vec<_> = decode(futures_util::stream::iter(chunks), limits)
+        let deltas: Vec<_> = decode(futures_util::stream::iter(chunks), limits, offered())
             .collect()
             .await;
         assert_eq!(deltas.len(), 10_001);
@@ -1775,7 +1842,7 @@ mod tests {
         let fragment = "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"0123456789012345678901234567890123456789\"}}]}}]}\n\n";
         let sse = fragment.repeat(3);
         let chunks = [Ok::<_, std::io::Error>(bytes::Bytes::from(sse))];
-        let deltas: Vec<_> = decode(futures_util::stream::iter(chunks), limits)
+        let deltas: Vec<_> = decode(futures_util::stream::iter(chunks), limits, offered())
             .collect()
             .await;
         assert_eq!(
