@@ -632,7 +632,7 @@ impl Emitter {
                 None if saved && published => return,
                 None => {}
                 Some(Outcome::Moved) => {
-                    warn!(run_id = %self.record.run_id, "the run was taken over by another replica before it ended here");
+                    warn!(run_id = %self.record.run_id, "the run was taken over by another replica, or lost by the store, before it ended here");
                     let _ = self.publisher.release().await;
                     return;
                 }

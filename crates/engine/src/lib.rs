@@ -915,8 +915,14 @@ impl Engine {
                     let known = recovered.take().unwrap_or_default();
                     let to_run = match waited.take() {
                         Some(told) => {
-                            let to_run =
-                                self.take_answers(spec, &calls, &mut results, &pending, &told, em)?;
+                            let to_run = self.take_answers(
+                                spec,
+                                &calls,
+                                &mut results,
+                                &pending,
+                                (&told, &known),
+                                em,
+                            )?;
                             state.decided(results.clone(), &to_run);
                             if em.durable() {
                                 let progress = progress(&mut state, &mut saved_messages, None)?;
@@ -1277,7 +1283,7 @@ impl Engine {
         calls: &[ModelToolCall],
         results: &mut [Option<CallResult>],
         pending: &[PendingCall],
-        told: &Answers,
+        (told, published): (&Answers, &HashMap<String, (ToolResult, Duration)>),
         em: &mut Emitter,
     ) -> Result<Vec<String>, Outcome> {
         if told.cancelled {
@@ -1330,7 +1336,11 @@ impl Engine {
                     continue;
                 }
             };
-            em.tool_result(&call.id, &call.name, &result, Duration::ZERO, None);
+            // A replica that took the run over before published it (it went before it
+            // saved its decisions): not published twice.
+            if !published.contains_key(&call.id) {
+                em.tool_result(&call.id, &call.name, &result, Duration::ZERO, None);
+            }
             results[index] = Some(CallResult::from(&result));
         }
         if !missing.is_empty() {

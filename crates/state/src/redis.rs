@@ -755,7 +755,12 @@ if redis.call('EXISTS', KEYS[3]) == 0 then
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 local previous = redis.call('GET', KEYS[2]) or ''
-redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
+if previous == '' and redis.call('EXISTS', KEYS[2]) == 0 then
+  -- The owner key alone was lost (evicted): made again as long-lived as the progress.
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', math.max(redis.call('PTTL', KEYS[3]), 1))
+else
+  redis.call('SET', KEYS[2], ARGV[2], 'KEEPTTL')
+end
 local taken = {previous, '0'}
 if tonumber(lapses) == 0 then taken[2] = '1' end
 -- A run that waited: what it was told (it waits no more), until it saves progress past it.
@@ -1512,7 +1517,7 @@ impl SaveCall {
 }
 
 /// Whether the answer of a fenced write (see [`FENCE`]) refused it: 0, another replica
-/// has the run; 2, the run is gone from Redis, which is said here once (its writer then
+/// has the run; 2, the run is gone from Redis, which is logged (its writer then
 /// stops it as it stops a run another replica took, and its readers find it unknown).
 fn refused(written: u8, run_id: &str) -> bool {
     if written == 2 {
@@ -1697,7 +1702,7 @@ impl PublisherCore {
     /// [`PublisherCore::write`], with `save` (the run's record) in the same script when
     /// given.
     /// Writes `events` (none, with a save) and `save`, in one script; the log's last
-    /// sequence is then `last`. Redis's answer: 1 written, 0 fenced.
+    /// sequence is then `last`. Redis's answer: 1 written, 0 fenced, 2 gone (see [`FENCE`]).
     async fn invoke(
         &self,
         events: &[(u64, RunEvent)],

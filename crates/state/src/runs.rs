@@ -217,8 +217,9 @@ pub trait RunStore: Send + Sync {
     /// steps before are as last saved), with `progress` when given. A record that has
     /// ended is kept for the retention (its progress is dropped). With an `owner`, the
     /// first save takes the run's lease for it, and a save from an owner that no longer
-    /// holds the lease (or of a run that ended meanwhile) fails with
-    /// [`StateError::Fenced`](agentrt_core::StateError::Fenced), writing nothing.
+    /// holds the lease (or of a run that ended meanwhile, or whose keys the store lost)
+    /// fails with [`StateError::Fenced`](agentrt_core::StateError::Fenced), writing
+    /// nothing.
     async fn save(
         &self,
         record: &RunRecord,
