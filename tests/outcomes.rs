@@ -36,6 +36,9 @@ const SCENARIOS: &str = r#"{"scenarios": {
   "cut_short": {"turns": [{"content": "The answer is forty", "finish_reason": "length"}]},
   "filtered": {"turns": [{"content": "The answer is", "finish_reason": "content_filter"}]},
   "quiet": {"turns": [{"content": "hello world", "omit_usage": true}]},
+  "lingering": {"turns": [
+    {"tool_calls": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}], "linger_ms": 5000},
+    {"content": "it is {tool_results}", "linger_ms": 5000}]},
   "endless": {"turns": [{"content": "start", "endless_line": true}]},
   "huge_delta": {"turns": [{"content": "abcd", "repeat_content": 1310720, "chunk_chars": 6000000}]},
   "big_answer": {"turns": [{"content": "ab", "repeat_content": 1048576, "chunk_chars": 65536}]},
@@ -658,5 +661,22 @@ async fn startup_warns_when_no_model_provider_is_configured() {
         agents.logs().contains("auth=\"none\""),
         "the authentication mode is logged: {}",
         agents.logs()
+    );
+}
+
+#[tokio::test]
+async fn a_server_that_keeps_its_stream_open_after_done_does_not_hold_the_run() {
+    // Each answer is whole at `[DONE]`; the server keeps the response open 5 s more. The
+    // client reads that end (up to 2 s) rather than resetting the stream, but not on the
+    // run's time: each round waited those 2 s before it went on.
+    let mut s = stack().await;
+    let started = std::time::Instant::now();
+    let events = run(&mut s, agent("lingering", &["calculator"]), "6 * 7?").await;
+    let took = started.elapsed();
+    assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
+    assert_eq!(answer_by_the_rule(&events), "it is 42");
+    assert!(
+        took < std::time::Duration::from_millis(1500),
+        "two rounds took {took:?}"
     );
 }

@@ -1059,6 +1059,7 @@ impl Engine {
             let mut finish = FinishReason::Unknown;
             let mut usage = None;
             let mut refusal = None;
+            let mut finished = false;
             loop {
                 // Deltas that are already here are published as one batch; readers are
                 // woken only when the model makes us wait.
@@ -1101,10 +1102,19 @@ impl Engine {
                     } => {
                         finish = reason;
                         usage = reported;
+                        finished = true;
+                        break;
                     }
                 }
             }
-            drop(stream);
+            // After the finish, the answer is whole: the end of the body, which a server
+            // may keep open a while after `[DONE]` (the client reads it, up to a grace,
+            // rather than resetting the stream), is read without holding the run.
+            if finished && stream.next().now_or_never().is_none() {
+                tokio::spawn(async move { while stream.next().await.is_some() {} });
+            } else {
+                drop(stream);
+            }
             let estimated = usage.is_none();
             let usage = usage.unwrap_or_else(|| Usage {
                 prompt_tokens: u64::from(prompt_tokens),

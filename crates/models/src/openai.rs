@@ -925,6 +925,11 @@ where
                     }
                 }
                 DecodeState::Draining { left, grace } => {
+                    // The answer is whole: its last deltas go out at once, and the rest
+                    // of the body is read for whoever reads on.
+                    if let Some(delta) = this.ready.pop_front() {
+                        return Poll::Ready(Some(Ok(delta)));
+                    }
                     match this.events.poll_next_unpin(cx) {
                         Poll::Ready(Some(_)) if *left > 1 => *left -= 1,
                         Poll::Ready(_) => this.state = DecodeState::Ended,
@@ -1456,6 +1461,25 @@ mod tests {
             .await);
         assert_eq!(deltas.len(), 2, "{deltas:?}");
         assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
+
+        // Its deltas, the finish included, go out at once: only the reader of the rest
+        // waits (the engine reads it in the background).
+        let body =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
+                .chain(futures_util::stream::pending());
+        let started = tokio::time::Instant::now();
+        let mut deltas = decode(Box::pin(body), ResponseLimits::default(), offered());
+        assert_eq!(
+            deltas.next().await.unwrap().unwrap(),
+            ChatDelta::Content("hi".into())
+        );
+        assert!(matches!(
+            deltas.next().await.unwrap().unwrap(),
+            ChatDelta::Finish { .. }
+        ));
+        assert_eq!(started.elapsed(), Duration::ZERO);
+        assert!(deltas.next().await.is_none());
+        assert!(started.elapsed() >= DRAIN_GRACE);
     }
 
     #[tokio::test(start_paused = true)]

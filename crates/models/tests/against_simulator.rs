@@ -570,7 +570,8 @@ async fn strict_servers_take_tool_call_turns_and_validation_errors_are_not_retri
     }
 }
 
-/// Misbehaving servers: no finish reason nor `[DONE]`, an unterminated last line, a 200
+/// Misbehaving servers: no finish reason nor `[DONE]`, a last line torn before the answer
+/// is whole, a 200
 /// that is not an event stream are errors; `length` and a missing usage come through as
 /// they are; a single 5 MB delta passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -578,7 +579,8 @@ async fn dishonest_answers_are_errors_and_honest_ones_pass() {
     let content = "0123456789";
     for http2 in [false, true] {
         let (url, _stop) = simulator(json!({"scenarios": {
-            "torn": {"turns": [{"content": "ok", "unterminated_last_line": true}]},
+            "torn": {"turns": [{"content": "ok", "unterminated_last_line": true, "omit_usage": true}]},
+            "torn-after-usage": {"turns": [{"content": "ok", "unterminated_last_line": true}]},
             "json": {"turns": [{"plain_body": "{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}"}]},
             "html": {"turns": [{"plain_body": "<html>gateway</html>", "plain_content_type": "text/html"}]},
             "capped": {"turns": [{"content": "cut sho", "finish_reason": "length"}]},
@@ -587,9 +589,16 @@ async fn dishonest_answers_are_errors_and_honest_ones_pass() {
         }}))
         .await;
         let model = client_with(&url, http2);
+        // Torn right after the finish reason: not an answer. Torn after the usage chunk
+        // that follows the finish reason, the answer is whole (only `[DONE]` is torn).
         let deltas = collect(&model, request("torn")).await.unwrap();
         assert!(
             matches!(deltas.last().unwrap(), Err(ModelError::Incomplete(m)) if m.contains("inside a line")),
+            "{deltas:?}"
+        );
+        let deltas = collect(&model, request("torn-after-usage")).await.unwrap();
+        assert!(
+            matches!(deltas.last().unwrap(), Ok(ChatDelta::Finish { .. })),
             "{deltas:?}"
         );
         for plain in ["json", "html"] {
