@@ -445,6 +445,24 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
         status.message()
     );
 
+    // A good config with a bad session id: the request is wrong, not the config, and the
+    // message says what is wrong with the id (it said "at most 128 characters" of 5).
+    let status = s
+        .client
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(valid()),
+            session_id: "a b/c".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("invalid request")
+            && status.message().contains("(it holds ' ')"),
+        "{}",
+        status.message()
+    );
+
     let status = s
         .client
         .create_agent_engine(v1::CreateAgentEngineRequest::default())

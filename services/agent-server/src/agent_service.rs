@@ -65,6 +65,7 @@ impl AgentServiceImpl {
     ) -> Result<StoredEngine> {
         let checked = self.validator.check(request.config.as_ref()).await?;
         let mut violations = checked.violations;
+        let config_violations = violations.len();
         let session_id = if request.session_id.is_empty() {
             uuid::Uuid::new_v4().to_string()
         } else {
@@ -73,8 +74,12 @@ impl AgentServiceImpl {
             }
             request.session_id
         };
-        if !violations.is_empty() {
+        if config_violations > 0 {
             return Err(Error::InvalidConfig(violations));
+        }
+        if !violations.is_empty() {
+            // The session id is the request's, not the config's.
+            return Err(Error::InvalidRequest(violations));
         }
         let config = convert::config_from_wire(&checked.effective);
         let now = SystemTime::now();
@@ -119,17 +124,24 @@ fn answer(engine: &StoredEngine) -> v1::CreateAgentEngineResponse {
 }
 
 fn check_session_id(id: &str) -> std::result::Result<(), Violation> {
-    let ok = id.len() <= SESSION_ID_MAX_CHARS
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
-    if ok {
-        Ok(())
-    } else {
-        Err(Violation::new(
+    if id.len() > SESSION_ID_MAX_CHARS {
+        return Err(Violation::new(
             "session_id",
-            "must be at most 128 characters of letters, digits, '_', '-', '.' or ':'",
-        ))
+            format!(
+                "must be at most {SESSION_ID_MAX_CHARS} characters (it has {})",
+                id.len()
+            ),
+        ));
+    }
+    match id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':')))
+    {
+        None => Ok(()),
+        Some(bad) => Err(Violation::new(
+            "session_id",
+            format!("may hold only letters, digits, '_', '-', '.' or ':' (it holds {bad:?})"),
+        )),
     }
 }
 
@@ -213,7 +225,9 @@ mod tests {
     #[test]
     fn session_ids_are_checked() {
         assert!(check_session_id("user-42:chat.7_a").is_ok());
-        assert!(check_session_id("has space").is_err());
-        assert!(check_session_id(&"x".repeat(129)).is_err());
+        let spaced = check_session_id("a b/c").unwrap_err();
+        assert!(spaced.description.contains("(it holds ' ')"), "{spaced:?}");
+        let long = check_session_id(&"x".repeat(129)).unwrap_err();
+        assert!(long.description.contains("at most 128"), "{long:?}");
     }
 }
