@@ -44,14 +44,13 @@ struct Replica {
 
 /// A stack (replica A) and a second agent-server (replica B) on the same Redis.
 async fn replicas(test: &str) -> (Stack, Replica) {
-    let prefix = redis_prefix(test);
+    replicas_under(&redis_prefix(test)).await
+}
+
+/// [`replicas`], keeping their keys under `prefix`.
+async fn replicas_under(prefix: &str) -> (Stack, Replica) {
     let url = redis_url();
-    let args = [
-        "--state",
-        url.as_str(),
-        "--state-key-prefix",
-        prefix.as_str(),
-    ];
+    let args = ["--state", url.as_str(), "--state-key-prefix", prefix];
     let a = Stack::up(SCENARIOS, &args).await;
     let server =
         agent_server_with_model(&a.tools.url(), &format!("{}/v1", a.model.url()), &args).await;
@@ -130,16 +129,7 @@ async fn subscribe_and_cancel_on_another_replica_reach_the_run() {
     let mut execute = a.start(&engine_id, "take your time").await;
     let first = execute.message().await.unwrap().unwrap();
     let run_id = first.run_id.clone();
-    let subscribed = b
-        .engine
-        .subscribe(v1::SubscribeRequest {
-            run_id: run_id.clone(),
-            after_sequence: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let follower = tokio::spawn(collect(subscribed));
+    let follower = tokio::spawn(collect(subscribe(&mut b.engine, &run_id).await));
     tokio::time::sleep(Duration::from_millis(500)).await;
     let asked = tokio::time::Instant::now();
     let cancelled = b
@@ -334,22 +324,27 @@ async fn redis_stopped_and_started_again() {
     assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
 
+/// `run_id`'s log from its start, as `engine`'s replica serves it.
+async fn subscribe(
+    engine: &mut AgentEngineClient<Channel>,
+    run_id: &str,
+) -> tonic::Streaming<v1::AgentStreamEvent> {
+    engine
+        .subscribe(v1::SubscribeRequest {
+            run_id: run_id.into(),
+            after_sequence: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 /// The whole log of `run_id` as `engine`'s replica serves it.
 async fn log_of(
     engine: &mut AgentEngineClient<Channel>,
     run_id: &str,
 ) -> Vec<v1::AgentStreamEvent> {
-    common::rest(
-        engine
-            .subscribe(v1::SubscribeRequest {
-                run_id: run_id.into(),
-                after_sequence: 0,
-            })
-            .await
-            .unwrap()
-            .into_inner(),
-    )
-    .await
+    common::rest(subscribe(engine, run_id).await).await
 }
 
 #[tokio::test]
@@ -435,29 +430,12 @@ async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
     // its log and record again, the one after was refused as another replica's, and the
     // run stopped silently: its readers waited for a `done` that never came.
     let prefix = redis_prefix("emptied");
-    let url = redis_url();
-    let args = [
-        "--state",
-        url.as_str(),
-        "--state-key-prefix",
-        prefix.as_str(),
-    ];
-    let mut a = Stack::up(SCENARIOS, &args).await;
-    let server =
-        agent_server_with_model(&a.tools.url(), &format!("{}/v1", a.model.url()), &args).await;
-    let mut b = AgentEngineClient::new(connect(&server.url()).await);
+    let (mut a, mut b) = replicas_under(&prefix).await;
     let engine_id = a.engine_for(agent("steps", &["calculator"])).await;
     let mut execute = a.start(&engine_id, "count up").await;
     let first = execute.message().await.unwrap().unwrap();
     let run_id = first.run_id.clone();
-    let mut subscribed = b
-        .subscribe(v1::SubscribeRequest {
-            run_id: run_id.clone(),
-            after_sequence: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut subscribed = subscribe(&mut b.engine, &run_id).await;
     // Once the first tool ran, everything the run had in Redis is gone.
     loop {
         let event = execute.message().await.unwrap().unwrap();
@@ -466,7 +444,7 @@ async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
             break;
         }
     }
-    let mut redis = redis::Client::open(url.as_str())
+    let mut redis = redis::Client::open(redis_url())
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -500,7 +478,7 @@ async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
         }
     }
     // The run is forgotten everywhere, and nothing of it is left in Redis for ever.
-    for engine in [&mut a.engine, &mut b] {
+    for engine in [&mut a.engine, &mut b.engine] {
         let status = engine
             .get_run(v1::GetRunRequest {
                 run_id: run_id.clone(),

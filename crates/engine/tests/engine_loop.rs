@@ -1386,16 +1386,11 @@ async fn a_model_call_that_never_answers_counts_its_prompt_as_estimated_usage() 
     assert!(record.usage.estimated);
 }
 
-#[tokio::test]
-async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
+/// A run of one round made of `deltas`, which must fail: its `done` event's data and its
+/// record.
+async fn failed_round(deltas: Vec<ChatDelta>) -> (serde_json::Value, agentrt_engine::RunRecord) {
     let h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([Ok(vec![
-            ChatDelta::Content("Hello world,".into()),
-            ChatDelta::Finish {
-                reason: FinishReason::ContentFilter,
-                usage: None,
-            },
-        ])])),
+        rounds: Mutex::new(VecDeque::from([Ok(deltas)])),
         ..Default::default()
     });
     let (events, record) = h
@@ -1404,7 +1399,19 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
     assert_well_formed(&events);
     let done = events.last().unwrap();
     assert_eq!(done.kind, EventKind::Error);
-    let data = done.data.as_ref().unwrap().to_json();
+    (done.data.as_ref().unwrap().to_json(), record)
+}
+
+#[tokio::test]
+async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
+    let (data, record) = failed_round(vec![
+        ChatDelta::Content("Hello world,".into()),
+        ChatDelta::Finish {
+            reason: FinishReason::ContentFilter,
+            usage: None,
+        },
+    ])
+    .await;
     assert_eq!(data["code"], "MODEL_CONTENT_FILTERED", "{data}");
     assert_eq!(data["stop_reason"], "model_error", "{data}");
     assert_eq!(record.stop_reason, Some(StopReason::ModelError));
@@ -1414,23 +1421,14 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
 
 #[tokio::test]
 async fn a_refusal_is_a_model_error_that_says_it_and_is_not_retried() {
-    let h = harness(Scripted {
-        rounds: Mutex::new(VecDeque::from([Ok(vec![
-            ChatDelta::Refusal("I cannot help with that.".into()),
-            ChatDelta::Finish {
-                reason: FinishReason::Stop,
-                usage: None,
-            },
-        ])])),
-        ..Default::default()
-    });
-    let (events, record) = h
-        .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
-        .await;
-    assert_well_formed(&events);
-    let done = events.last().unwrap();
-    assert_eq!(done.kind, EventKind::Error);
-    let data = done.data.as_ref().unwrap().to_json();
+    let (data, record) = failed_round(vec![
+        ChatDelta::Refusal("I cannot help with that.".into()),
+        ChatDelta::Finish {
+            reason: FinishReason::Stop,
+            usage: None,
+        },
+    ])
+    .await;
     assert_eq!(data["code"], "MODEL_REFUSED", "{data}");
     assert_eq!(data["retryable"], false, "{data}");
     assert!(
