@@ -167,9 +167,6 @@ async fn empty_and_broken_responses_are_model_errors_never_answers() {
         ("empty", "MODEL_EMPTY_RESPONSE"),
         ("unfinished", ""),
         ("not_sse", ""),
-        // Torn in its last line, right after the finish reason. (Torn after the usage
-        // chunk that follows the finish reason, the answer is whole: it stands.)
-        ("unterminated", ""),
     ] {
         let events = run(&mut s, agent(model, &[]), "hi").await;
         let last = events.last().unwrap();
@@ -182,6 +179,12 @@ async fn empty_and_broken_responses_are_model_errors_never_answers() {
         assert_eq!(state.status, v1::RunStatus::Failed as i32, "{model}");
         assert_eq!(state.final_answer, "", "{model}");
     }
+    // Torn in its last line after the finish reason: only `[DONE]` is lost, and the answer
+    // stands (its usage estimated, as the provider's was lost with the end).
+    let events = run(&mut s, agent("unterminated", &[]), "hi").await;
+    assert_eq!(done(&events)["stop_reason"], "final_answer", "{events:#?}");
+    assert_eq!(answer_by_the_rule(&events), "cut");
+    assert_eq!(done(&events)["usage"]["estimated"], true, "{events:#?}");
 }
 
 #[tokio::test]

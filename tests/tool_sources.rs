@@ -716,6 +716,7 @@ async fn two_tools_with_one_name_stop_the_start_naming_both() {
 async fn config_errors_name_the_setting_that_is_wrong() {
     let dir = TempDir::new("badcfg");
     dir.write("api.json", r#"{"openapi": "3.1.0", "paths": {}}"#);
+    dir.write("swagger.json", r#"{"swagger": "2.0", "paths": {}}"#);
     for (config, setting, wrong) in [
         (
             "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n\
@@ -740,6 +741,20 @@ async fn config_errors_name_the_setting_that_is_wrong() {
             "[[mcp_servers]]\nname = \"docs\"\nurl = \"http://u:hunter2@127.0.0.1:9/mcp\"\n",
             "url \"http://***@127.0.0.1:9/mcp\": it carries credentials",
             "hunter2",
+        ),
+        // A secret written inline: refused saying how to give one (it said "expected
+        // struct SecretRef").
+        (
+            "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://127.0.0.1:9\"\n\
+             headers = { X-Api-Key = \"literal-secret\" }\n",
+            "a secret is never written in the config",
+            "SecretRef",
+        ),
+        // A Swagger 2.0 document (it said "`openapi: ` is not supported").
+        (
+            "[[openapi]]\nname = \"api\"\nspec = \"swagger.json\"\nbase_url = \"http://127.0.0.1:9\"\n",
+            "a Swagger \"2.0\" document is not supported",
+            "`openapi: `",
         ),
     ] {
         let config = dir.write("tool-executor.toml", config);

@@ -741,6 +741,7 @@ where
         ready: VecDeque::new(),
         failure: None,
         state: DecodeState::Streaming,
+        finish_grace: None,
     }
 }
 
@@ -867,6 +868,9 @@ struct Decoder<S: futures_util::TryStream> {
     /// Why the stream broke; given after the deltas decoded before it.
     failure: Option<ModelError>,
     state: DecodeState,
+    /// Once the finish reason came: how long what may follow it (the usage, `[DONE]`, the
+    /// end) is waited for before the answer stands without it.
+    finish_grace: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
 }
 
 enum DecodeState {
@@ -952,7 +956,26 @@ where
                     });
                 }
             }
-            let Some(event) = std::task::ready!(this.events.poll_next_unpin(cx)) else {
+            let event = match this.events.poll_next_unpin(cx) {
+                Poll::Ready(event) => event,
+                Poll::Pending if this.assembler.finish.is_some() => {
+                    // The answer is whole once the model said why it stopped: a server
+                    // that then sends nothing more, and keeps the stream open, does not
+                    // hold it past the grace.
+                    let grace = this
+                        .finish_grace
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep(DRAIN_GRACE)));
+                    if grace.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    debug!("nothing followed the finish reason within the grace");
+                    this.assembler.finish(&mut this.ready);
+                    this.state = DecodeState::Ended;
+                    continue;
+                }
+                Poll::Pending => return Poll::Pending,
+            };
+            let Some(event) = event else {
                 this.state = DecodeState::Ended;
                 if this.assembler.finish.is_some() {
                     // No `[DONE]`, but the model said why it stopped: some servers just
@@ -969,6 +992,14 @@ where
             };
             let event = match event {
                 Ok(event) => event,
+                // After the finish reason only the usage and `[DONE]` can come: a stream
+                // that breaks then loses them, not the answer.
+                Err(e) if this.assembler.finish.is_some() => {
+                    debug!(error = %error_chain(&e), "the model stream broke after its finish reason");
+                    this.assembler.finish(&mut this.ready);
+                    this.state = DecodeState::Ended;
+                    continue;
+                }
                 Err(sse_stream::Error::Body(e)) => {
                     this.state = DecodeState::Ended;
                     this.failure = Some(match e.downcast::<ModelError>() {
@@ -998,6 +1029,12 @@ where
             }
             let chunk = match serde_json::from_str::<Chunk<'_>>(data) {
                 Ok(chunk) => chunk,
+                Err(e) if this.assembler.finish.is_some() => {
+                    debug!(error = %e, "unreadable model stream after its finish reason");
+                    this.assembler.finish(&mut this.ready);
+                    this.state = DecodeState::Ended;
+                    continue;
+                }
                 Err(e) => {
                     this.state = DecodeState::Ended;
                     let shown: String = data.chars().take(200).collect();
@@ -1007,11 +1044,11 @@ where
                     continue;
                 }
             };
-            // The usage chunk (no choices) after the finish reason is the answer's last:
-            // what follows is `[DONE]` and the end, read as after `[DONE]` itself, so that
-            // a server that sends neither does not hold a complete answer until the call's
-            // timeout.
-            let last = chunk.choices.is_none() && chunk.usage.is_some();
+            // The usage after the finish reason (in a chunk of its own, or in the finish
+            // chunk) is the answer's last: what follows is `[DONE]` and the end, read as
+            // after `[DONE]` itself, so that a server that sends neither does not hold a
+            // complete answer.
+            let last = chunk.usage.is_some();
             if let Err(error) = this.assembler.chunk(chunk, &mut this.ready) {
                 this.state = DecodeState::Ended;
                 this.failure = Some(error);
@@ -1513,6 +1550,61 @@ mod tests {
         assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn after_the_finish_reason_silence_or_a_broken_stream_leaves_the_answer_whole() {
+        // The usage in the finish chunk: the answer is whole at once.
+        let with_usage = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":7}}\n\n";
+        // No usage: the answer stands once nothing more came within the grace.
+        let without =
+            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\n";
+        for (answer, usage, waited) in [
+            (
+                with_usage,
+                Some(Usage {
+                    prompt_tokens: 11,
+                    completion_tokens: 7,
+                }),
+                Duration::ZERO,
+            ),
+            (without, None, DRAIN_GRACE),
+        ] {
+            let body =
+                futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
+                    .chain(futures_util::stream::pending());
+            let started = tokio::time::Instant::now();
+            let mut deltas = decode(Box::pin(body), ResponseLimits::default(), offered());
+            assert_eq!(
+                deltas.next().await.unwrap().unwrap(),
+                ChatDelta::Content("hi".into())
+            );
+            assert_eq!(
+                deltas.next().await.unwrap().unwrap(),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage
+                }
+            );
+            assert_eq!(started.elapsed(), waited);
+        }
+        // Broken after the finish reason: the answer stands (it failed as a lost stream).
+        let body = futures_util::stream::iter([
+            Ok(bytes::Bytes::from(without)),
+            Err(std::io::Error::other("connection reset")),
+        ]);
+        assert_eq!(
+            ok(decode(Box::pin(body), ResponseLimits::default(), offered())
+                .collect()
+                .await),
+            [
+                ChatDelta::Content("hi".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                }
+            ]
+        );
+    }
+
     #[tokio::test]
     async fn a_name_sent_in_pieces_is_one_call() {
         let sse = concat!(
@@ -1776,16 +1868,28 @@ mod tests {
         }
     }
 
-    /// A last line without its line end is an error, also after the finish chunk: the
-    /// parser would drop it without a word.
+    /// A last line without its line end is an error before the finish chunk (the parser
+    /// would drop it without a word); after it, only the usage or `[DONE]` is torn, and the
+    /// answer stands without them (its usage then estimated).
     #[tokio::test]
     async fn an_unterminated_last_line_is_incomplete() {
-        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt";
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\" there\"},\"finish_reason\":\"stop\"}]}";
         let deltas = run(sse).await;
         assert_eq!(deltas[0], Ok(ChatDelta::Content("hi".into())));
         assert!(
             matches!(deltas.last(), Some(Err(ModelError::Incomplete(m))) if m.contains("inside a line")),
             "{deltas:?}"
+        );
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt";
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Content("hi".into()),
+                ChatDelta::Finish {
+                    reason: FinishReason::Stop,
+                    usage: None
+                }
+            ]
         );
         // Events ended by CR LF (or CR alone) are whole.
         let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\n\r\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"},\"finish_reason\":\"stop\"}]}\r\rdata: [DONE]\r\n\r\n";

@@ -9,8 +9,7 @@ use serde::{Deserialize, Serialize};
 
 /// Where a secret comes from, e.g. `{ env = "DOCS_TOKEN", prefix = "Bearer " }` or
 /// `{ file = "/var/run/secrets/docs/token" }`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SecretRef {
     /// Read from this environment variable of the tool executor.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -21,6 +20,57 @@ pub struct SecretRef {
     /// Put before the value, e.g. `"Bearer "`. Not secret.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub prefix: String,
+}
+
+/// The fields of a [`SecretRef`], as a config writes them.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SecretFields {
+    #[serde(default)]
+    env: Option<String>,
+    #[serde(default)]
+    file: Option<PathBuf>,
+    #[serde(default)]
+    prefix: String,
+}
+
+/// What a config may give where a secret goes: where to read it (a table), never its
+/// value, which is refused saying so.
+impl<'de> Deserialize<'de> for SecretRef {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Place;
+        impl<'de> serde::de::Visitor<'de> for Place {
+            type Value = SecretRef;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "where to read a secret: `{ env = \"VAR\" }` or `{ file = \"path\" }` \
+                     (with an optional `prefix`)",
+                )
+            }
+
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<SecretRef, E> {
+                Err(E::custom(
+                    "a secret is never written in the config: say where to read it, \
+                     `{ env = \"VAR\" }` or `{ file = \"path\" }` (with an optional `prefix`)",
+                ))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<SecretRef, A::Error> {
+                let fields =
+                    SecretFields::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(SecretRef {
+                    env: fields.env,
+                    file: fields.file,
+                    prefix: fields.prefix,
+                })
+            }
+        }
+        deserializer.deserialize_any(Place)
+    }
 }
 
 impl SecretRef {
@@ -94,5 +144,17 @@ mod tests {
         };
         assert!(both.check().is_err());
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_secret_written_in_the_config_or_a_misspelt_place_is_refused_saying_so() {
+        let inline = serde_json::from_value::<SecretRef>(serde_json::json!("literal-secret"))
+            .unwrap_err()
+            .to_string();
+        assert!(inline.contains("never written in the config"), "{inline}");
+        let typo = serde_json::from_value::<SecretRef>(serde_json::json!({"evn": "X"}))
+            .unwrap_err()
+            .to_string();
+        assert!(typo.contains("unknown field `evn`"), "{typo}");
     }
 }

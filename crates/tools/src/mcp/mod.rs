@@ -154,13 +154,57 @@ fn default_max_message_bytes() -> usize {
 }
 
 /// The value of an environment variable for a child process: given, or a secret.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum EnvValue {
     /// A value written in the config: not secret.
     Plain(String),
     /// A secret read from the tool executor's environment or a file.
     Secret(SecretRef),
+}
+
+/// A string (a number or a boolean is taken as its text), or a table saying where to read
+/// a secret; anything else is refused saying what is accepted.
+impl<'de> Deserialize<'de> for EnvValue {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Value;
+        impl<'de> serde::de::Visitor<'de> for Value {
+            type Value = EnvValue;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "a variable's value: a string, or where to read a secret \
+                     (`{ env = \"VAR\" }` or `{ file = \"path\" }`)",
+                )
+            }
+
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<EnvValue, E> {
+                Ok(EnvValue::Plain(text.to_owned()))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<EnvValue, E> {
+                Ok(EnvValue::Plain(n.to_string()))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<EnvValue, E> {
+                Ok(EnvValue::Plain(n.to_string()))
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<EnvValue, E> {
+                Ok(EnvValue::Plain(n.to_string()))
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, b: bool) -> Result<EnvValue, E> {
+                Ok(EnvValue::Plain(b.to_string()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<EnvValue, A::Error> {
+                SecretRef::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(EnvValue::Secret)
+            }
+        }
+        deserializer.deserialize_any(Value)
+    }
 }
 
 impl McpServerConfig {

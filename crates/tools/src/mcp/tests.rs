@@ -881,3 +881,23 @@ async fn a_session_the_server_forgot_is_made_again_at_once() {
         server.kill().await.unwrap();
     }
 }
+
+#[test]
+fn environment_values_are_text_or_where_to_read_a_secret() {
+    let env: BTreeMap<String, EnvValue> = serde_json::from_value(json!({
+        "A": "text", "N": 5, "B": true, "S": {"env": "TOKEN"}
+    }))
+    .unwrap();
+    assert_eq!(env["A"], EnvValue::Plain("text".into()));
+    assert_eq!(env["N"], EnvValue::Plain("5".into()));
+    assert_eq!(env["B"], EnvValue::Plain("true".into()));
+    assert!(matches!(&env["S"], EnvValue::Secret(s) if s.env.as_deref() == Some("TOKEN")));
+    // It said "data did not match any variant of untagged enum EnvValue".
+    let error = serde_json::from_value::<EnvValue>(json!([1, 2]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        error.contains("a string, or where to read a secret"),
+        "{error}"
+    );
+}

@@ -137,7 +137,27 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
             yaml_serde::from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
         yaml_to_json(yaml)
     };
-    let version = doc["openapi"].as_str().unwrap_or_default();
+    let version = match &doc["openapi"] {
+        Value::String(version) => version.clone(),
+        // `openapi: 3.1` unquoted in YAML is a number; the version is the text.
+        Value::Number(number) => number.to_string(),
+        _ if doc.get("swagger").is_some() => {
+            return Err(format!(
+                "a Swagger {} document is not supported: convert it to OpenAPI 3.0 or 3.1",
+                doc["swagger"]
+            ));
+        }
+        _ if !doc.is_object() => {
+            return Err(
+                "the document is not an object: give an OpenAPI 3.0 or 3.1 document".into(),
+            );
+        }
+        _ => {
+            return Err(
+                "the document has no `openapi` version: give an OpenAPI 3.0 or 3.1 document".into(),
+            );
+        }
+    };
     let legacy = if version.starts_with("3.0") {
         true
     } else if version.starts_with("3.1") {
