@@ -141,6 +141,10 @@ impl ProviderRegistry {
                 url: settings.base_url.clone(),
                 why,
             };
+            if settings.base_url.chars().any(char::is_whitespace) {
+                // The URL parser would send a space in the path as `%20`.
+                return Err(invalid("holds a space: no provider's URL does".to_owned()));
+            }
             let url = reqwest::Url::parse(&settings.base_url)
                 .map_err(|e| invalid(format!("is not a valid URL: {e}")))?;
             if url.fragment().is_some() {
@@ -270,7 +274,8 @@ mod tests {
             Err(ProviderError::BadUrl { .. })
         ));
         for (url, says) in [
-            ("http://exa mple.com/v1", "is not a valid URL"),
+            ("http://exa mple.com/v1", "holds a space"),
+            ("http://example.com/v1 ", "holds a space"),
             ("http://example.com/v1#frag", "has a fragment"),
         ] {
             providers.insert(

@@ -415,6 +415,19 @@ impl StreamableHttpClient for BoundedHttpClient {
                     None => Err(StreamableHttpError::ResponseBodyTooLarge { max_size }),
                 }
             }
+            // A plain JSON body: the SDK read it already, and a `tools/list` answer it could
+            // not read as one (a tool without `inputSchema`) is a custom result; written
+            // back, mended and read again, it is the list.
+            Ok(StreamableHttpPostResponse::Json(message, session)) if lists_tools => {
+                let mended = serde_json::to_vec(&message)
+                    .ok()
+                    .and_then(|raw| mend_tool_list(&raw))
+                    .and_then(|raw| serde_json::from_slice::<ServerJsonRpcMessage>(&raw).ok());
+                Ok(StreamableHttpPostResponse::Json(
+                    mended.unwrap_or(message),
+                    session,
+                ))
+            }
             Ok(StreamableHttpPostResponse::Sse(stream, session)) => {
                 // The event over the bound becomes the error answer, and ends the stream.
                 let stream = stream

@@ -15,9 +15,10 @@
 //!   second the schema of any object, marked in `_meta` ([`NO_SCHEMA_META`]), in the raw
 //!   answer: each line of a stdio server ([`ToolListLines`]) and each event of an HTTP
 //!   server's event stream. An HTTP server that answers with a JSON body is read by the
-//!   SDK's HTTP client before this crate sees the text: its task-only tools stay listed
-//!   (their calls fail with the server's error), and a tool without `inputSchema` fails
-//!   its listing.
+//!   SDK's HTTP client before this crate sees the text: a list it could not read (a tool
+//!   without `inputSchema`) comes as a custom result, which is mended the same way; in one
+//!   it could read, task-only tools stay listed (their calls fail with the server's
+//!   error).
 
 use std::{
     borrow::Cow,

@@ -633,9 +633,9 @@ class H(BaseHTTPRequestHandler):
             return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
                 {"name": "big", "inputSchema": {"type": "object"}},
                 {"name": "research", "inputSchema": {"type": "object"},
-                 "execution": {"taskSupport": "required"}}]
-                # Without the inputSchema MCP requires: mended in an event stream only.
-                + ([{"name": "bare"}] if mode == "sse" else [])}})
+                 "execution": {"taskSupport": "required"}},
+                # Without the inputSchema MCP requires.
+                {"name": "bare"}]}})
         if method == "tools/call":
             name, args = msg["params"]["name"], msg["params"].get("arguments") or {}
             if name == "bad_gateway":
@@ -794,12 +794,17 @@ async fn tools_that_can_only_be_called_as_tasks_are_left_out() {
     assert_eq!(listed.len(), 9, "{listed:?}");
     toolset.shutdown().await;
 
-    // Over streamable HTTP, answered as an event stream.
-    let (mut server, config) = http_fake(&fake, &["sse"]).await;
-    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
-    assert_eq!(names(&toolset).await, ["fake__big", "fake__bare"]);
-    toolset.shutdown().await;
-    server.kill().await.unwrap();
+    // Over streamable HTTP, answered as an event stream, and as a plain JSON body.
+    for (mode, listed) in [
+        ("sse", &["fake__big", "fake__bare"][..]),
+        ("json", &["fake__big", "fake__bare"]),
+    ] {
+        let (mut server, config) = http_fake(&fake, &[mode]).await;
+        let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+        assert_eq!(names(&toolset).await, listed, "{mode}");
+        toolset.shutdown().await;
+        server.kill().await.unwrap();
+    }
 }
 
 #[tokio::test]

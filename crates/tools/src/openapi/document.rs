@@ -257,9 +257,10 @@ fn operation(
             return Err("a parameter has no name".into());
         }
         // Described by the document otherwise (the media types, the security schemes):
-        // OpenAPI has such header parameters ignored.
+        // OpenAPI has such header parameters ignored. The idempotency key is the call's
+        // (unique among every run's calls), not the model's to choose.
         if location == Location::Header
-            && ["accept", "content-type", "authorization"]
+            && ["accept", "content-type", "authorization", "idempotency-key"]
                 .iter()
                 .any(|h| name.eq_ignore_ascii_case(h))
         {

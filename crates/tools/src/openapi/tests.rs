@@ -492,7 +492,8 @@ async fn parameters_are_written_in_their_style() {
             {"name": "X-Pair", "in": "header", "schema": {"type": "object"}},
             {"name": "Accept", "in": "header", "schema": {"type": "string"}},
             {"name": "Content-Type", "in": "header", "schema": {"type": "string"}},
-            {"name": "Authorization", "in": "header", "schema": {"type": "string"}}]}},
+            {"name": "Authorization", "in": "header", "schema": {"type": "string"}},
+            {"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}]}},
         "/undeclared/{id}": {"get": {"operationId": "undeclared"}},
         "/things": {"post": {"operationId": "create",
           "requestBody": {"required": true, "content": {"application/json": {"schema": {
@@ -508,7 +509,7 @@ async fn parameters_are_written_in_their_style() {
     assert_eq!(names, ["api__create", "api__styles"]);
     // Headers the document describes otherwise are not the model's to set.
     let styles = &listed[1].spec.input_schema;
-    for header in ["Accept", "Content-Type", "Authorization"] {
+    for header in ["Accept", "Content-Type", "Authorization", "Idempotency-Key"] {
         assert!(styles["properties"].get(header).is_none(), "{styles}");
     }
     // readOnly properties are the server's: not asked for, not required.
