@@ -467,13 +467,17 @@ async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
         (&mut subscribed, "Subscribe on the other replica"),
     ] {
         match ending(stream, Duration::from_secs(20), what).await {
-            Err(status) => assert!(
-                matches!(
-                    status.code(),
-                    tonic::Code::NotFound | tonic::Code::Unavailable
-                ),
-                "{what}: {status:?}"
-            ),
+            Err(status) => {
+                assert!(
+                    matches!(
+                        status.code(),
+                        tonic::Code::NotFound | tonic::Code::Unavailable
+                    ),
+                    "{what}: {status:?}"
+                );
+                // The run, by its id: not the store's key (it named that).
+                assert!(!status.message().contains(&prefix), "{what}: {status:?}");
+            }
             Ok(end) => panic!("{what} ended with {end:?} although the run's state was lost"),
         }
     }

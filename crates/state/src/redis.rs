@@ -1419,6 +1419,7 @@ impl RedisBus {
         let follow = Follow::start(&self.0, &key).await;
         let reader = RedisReader {
             shared: self.0.clone(),
+            run_id: run_id.to_owned(),
             key,
             cursor: after_sequence,
             batch: Vec::new(),
@@ -2090,6 +2091,7 @@ impl Drop for Follow {
 
 struct RedisReader {
     shared: Arc<Shared>,
+    run_id: String,
     key: String,
     cursor: u64,
     batch: Vec<Arc<RunEvent>>,
@@ -2129,7 +2131,7 @@ impl RedisReader {
                     Some(last) if last.sequence > self.cursor => continue,
                     Some(last) if last.done => events.push(last),
                     Some(_) => {}
-                    None => return Err(BusError::UnknownRun(self.key.clone())),
+                    None => return Err(BusError::UnknownRun(self.run_id.clone())),
                 }
             }
             events.reverse();
