@@ -1364,6 +1364,12 @@ impl Assembler {
         // In the order of their index; calls that shared one, in the order they came.
         calls.sort_by_key(|(index, _)| *index);
         for (position, (_, call)) in calls.into_iter().enumerate() {
+            // A call that names no tool is no call: sent back in the conversation with an
+            // empty name, providers refuse every later request of the run.
+            if call.name.is_empty() {
+                warn!(id = %call.id, "the model made a tool call without a name; it is left out");
+                continue;
+            }
             out.push_back(ChatDelta::ToolCall(ModelToolCall {
                 id: if call.id.is_empty() {
                     format!("call_{position}")
@@ -1647,6 +1653,23 @@ mod tests {
             })
             .collect();
         assert_eq!(names, ["calculator", "current_time", "t"]);
+    }
+
+    #[tokio::test]
+    async fn a_tool_call_without_a_name_is_left_out() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"a\",\"function\":{\"arguments\":\"{}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"b\",\"function\":{\"name\":\"t\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        let calls: Vec<String> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call.id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(calls, ["b"]);
     }
 
     #[tokio::test]

@@ -423,6 +423,12 @@ fn check_execute(
             "message_id",
             format!("must be at most {MESSAGE_ID_MAX_CHARS} characters"),
         ));
+    } else if let Some(control) = request.message_id.chars().find(|c| c.is_control()) {
+        // A key that logs, Redis keys and clients print: no line ends or other controls.
+        violations.push(Violation::new(
+            "message_id",
+            format!("may not hold control characters (it holds {control:?})"),
+        ));
     }
     let mut context = Vec::with_capacity(request.llm_context.len());
     for (index, message) in request.llm_context.iter().enumerate() {
@@ -613,5 +619,36 @@ impl AgentEngine for AgentEngineImpl {
             &record,
             self.limits.max_message_bytes,
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn message_ids_are_bounded_and_printable() {
+        let limits = RequestLimits {
+            query_chars: 100,
+            context_messages: 10,
+            context_chars: 1000,
+            max_message_bytes: 1 << 20,
+            max_streams_per_principal: 10,
+        };
+        let request = |message_id: &str| v1::ExecuteRequest {
+            engine_id: "e".into(),
+            query: "q".into(),
+            message_id: message_id.into(),
+            ..Default::default()
+        };
+        assert!(check_execute(&request("msg-1 (retry)"), limits).is_ok());
+        for (id, says) in [
+            ("a\nb", "control characters (it holds '\\n')"),
+            (&"m".repeat(129), "at most 128"),
+        ] {
+            let violations = check_execute(&request(id), limits).unwrap_err();
+            assert_eq!(violations[0].field, "message_id");
+            assert!(violations[0].description.contains(says), "{violations:?}");
+        }
     }
 }
