@@ -1467,6 +1467,32 @@ mod tests {
             .collect()
     }
 
+    /// The deltas of `answer`, sent by a server that then keeps the stream open.
+    fn held_open(answer: &str) -> impl Stream<Item = Result<ChatDelta, ModelError>> + Unpin {
+        let body = futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(
+            answer.to_owned(),
+        ))])
+        .chain(futures_util::stream::pending());
+        decode(Box::pin(body), ResponseLimits::default(), offered())
+    }
+
+    /// The end of an answer that stopped without reporting usage.
+    const STOPPED: ChatDelta = ChatDelta::Finish {
+        reason: FinishReason::Stop,
+        usage: None,
+    };
+
+    /// The tool calls among `deltas`, which must all be fine.
+    fn tool_calls(deltas: Vec<Result<ChatDelta, ModelError>>) -> Vec<ModelToolCall> {
+        ok(deltas)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn ok(deltas: Vec<Result<ChatDelta, ModelError>>) -> Vec<ChatDelta> {
         deltas.into_iter().map(Result::unwrap).collect()
     }
@@ -1495,23 +1521,15 @@ mod tests {
         );
 
         // A server that keeps the stream open after `[DONE]` does not hold the call.
-        let body =
-            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
-                .chain(futures_util::stream::pending());
         let started = tokio::time::Instant::now();
-        let deltas = ok(decode(Box::pin(body), ResponseLimits::default(), offered())
-            .collect()
-            .await);
+        let deltas = ok(held_open(answer).collect().await);
         assert_eq!(deltas.len(), 2, "{deltas:?}");
         assert!(started.elapsed() <= DRAIN_GRACE + Duration::from_millis(50));
 
         // Its deltas, the finish included, go out at once: only the reader of the rest
         // waits (the engine reads it in the background).
-        let body =
-            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
-                .chain(futures_util::stream::pending());
         let started = tokio::time::Instant::now();
-        let mut deltas = decode(Box::pin(body), ResponseLimits::default(), offered());
+        let mut deltas = held_open(answer);
         assert_eq!(
             deltas.next().await.unwrap().unwrap(),
             ChatDelta::Content("hi".into())
@@ -1533,13 +1551,8 @@ mod tests {
             "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\n",
             "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":11,\"completion_tokens\":7}}\n\n",
         );
-        let body =
-            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
-                .chain(futures_util::stream::pending());
         let started = tokio::time::Instant::now();
-        let deltas = ok(decode(Box::pin(body), ResponseLimits::default(), offered())
-            .collect()
-            .await);
+        let deltas = ok(held_open(answer).collect().await);
         assert_eq!(
             deltas,
             [
@@ -1574,11 +1587,8 @@ mod tests {
             ),
             (without, None, DRAIN_GRACE),
         ] {
-            let body =
-                futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(answer))])
-                    .chain(futures_util::stream::pending());
             let started = tokio::time::Instant::now();
-            let mut deltas = decode(Box::pin(body), ResponseLimits::default(), offered());
+            let mut deltas = held_open(answer);
             assert_eq!(
                 deltas.next().await.unwrap().unwrap(),
                 ChatDelta::Content("hi".into())
@@ -1601,13 +1611,7 @@ mod tests {
             ok(decode(Box::pin(body), ResponseLimits::default(), offered())
                 .collect()
                 .await),
-            [
-                ChatDelta::Content("hi".into()),
-                ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None
-                }
-            ]
+            [ChatDelta::Content("hi".into()), STOPPED]
         );
     }
 
@@ -1620,13 +1624,7 @@ mod tests {
             "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"\\\"6 * 7\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
             "data: [DONE]\n\n",
         );
-        let calls: Vec<_> = ok(run(sse).await)
-            .into_iter()
-            .filter_map(|d| match d {
-                ChatDelta::ToolCall(call) => Some(call),
-                _ => None,
-            })
-            .collect();
+        let calls: Vec<_> = tool_calls(run(sse).await);
         assert_eq!(
             calls,
             [ModelToolCall {
@@ -1645,12 +1643,9 @@ mod tests {
             "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"function\":{\"name\":\"t\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
             "data: [DONE]\n\n",
         );
-        let names: Vec<String> = ok(run(sse).await)
+        let names: Vec<String> = tool_calls(run(sse).await)
             .into_iter()
-            .filter_map(|d| match d {
-                ChatDelta::ToolCall(call) => Some(call.name),
-                _ => None,
-            })
+            .map(|call| call.name)
             .collect();
         assert_eq!(names, ["calculator", "current_time", "t"]);
     }
@@ -1662,12 +1657,9 @@ mod tests {
             "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":1,\"id\":\"b\",\"function\":{\"name\":\"t\",\"arguments\":\"{}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
             "data: [DONE]\n\n",
         );
-        let calls: Vec<String> = ok(run(sse).await)
+        let calls: Vec<String> = tool_calls(run(sse).await)
             .into_iter()
-            .filter_map(|d| match d {
-                ChatDelta::ToolCall(call) => Some(call.id),
-                _ => None,
-            })
+            .map(|call| call.id)
             .collect();
         assert_eq!(calls, ["b"]);
     }
@@ -1684,10 +1676,7 @@ mod tests {
             ok(run(sse).await),
             [
                 ChatDelta::Refusal("I cannot help with that.".into()),
-                ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None
-                },
+                STOPPED,
             ]
         );
     }
@@ -1794,10 +1783,7 @@ mod tests {
                 ChatDelta::Reasoning("hmm".into()),
                 ChatDelta::Reasoning("more".into()),
                 ChatDelta::Content("Four.".into()),
-                ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None
-                },
+                STOPPED,
             ]
         );
     }
@@ -1906,13 +1892,7 @@ mod tests {
         let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt";
         assert_eq!(
             ok(run(sse).await),
-            [
-                ChatDelta::Content("hi".into()),
-                ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None
-                }
-            ]
+            [ChatDelta::Content("hi".into()), STOPPED]
         );
         // Events ended by CR LF (or CR alone) are whole.
         let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\r\n\r\ndata: {\"choices\":[{\"delta\":{\"content\":\"b\"},\"finish_reason\":\"stop\"}]}\r\rdata: [DONE]\r\n\r\n";
@@ -2026,13 +2006,7 @@ mod tests {
         );
         assert_eq!(
             ok(run(sse).await),
-            [
-                ChatDelta::Content("a <b> \"c\"".into()),
-                ChatDelta::Finish {
-                    reason: FinishReason::Stop,
-                    usage: None
-                }
-            ]
+            [ChatDelta::Content("a <b> \"c\"".into()), STOPPED]
         );
     }
 
