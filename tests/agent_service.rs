@@ -537,6 +537,21 @@ async fn an_answer_over_the_message_limit_is_refused_before_anything_is_done() {
     assert!(!created.engine_id.is_empty());
 }
 
+/// An agent server whose tool executor is at `url` (asked within `timeout`), how it
+/// refuses to validate a good config, and how long that took.
+async fn validation_refused(url: &str, timeout: &str) -> (Server, tonic::Status, Duration) {
+    let agents = agent_server(url, &["--tool-executor-timeout", timeout]).await;
+    let mut client = AgentServiceClient::new(connect(&agents.url()).await);
+    let started = std::time::Instant::now();
+    let status = client
+        .validate_config(v1::ValidateConfigRequest {
+            config: Some(valid()),
+        })
+        .await
+        .unwrap_err();
+    (agents, status, started.elapsed())
+}
+
 #[tokio::test]
 async fn a_tool_executor_that_never_answers_is_said_to_be_silent() {
     // It accepts connections and reads nothing back: the message says it did not answer
@@ -549,14 +564,7 @@ async fn a_tool_executor_that_never_answers_is_said_to_be_silent() {
             open.push(socket);
         }
     });
-    let agents = agent_server(&url, &["--tool-executor-timeout", "1s"]).await;
-    let mut client = AgentServiceClient::new(connect(&agents.url()).await);
-    let status = client
-        .validate_config(v1::ValidateConfigRequest {
-            config: Some(valid()),
-        })
-        .await
-        .unwrap_err();
+    let (_agents, status, _) = validation_refused(&url, "1s").await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(
         status.message().contains("no answer within 1s"),
@@ -569,15 +577,7 @@ async fn a_tool_executor_that_never_answers_is_said_to_be_silent() {
 async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
     let (refusing, _held) = refusing_addr();
     let nowhere = format!("http://{refusing}");
-    let agents = agent_server(&nowhere, &["--tool-executor-timeout", "2s"]).await;
-    let mut client = AgentServiceClient::new(connect(&agents.url()).await);
-    let started = std::time::Instant::now();
-    let status = client
-        .validate_config(v1::ValidateConfigRequest {
-            config: Some(valid()),
-        })
-        .await
-        .unwrap_err();
+    let (agents, status, took) = validation_refused(&nowhere, "2s").await;
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     // It says what is down, but not where: internal addresses stay in the log.
     assert!(
@@ -592,16 +592,12 @@ async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
         "TOOL_EXECUTOR_UNAVAILABLE"
     );
     assert!(status.get_details_retry_info().is_some());
-    assert!(
-        started.elapsed() < Duration::from_secs(5),
-        "took {:?}",
-        started.elapsed()
-    );
+    assert!(took < Duration::from_secs(5), "took {took:?}");
 
     // A config without tools does not need the tool executor.
     let mut no_tools = valid();
     no_tools.tools.clear();
-    let response = client
+    let response = AgentServiceClient::new(connect(&agents.url()).await)
         .validate_config(v1::ValidateConfigRequest {
             config: Some(no_tools),
         })

@@ -405,12 +405,7 @@ async fn execute_and_retry(
     Streaming<v1::AgentStreamEvent>,
     v1::AgentStreamEvent,
 ) {
-    let request = v1::ExecuteRequest {
-        engine_id: engine_id.into(),
-        message_id: message_id.into(),
-        query: "talk".into(),
-        ..Default::default()
-    };
+    let request = common::turn(engine_id, message_id);
     let mut first = s
         .engine
         .execute(request.clone())

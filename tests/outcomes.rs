@@ -341,12 +341,7 @@ async fn a_ten_megabyte_answer_does_not_hold_up_other_runs() {
 async fn a_retry_after_the_clients_own_disconnect_gets_a_new_run() {
     let mut s = stack().await;
     let engine_id = s.engine_for(agent("slow", &[])).await;
-    let request = v1::ExecuteRequest {
-        engine_id: engine_id.clone(),
-        message_id: "turn-1".into(),
-        query: "talk".into(),
-        ..Default::default()
-    };
+    let request = common::turn(&engine_id, "turn-1");
     let mut first = s
         .engine
         .execute(request.clone())

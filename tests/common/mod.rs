@@ -65,6 +65,16 @@ pub struct Stack {
 }
 
 /// An agent named `tester` on the simulator's `model`, with these tools.
+/// An `Execute` of the turn `message_id` on `engine_id`, asking "talk".
+pub fn turn(engine_id: &str, message_id: &str) -> v1::ExecuteRequest {
+    v1::ExecuteRequest {
+        engine_id: engine_id.into(),
+        message_id: message_id.into(),
+        query: "talk".into(),
+        ..Default::default()
+    }
+}
+
 pub fn agent(model: &str, tools: &[&str]) -> v1::AgentConfig {
     v1::AgentConfig {
         name: "tester".into(),

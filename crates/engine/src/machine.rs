@@ -450,6 +450,25 @@ mod tests {
         }
     }
 
+    /// A run of at most one round, after that round: `content` and a call `call_id`,
+    /// which answered "2".
+    fn one_round_ran(strategy: &dyn Strategy, content: &str, call_id: &str) -> RunState {
+        let counter = TokenCounter::shared();
+        let mut state = RunState::new("q", 1, counter);
+        state.model_replied(
+            1,
+            Reply::Tools {
+                content: content.into(),
+                calls: vec![call(call_id, "{}")],
+                cut_short: false,
+            },
+            strategy,
+            counter,
+        );
+        state.tools_ran(vec![result("2")], strategy, counter);
+        state
+    }
+
     #[test]
     fn a_tool_round_then_an_answer_and_the_state_survives_a_round_trip() {
         let counter = TokenCounter::shared();
@@ -577,18 +596,7 @@ mod tests {
         // token limit: the text answers, cut short (it ended SUCCEEDED, max_iterations).
         let counter = TokenCounter::shared();
         let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
-        let mut state = RunState::new("q", 1, counter);
-        state.model_replied(
-            1,
-            Reply::Tools {
-                content: String::new(),
-                calls: vec![call("a", "{}")],
-                cut_short: false,
-            },
-            fc,
-            counter,
-        );
-        state.tools_ran(vec![result("2")], fc, counter);
+        let mut state = one_round_ran(fc, "", "a");
         let refused = state.model_replied(
             2,
             Reply::Tools {
@@ -613,18 +621,7 @@ mod tests {
     fn react_keeps_one_observation_and_a_final_reply_that_acts_has_no_answer() {
         let counter = TokenCounter::shared();
         let react = strategy::of(agentrt_core::Strategy::React);
-        let mut state = RunState::new("q", 1, counter);
-        state.model_replied(
-            1,
-            Reply::Tools {
-                content: "Thought: add\nAction: calc".into(),
-                calls: vec![call("react_1", "{}")],
-                cut_short: false,
-            },
-            react,
-            counter,
-        );
-        state.tools_ran(vec![result("2")], react, counter);
+        let mut state = one_round_ran(react, "Thought: add\nAction: calc", "react_1");
         assert!(
             matches!(&state.messages[2].0, ChatMessage::User(text) if text == "Observation: 2")
         );
