@@ -445,6 +445,39 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
         status.message()
     );
 
+    // Every violation is in the details (the first ten were, and nothing said the list
+    // was cut); the message names five and counts the rest.
+    let mut config = valid();
+    config.tools = (0..12)
+        .map(|i| v1::ToolRef {
+            name: format!("ghost{i}"),
+            require_approval: false,
+        })
+        .collect();
+    let status = s
+        .client
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(config),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    let fields: Vec<String> = status
+        .get_details_bad_request()
+        .expect("BadRequest details")
+        .field_violations
+        .into_iter()
+        .map(|v| v.field)
+        .collect();
+    let expected: Vec<String> = (0..12).map(|i| format!("tools[{i}].name")).collect();
+    assert_eq!(fields, expected);
+    assert!(status.get_details_error_info().is_none());
+    assert!(
+        status.message().ends_with("and 7 more"),
+        "{}",
+        status.message()
+    );
+
     // A good config with a bad session id: the request is wrong, not the config, and the
     // message says what is wrong with the id (it said "at most 128 characters" of 5).
     let status = s

@@ -12,9 +12,11 @@ pub const ERROR_DOMAIN: &str = "agent.v1";
 
 /// Violations a status names in its message; the rest are counted.
 const LISTED_IN_MESSAGE: usize = 5;
-/// Violations a status carries as `BadRequest` details; the rest are counted in the
-/// message.
-const LISTED_IN_DETAILS: usize = 10;
+/// Bytes of `BadRequest` details a status carries (about 5.5 KB once base64-encoded in
+/// the trailers, with room for the message under the 8 KiB of metadata gRPC's C core
+/// accepts by default): every violation while they fit (dozens of usual ones), the rest
+/// counted in the message and in an `ErrorInfo` (`VIOLATIONS_LEFT_OUT`).
+const DETAILS_BYTES: usize = 4096;
 /// Longest status message, in bytes. Statuses travel in HTTP/2 headers, which clients
 /// commonly limit to 16 KiB in all (and `grpc-message` percent-encodes non-ASCII text,
 /// tripling it): a status copying a client's input unbounded would reach the client as
@@ -40,7 +42,8 @@ pub fn bounded(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
 
 /// `INVALID_ARGUMENT` with one `BadRequest` field violation per problem. The message lists
 /// them too, for clients that do not read details (e.g. grpcurl's default output). Both
-/// are bounded: the first violations are named and the others counted.
+/// are bounded: the first violations are named and the others counted; the details carry
+/// every one that fits [`DETAILS_BYTES`], and say how many are left out when some are.
 pub fn invalid_argument(summary: &str, violations: &[Violation]) -> Status {
     let listed: Vec<String> = violations
         .iter()
@@ -54,19 +57,38 @@ pub fn invalid_argument(summary: &str, violations: &[Violation]) -> Status {
             violations.len() - LISTED_IN_MESSAGE
         ));
     }
+    let mut size = 0;
+    let carried: Vec<FieldViolation> = violations
+        .iter()
+        .map(|v| {
+            FieldViolation::new(
+                bounded(&v.field, FIELD_BYTES),
+                bounded(&v.description, DESCRIPTION_BYTES),
+            )
+        })
+        .take_while(|v| {
+            // A violation's encoded size: its two strings, their tags and lengths, and
+            // its own.
+            size += v.field.len() + v.description.len() + 8;
+            size <= DETAILS_BYTES
+        })
+        .collect();
+    let left_out = violations.len() - carried.len();
+    let mut details = ErrorDetails::with_bad_request(carried);
+    if left_out > 0 {
+        details.set_error_info(
+            "VIOLATIONS_LEFT_OUT",
+            ERROR_DOMAIN,
+            [
+                (
+                    "listed".to_owned(),
+                    (violations.len() - left_out).to_string(),
+                ),
+                ("total".to_owned(), violations.len().to_string()),
+            ],
+        );
+    }
     let message = bounded(&message, MESSAGE_BYTES + 64).into_owned();
-    let details = ErrorDetails::with_bad_request(
-        violations
-            .iter()
-            .take(LISTED_IN_DETAILS)
-            .map(|v| {
-                FieldViolation::new(
-                    bounded(&v.field, FIELD_BYTES),
-                    bounded(&v.description, DESCRIPTION_BYTES),
-                )
-            })
-            .collect::<Vec<_>>(),
-    );
     Status::with_error_details(Code::InvalidArgument, message, details)
 }
 
@@ -166,6 +188,25 @@ mod tests {
             .map(|v| v.field.as_str())
             .collect();
         assert_eq!(fields, ["name", "tools[0].name"]);
+        assert!(status.get_details_error_info().is_none());
+    }
+
+    #[test]
+    fn the_details_carry_every_usual_violation() {
+        let violations: Vec<Violation> = (0..40)
+            .map(|i| {
+                Violation::new(
+                    format!("tools[{i}].name"),
+                    "not offered by the tool executor",
+                )
+            })
+            .collect();
+        let status = invalid_argument("invalid agent config", &violations);
+        let bad_request = status.get_details_bad_request().unwrap();
+        assert_eq!(bad_request.field_violations.len(), 40);
+        assert_eq!(bad_request.field_violations[39].field, "tools[39].name");
+        assert!(status.get_details_error_info().is_none());
+        assert!(status.details().len() <= 6 * 1024);
     }
 
     #[test]
@@ -192,8 +233,13 @@ mod tests {
             status.details().len()
         );
         let bad_request = status.get_details_bad_request().unwrap();
-        assert_eq!(bad_request.field_violations.len(), 10);
+        let carried = bad_request.field_violations.len();
+        assert!((8..40).contains(&carried), "{carried}");
         assert!(bad_request.field_violations[0].description.ends_with('…'));
+        let left_out = status.get_details_error_info().unwrap();
+        assert_eq!(left_out.reason, "VIOLATIONS_LEFT_OUT");
+        assert_eq!(left_out.metadata["listed"], carried.to_string());
+        assert_eq!(left_out.metadata["total"], "40");
         let status = not_found("RUN_NOT_FOUND", "run", &"x".repeat(100_000));
         assert!(status.message().len() < 200);
     }
