@@ -277,9 +277,15 @@ async fn cancel_stops_a_running_tool_call() {
     assert_well_formed(&events);
     assert_eq!(kind(events.last().unwrap()), v1::EventType::Error);
     assert_eq!(done(&events)["stop_reason"], "cancelled");
-    assert_eq!(
-        s.state(&run_id).await.status,
-        v1::RunStatus::Cancelled as i32
+    let state = s.state(&run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    // The call the run ended without is not an empty success.
+    let call = &state.steps.last().unwrap().tool_calls[0];
+    assert!(
+        call.is_error
+            && call.output
+                == "not finished: the run ended (cancelled) before the call had its result",
+        "{call:?}"
     );
     // Cancelling again is fine and changes nothing.
     let again = s

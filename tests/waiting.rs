@@ -684,6 +684,15 @@ async fn cancel_ends_a_waiting_run() {
     assert_eq!(done(&events)["stop_reason"], "cancelled");
     let state = get_run(&mut stack.engine, &run_id).await;
     assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    // The call that waited for its output is not an empty success.
+    let call = &state.steps.last().unwrap().tool_calls[0];
+    assert!(
+        call.is_error
+            && call
+                .output
+                .starts_with("not finished: the run ended (cancelled)"),
+        "{call:?}"
+    );
     let late = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
         .await
         .unwrap_err();

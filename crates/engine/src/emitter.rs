@@ -292,6 +292,7 @@ impl Emitter {
             call.is_error = result.is_error;
             call.duration = duration;
             call.references.clone_from(&result.references);
+            call.finished = true;
         }
     }
 
@@ -458,6 +459,7 @@ impl Emitter {
             is_error: false,
             duration: Duration::ZERO,
             references: Vec::new(),
+            finished: false,
         });
         let data = EventData::ToolCall {
             id: id.into(),
@@ -486,6 +488,7 @@ impl Emitter {
             call.is_error = result.is_error;
             call.duration = duration;
             call.references.clone_from(&result.references);
+            call.finished = true;
         }
         let duration_ms = u64::try_from(duration.as_millis()).unwrap_or(u64::MAX);
         let data = EventData::ToolResult {
@@ -604,6 +607,14 @@ impl Emitter {
     /// `GetRun` sees the end too). When the store cannot be reached, keeps trying for a
     /// while, each part until it is written: a run must end where its readers look.
     async fn finish(mut self, done: RunEvent) {
+        // Calls the run ends without say so (a cancelled call read as an empty success).
+        let reason = self.record.stop_reason.map_or("", StopReason::as_str);
+        for (index, step) in self.record.steps.iter_mut().enumerate() {
+            for call in step.tool_calls.iter_mut().filter(|c| !c.finished) {
+                call.end_unfinished(reason);
+                self.saved_steps = self.saved_steps.min(index);
+            }
+        }
         self.record.last_sequence = self.published + self.pending.len() as u64 + 1;
         self.record.update_time = done.time;
         self.pending.push(done);

@@ -121,6 +121,34 @@ pub struct ToolCallRecord {
     pub duration: Duration,
     /// The references it returned (reranked when the agent has a rerank model).
     pub references: Vec<agentrt_core::Reference>,
+    /// Whether it has its result: false while it runs or waits for its answer. A run that
+    /// ends without a call's result says so in the call's record (see
+    /// [`ToolCallRecord::end_unfinished`]). Written only when false.
+    #[serde(default = "finished", skip_serializing_if = "is_finished")]
+    pub finished: bool,
+}
+
+fn finished() -> bool {
+    true
+}
+
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's `skip_serializing_if` passes a reference
+fn is_finished(finished: &bool) -> bool {
+    *finished
+}
+
+impl ToolCallRecord {
+    /// Marks a call the run ended without (cancelled, timed out, failed while the call ran
+    /// or waited for its answer) as failed, saying so, instead of leaving an empty success.
+    pub fn end_unfinished(&mut self, stop_reason: &str) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        self.is_error = true;
+        self.output =
+            format!("not finished: the run ended ({stop_reason}) before the call had its result");
+    }
 }
 
 /// One model round.

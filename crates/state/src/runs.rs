@@ -427,6 +427,7 @@ static PACKER: LazyLock<Packer> = LazyLock::new(|| {
             is_error: false,
             duration: Duration::ZERO,
             references: Vec::new(),
+            finished: false,
         }],
         ..StepRecord::default()
     }];
