@@ -28,7 +28,7 @@ async fn get(addr: SocketAddr, path: &str) -> (String, String) {
     let mut response = String::new();
     stream.read_to_string(&mut response).await.unwrap();
     let (head, body) = response.split_once("\r\n\r\n").unwrap();
-    (head.lines().next().unwrap().to_owned(), body.to_owned())
+    (head.to_owned(), body.to_owned())
 }
 
 /// The value of the sample `name{labels}` (labels as the exposition writes them).
@@ -80,8 +80,16 @@ async fn a_tool_using_run_shows_up_in_both_servers_metrics() {
         .await;
     assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
 
-    let (status, text) = get(agents.logged_addr("metrics_addr").await, "/metrics").await;
-    assert!(status.contains("200"), "{status}");
+    let (head, text) = get(agents.logged_addr("metrics_addr").await, "/metrics").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    // The text is OpenMetrics (counters typed without `_total`, samples with it, `# EOF`),
+    // and says so: served as the classic format, parsers typed the counters wrongly.
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        "{head}"
+    );
+    assert!(text.ends_with("# EOF\n"), "{text}");
     let rpc = |method: &str, code: &str| {
         sample(
             &text,

@@ -248,7 +248,7 @@ impl<B> Drop for MeteredBody<B> {
     }
 }
 
-/// Serves `GET /metrics` (Prometheus text format) on `listener` until `stop` is cancelled,
+/// Serves `GET /metrics` (OpenMetrics text, which Prometheus reads) on `listener` until `stop` is cancelled,
 /// taking connections within `limits` (a request's headers must arrive within the
 /// handshake timeout).
 pub(crate) async fn serve_metrics(
@@ -292,9 +292,11 @@ pub(crate) async fn serve_metrics(
 async fn metrics_response<B>(request: Request<B>) -> Result<Response<Full<Bytes>>, Infallible> {
     let response = if request.uri().path() == "/metrics" {
         Response::builder()
+            // What the encoder writes (counters typed by their name without `_total`,
+            // `# EOF`); Prometheus reads it by this type.
             .header(
                 header::CONTENT_TYPE,
-                "text/plain; version=0.0.4; charset=utf-8",
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )
             .body(Full::new(Bytes::from(Metrics::global().encode())))
     } else {
