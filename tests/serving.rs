@@ -43,6 +43,26 @@ async fn health_reports_the_server_and_each_service() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), tonic::Code::NotFound);
+
+    // Watch follows the health checking protocol: a known service's status, and for an
+    // unknown one SERVICE_UNKNOWN on a call that stays open (it ended NOT_FOUND).
+    let mut client = HealthClient::new(connect(&agents.url()).await);
+    for (service, expected) in [
+        ("agent.v1.AgentEngine", ServingStatus::Serving),
+        ("agent.v1.ToolExecutor", ServingStatus::ServiceUnknown),
+    ] {
+        let mut statuses = client
+            .watch(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let first = statuses.next().await.unwrap().unwrap();
+        assert_eq!(first.status, expected as i32, "{service:?}");
+        let more = tokio::time::timeout(Duration::from_millis(300), statuses.next()).await;
+        assert!(more.is_err(), "{service:?}: {more:?}");
+    }
 }
 
 async fn reflected_services(url: &str) -> Vec<String> {
@@ -180,6 +200,27 @@ async fn settings_come_from_environment_and_files_with_flags_on_top() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A provider whose key is to come from a variable that is not set is said at start
+/// (its runs failed later, at the provider, with nothing said before).
+#[tokio::test]
+async fn a_provider_key_variable_that_is_not_set_is_said_at_start() {
+    let file = std::env::temp_dir().join(format!("agentrt-unset-key-{}.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        "[providers.local]\nbase_url = \"http://127.0.0.1:9/v1\"\napi_key_env = \"AGENTRT_TEST_KEY_NOT_SET\"\n",
+    )
+    .unwrap();
+    let tools = tool_executor(&[]).await;
+    let agents = agent_server(&tools.url(), &["--config", &file.to_string_lossy()]).await;
+    let logs = agents.logs();
+    assert!(
+        logs.contains("api_key_env names a variable that is not set")
+            && logs.contains("AGENTRT_TEST_KEY_NOT_SET"),
+        "{logs}"
+    );
+    let _ = std::fs::remove_file(&file);
+}
+
 #[tokio::test]
 async fn print_config_masks_secrets() {
     let out = tokio::process::Command::new(binary("agent-server"))
@@ -240,4 +281,23 @@ async fn bad_settings_fail_fast_with_a_clear_message() {
         stderr.contains("tool_executor") && stderr.contains("http://"),
         "{stderr}"
     );
+
+    // A side port that is taken is named with its setting (it said "listener error:
+    // Address already in use" alone).
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = taken.local_addr().unwrap().to_string();
+    for flag in ["--metrics-listen", "--health-listen"] {
+        let out = tokio::process::Command::new(binary("tool-executor"))
+            .args(["--listen", "127.0.0.1:0", flag, &taken])
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let setting = flag.trim_start_matches("--").replace('-', "_");
+        assert!(
+            stderr.contains(&format!("cannot listen on {taken} (server.{setting})")),
+            "{stderr}"
+        );
+    }
 }

@@ -18,6 +18,16 @@ pub enum ServerError {
     /// The listener failed.
     #[error("listener error: {0}")]
     Io(#[from] std::io::Error),
+    /// A side port (health, metrics) could not be bound.
+    #[error("cannot listen on {addr} (server.{setting}): {source}")]
+    Listen {
+        /// The setting that names the address.
+        setting: &'static str,
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
     /// The gRPC transport failed.
     #[error("grpc transport error: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -87,7 +97,8 @@ impl GrpcServer {
         // counted and scraped and probes see NOT_SERVING.
         let metrics_stop = CancellationToken::new();
         let _metrics_stop = metrics_stop.clone().drop_guard();
-        let (health, health_service) = tonic_health::server::health_reporter();
+        let health = tonic_health::server::HealthReporter::new();
+        let health_service = crate::health::service(health.clone(), drain.clone());
         for service in &self.services {
             health
                 .set_service_status(*service, ServingStatus::Serving)
@@ -175,7 +186,14 @@ impl GrpcServer {
             preface: true,
         };
         if let Some(health_addr) = self.settings.health_listen {
-            let listener = TcpListener::bind(health_addr).await?;
+            let listener =
+                TcpListener::bind(health_addr)
+                    .await
+                    .map_err(|source| ServerError::Listen {
+                        setting: "health_listen",
+                        addr: health_addr,
+                        source,
+                    })?;
             info!(service = self.name, health_addr = %listener.local_addr()?, "health listener ready");
             serve_health_apart(
                 listener.into_std()?,
@@ -210,7 +228,14 @@ impl GrpcServer {
 
         let stop_accepting = CancellationToken::new();
         if let Some(metrics_addr) = self.settings.metrics_listen {
-            let listener = TcpListener::bind(metrics_addr).await?;
+            let listener =
+                TcpListener::bind(metrics_addr)
+                    .await
+                    .map_err(|source| ServerError::Listen {
+                        setting: "metrics_listen",
+                        addr: metrics_addr,
+                        source,
+                    })?;
             tokio::spawn(crate::metrics::serve_metrics(
                 listener,
                 Limits {

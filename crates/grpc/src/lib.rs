@@ -12,6 +12,7 @@ pub mod config;
 pub mod shutdown;
 
 mod grpc;
+mod health;
 mod listener;
 pub mod metrics;
 pub mod security;

@@ -166,7 +166,7 @@ pub async fn serve(
              and/or OPENAI_API_KEY, or declare [providers.NAME] in the config file"
         ),
         names => {
-            tracing::info!(providers = %names.join(", "), default = ?providers.default_provider(), "model providers")
+            tracing::info!(providers = %names.join(", "), default = providers.default_provider().unwrap_or("none"), "model providers")
         }
     }
     let models = ChatModels::from_providers(&providers, RetryPolicy::default())
