@@ -128,6 +128,11 @@ pub struct Parser {
     /// Whitespace right after `Thought:` or `Final Answer:` is dropped, also when the
     /// marker and the text come in different chunks.
     trim_next: bool,
+    /// Whether the reply's action is whole (its input is followed by another marker): a
+    /// round makes one call, the first the model wrote; the `Action:` and `Action Input:`
+    /// of later ones are not read (they were appended to the first, making one call of a
+    /// tool named `calculator\ncalculator`).
+    action_done: bool,
 }
 
 impl Default for Parser {
@@ -142,6 +147,7 @@ impl Default for Parser {
             saw_marker: false,
             unmarked: String::new(),
             trim_next: false,
+            action_done: false,
         }
     }
 }
@@ -178,6 +184,12 @@ impl Parser {
                 if !self.saw_marker && !self.unmarked.is_empty() {
                     out.push(Segment::Thought(std::mem::take(&mut self.unmarked)));
                 }
+                if self.section == Section::ActionInput && *section != Section::ActionInput {
+                    self.action_done = true;
+                } else if *section == Section::Action && !self.action_done {
+                    // A tool named again before its input: the later name stands.
+                    self.action.clear();
+                }
                 self.section = *section;
                 self.saw_marker = true;
                 self.line_start.clear();
@@ -210,6 +222,7 @@ impl Parser {
         match self.section {
             Section::Thought if !self.saw_marker => self.unmarked.push_str(&text),
             Section::Thought => out.push(Segment::Thought(text)),
+            Section::Action | Section::ActionInput if self.action_done => {}
             Section::Action => self.action.push_str(&text),
             Section::ActionInput => self.action_input.push_str(&text),
             Section::Answer => {
@@ -236,10 +249,16 @@ impl Parser {
         self.answer.trim()
     }
 
-    /// The action the model asked for, with its raw input text.
+    /// The action the model asked for, with its raw input text (out of the Markdown code
+    /// fence open models often put it in: ```` ```json ... ``` ````).
     pub fn action(&self) -> Option<(String, String)> {
         let name = self.action.trim();
-        (!name.is_empty()).then(|| (name.to_owned(), self.action_input.trim().to_owned()))
+        (!name.is_empty()).then(|| {
+            (
+                name.to_owned(),
+                unfenced(self.action_input.trim()).to_owned(),
+            )
+        })
     }
 
     /// Whether any marker appeared at all.
@@ -252,6 +271,18 @@ impl Parser {
     pub fn unmarked(&self) -> Option<&str> {
         (!self.saw_marker).then_some(self.unmarked.as_str())
     }
+}
+
+/// `text` without the Markdown code fence around it, if it has one.
+fn unfenced(text: &str) -> &str {
+    let Some(fenced) = text.strip_prefix("```") else {
+        return text;
+    };
+    // The opening line may name a language (```json).
+    let Some((_, body)) = fenced.split_once('\n') else {
+        return text;
+    };
+    body.trim_end().strip_suffix("```").unwrap_or(body).trim()
 }
 
 #[cfg(test)]
@@ -291,6 +322,36 @@ mod tests {
             Some(("calculator".into(), "{\"expression\": \"6 * 7\"}".into()))
         );
         assert!(!parser.answered());
+    }
+
+    #[test]
+    fn a_round_makes_the_first_action_the_model_wrote() {
+        let (parser, _, _) = parse(&[
+            "Thought: first.\nAction: calculator\nAction Input: {\"expression\": \"1 + 1\"}\n",
+            "Thought: and another.\nAction: calculator\nAction Input: {\"expression\": \"2 + 2\"}\n",
+        ]);
+        assert_eq!(
+            parser.action(),
+            Some(("calculator".into(), "{\"expression\": \"1 + 1\"}".into()))
+        );
+        let (parser, _, _) = parse(&["Action: calculator\nAction: sleep\nAction Input: {}\n"]);
+        assert_eq!(parser.action(), Some(("sleep".into(), "{}".into())));
+    }
+
+    #[test]
+    fn an_action_input_in_a_code_fence_is_read_out_of_it() {
+        for input in [
+            "```json\n{\"expression\": \"6 * 7\"}\n```",
+            "```\n{\"expression\": \"6 * 7\"}\n```\n",
+            "{\"expression\": \"6 * 7\"}",
+        ] {
+            let (parser, _, _) = parse(&[&format!("Action: calculator\nAction Input: {input}")]);
+            assert_eq!(
+                parser.action(),
+                Some(("calculator".into(), "{\"expression\": \"6 * 7\"}".into())),
+                "{input:?}"
+            );
+        }
     }
 
     #[test]
