@@ -431,9 +431,32 @@ fn check_execute(
         ));
     }
     let mut context = Vec::with_capacity(request.llm_context.len());
+    // A tool message answers a call of the assistant message before it (with only tool
+    // messages between), as providers require: they refuse the whole request otherwise,
+    // which failed the run at its first model call instead of refusing the input.
+    let mut open_calls: Vec<&str> = Vec::new();
     for (index, message) in request.llm_context.iter().enumerate() {
         match convert::message_from_wire(index, message) {
-            Ok(message) => context.push(message),
+            Ok(ChatMessage::Tool { call_id, content }) => {
+                if let Some(at) = open_calls.iter().position(|id| *id == call_id) {
+                    open_calls.swap_remove(at);
+                } else {
+                    violations.push(Violation::new(
+                        format!("llm_context[{index}].tool_call_id"),
+                        format!(
+                            "answers no tool call of the ROLE_ASSISTANT message before it \
+                             (or answers one twice): {:?}",
+                            agentrt_grpc::status::bounded(&call_id, 128)
+                        ),
+                    ));
+                }
+                context.push(ChatMessage::Tool { call_id, content });
+            }
+            Ok(message) => {
+                open_calls.clear();
+                open_calls.extend(message_ids(&request.llm_context[index]));
+                context.push(message);
+            }
             Err(violation) => violations.push(violation),
         }
     }
@@ -441,6 +464,11 @@ fn check_execute(
         return Err(violations);
     }
     Ok((!context.is_empty()).then_some(context))
+}
+
+/// The ids of the tool calls an `llm_context` message asks for.
+fn message_ids(message: &v1::ChatMessage) -> impl Iterator<Item = &str> {
+    message.tool_calls.iter().map(|call| call.id.as_str())
 }
 
 #[tonic::async_trait]
@@ -649,6 +677,81 @@ mod tests {
             let violations = check_execute(&request(id), limits).unwrap_err();
             assert_eq!(violations[0].field, "message_id");
             assert!(violations[0].description.contains(says), "{violations:?}");
+        }
+    }
+
+    #[test]
+    fn a_tool_message_in_the_context_answers_a_call_before_it() {
+        let limits = RequestLimits {
+            query_chars: 100,
+            context_messages: 10,
+            context_chars: 1000,
+            max_message_bytes: 1 << 20,
+            max_streams_per_principal: 10,
+        };
+        let message = |role: v1::Role, calls: &[&str], answers: &str| v1::ChatMessage {
+            role: role as i32,
+            content: "x".into(),
+            tool_calls: calls
+                .iter()
+                .map(|id| v1::ToolCall {
+                    id: (*id).into(),
+                    name: "calculator".into(),
+                    arguments: None,
+                })
+                .collect(),
+            tool_call_id: answers.into(),
+        };
+        let request = |llm_context| v1::ExecuteRequest {
+            engine_id: "e".into(),
+            query: "q".into(),
+            llm_context,
+            ..Default::default()
+        };
+        let answered = vec![
+            message(v1::Role::User, &[], ""),
+            message(v1::Role::Assistant, &["c1", "c2"], ""),
+            message(v1::Role::Tool, &[], "c2"),
+            message(v1::Role::Tool, &[], "c1"),
+            message(v1::Role::Assistant, &[], ""),
+        ];
+        assert_eq!(
+            check_execute(&request(answered), limits)
+                .unwrap()
+                .unwrap()
+                .len(),
+            5
+        );
+        for (context, wrong) in [
+            (vec![message(v1::Role::Tool, &[], "zz")], 0),
+            (
+                vec![
+                    message(v1::Role::Assistant, &["c1"], ""),
+                    message(v1::Role::User, &[], ""),
+                    message(v1::Role::Tool, &[], "c1"),
+                ],
+                2,
+            ),
+            (
+                vec![
+                    message(v1::Role::Assistant, &["c1"], ""),
+                    message(v1::Role::Tool, &[], "c1"),
+                    message(v1::Role::Tool, &[], "c1"),
+                ],
+                2,
+            ),
+        ] {
+            let violations = check_execute(&request(context), limits).unwrap_err();
+            assert_eq!(
+                violations[0].field,
+                format!("llm_context[{wrong}].tool_call_id"),
+                "{violations:?}"
+            );
+            assert!(
+                violations[0]
+                    .description
+                    .starts_with("answers no tool call")
+            );
         }
     }
 }

@@ -484,12 +484,53 @@ impl Check {
         }
     }
 
+    /// Violations in field order (run, model_call, tool_call, action), each timeout
+    /// checked also when another is wrong.
     fn timeouts(&mut self, timeouts: &mut v1::Timeouts) {
         let run = self.timeout(
             "timeouts.run",
             &mut timeouts.run,
             limits::DEFAULT_RUN_TIMEOUT,
         );
+        if let Some(run) = run
+            && run > limits::MAX_RUN_TIMEOUT
+        {
+            self.violation(
+                "timeouts.run",
+                format!("must be at most 3600s, got {run:?}"),
+            );
+        }
+        // The default of a call is never longer than the run it is part of: a config that
+        // sets only a short run is valid.
+        let within_run = |default: Duration| run.map_or(default, |run| default.min(run));
+        for (field, slot, default) in [
+            (
+                "timeouts.model_call",
+                &mut timeouts.model_call,
+                limits::DEFAULT_MODEL_CALL_TIMEOUT,
+            ),
+            (
+                "timeouts.tool_call",
+                &mut timeouts.tool_call,
+                limits::DEFAULT_TOOL_CALL_TIMEOUT,
+            ),
+        ] {
+            let call = self.timeout(field, slot, within_run(default));
+            match (call, run) {
+                (Some(call), Some(run)) if call > run => {
+                    self.violation(field, "must not exceed timeouts.run");
+                }
+                // With no usable run to compare with, a call is still held to the
+                // longest run there may be.
+                (Some(call), None) if call > limits::MAX_RUN_TIMEOUT => {
+                    self.violation(
+                        field,
+                        format!("must be at most 3600s (the longest run), got {call:?}"),
+                    );
+                }
+                _ => {}
+            }
+        }
         let action = self.timeout(
             "timeouts.action",
             &mut timeouts.action,
@@ -497,33 +538,6 @@ impl Check {
         );
         if action.is_some_and(|a| a > limits::MAX_ACTION_TIMEOUT) {
             self.violation("timeouts.action", "must be at most 7 days (604800s)");
-        }
-        // The default of a call is never longer than the run it is part of: a config that
-        // sets only a short run is valid.
-        let within_run = |default: Duration| run.map_or(default, |run| default.min(run));
-        let model = self.timeout(
-            "timeouts.model_call",
-            &mut timeouts.model_call,
-            within_run(limits::DEFAULT_MODEL_CALL_TIMEOUT),
-        );
-        let tool = self.timeout(
-            "timeouts.tool_call",
-            &mut timeouts.tool_call,
-            within_run(limits::DEFAULT_TOOL_CALL_TIMEOUT),
-        );
-        if let Some(run) = run {
-            if run > limits::MAX_RUN_TIMEOUT {
-                self.violation(
-                    "timeouts.run",
-                    format!("must be at most 3600s, got {run:?}"),
-                );
-            }
-            if model.is_some_and(|m| m > run) {
-                self.violation("timeouts.model_call", "must not exceed timeouts.run");
-            }
-            if tool.is_some_and(|t| t > run) {
-                self.violation("timeouts.tool_call", "must not exceed timeouts.run");
-            }
         }
     }
 
@@ -541,17 +555,24 @@ impl Check {
         match Duration::try_from(*wire) {
             Ok(d) if valid_nanos && !d.is_zero() => Some(d),
             _ => {
-                self.violation(
-                    field,
-                    if wire.nanos == 0 {
-                        format!("must be a positive duration, got {}s", wire.seconds)
-                    } else {
-                        format!(
-                            "must be a positive duration, got {}s and {}ns",
-                            wire.seconds, wire.nanos
-                        )
-                    },
-                );
+                let malformed = !(-999_999_999..=999_999_999).contains(&wire.nanos)
+                    || (wire.seconds > 0 && wire.nanos < 0)
+                    || (wire.seconds < 0 && wire.nanos > 0);
+                let description = if malformed {
+                    // Not a `google.protobuf.Duration` at all.
+                    format!(
+                        "is not a valid duration: seconds {} and nanos {} (nanos must be 0 to 999999999, of the sign of seconds)",
+                        wire.seconds, wire.nanos
+                    )
+                } else if wire.nanos == 0 {
+                    format!("must be a positive duration, got {}s", wire.seconds)
+                } else {
+                    format!(
+                        "must be a positive duration, got {}s and {}ns",
+                        wire.seconds, wire.nanos
+                    )
+                };
+                self.violation(field, description);
                 None
             }
         }
@@ -727,6 +748,44 @@ mod tests {
                 "must be a positive duration, got 0s"
             )]
         );
+
+        // Every timeout is checked, in field order, also when the run's is wrong; a
+        // malformed Duration is called so, not "not positive".
+        let mut wrong = minimal();
+        let duration = |seconds, nanos| Some(prost_types::Duration { seconds, nanos });
+        wrong.timeouts = Some(v1::Timeouts {
+            run: duration(-1, 0),
+            model_call: duration(7200, 0),
+            tool_call: duration(5, -5),
+            action: duration(5, 2_000_000_000),
+        });
+        let checked = validator(Ok(vec![])).check(Some(&wrong)).await.unwrap();
+        let fields: Vec<&str> = checked
+            .violations
+            .iter()
+            .map(|v| v.field.as_str())
+            .collect();
+        assert_eq!(
+            fields,
+            [
+                "timeouts.run",
+                "timeouts.model_call",
+                "timeouts.tool_call",
+                "timeouts.action"
+            ],
+            "{:?}",
+            checked.violations
+        );
+        assert_eq!(
+            checked.violations[1].description,
+            "must be at most 3600s (the longest run), got 7200s"
+        );
+        for malformed in &checked.violations[2..] {
+            assert!(
+                malformed.description.starts_with("is not a valid duration"),
+                "{malformed:?}"
+            );
+        }
     }
 
     #[tokio::test]
@@ -836,9 +895,10 @@ mod tests {
                 "client_tools[3].input_schema",
                 "max_parallel_tool_calls",
                 "context.max_prompt_tokens",
-                "timeouts.action",
+                // In field order, as the proto says (action is field 4).
                 "timeouts.model_call",
                 "timeouts.tool_call",
+                "timeouts.action",
             ]
         );
         let about = |field: &str| {
