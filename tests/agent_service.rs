@@ -614,7 +614,8 @@ async fn an_unreachable_tool_executor_is_a_prompt_unavailable() {
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     // It says what is down, but not where: internal addresses stay in the log.
     assert!(
-        status.message().contains("tool executor is unavailable"),
+        status.message().contains("tool executor is unavailable")
+            && status.message().contains("it cannot be reached"),
         "{}",
         status.message()
     );

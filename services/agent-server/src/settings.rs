@@ -337,16 +337,10 @@ impl Settings {
                 });
             }
         }
-        if self.runs.max_active == 0
-            || self.runs.events_per_run == 0
-            || self.runs.retained_events == 0
-        {
-            return Err(ConfigError::Invalid {
-                field: "runs",
-                message: "max_active, events_per_run and retained_events must be positive".into(),
-            });
-        }
         for (field, value) in [
+            ("runs.max_active", self.runs.max_active),
+            ("runs.events_per_run", self.runs.events_per_run),
+            ("runs.retained_events", self.runs.retained_events),
             ("runs.max_query_chars", self.runs.max_query_chars),
             ("runs.max_context_messages", self.runs.max_context_messages),
             ("runs.max_context_chars", self.runs.max_context_chars),
@@ -450,7 +444,8 @@ pub struct Cli {
     pub tool_executor_token_file: Option<PathBuf>,
     /// Where engines, sessions, runs and events live: `memory` (the default: this process
     /// only) or a Redis URL (`redis://host:port/db`, `rediss://...`) shared by every
-    /// replica.
+    /// replica. A URL with a password is better given by the environment variable or a
+    /// file: command lines are visible to other processes.
     #[arg(long, value_name = "memory|URL", hide_env_values = true)]
     pub state: Option<String>,
     /// The prefix of every key in the shared Redis.
@@ -555,8 +550,12 @@ mod tests {
     fn zero_retention_ttls_and_session_bounds_are_refused_naming_the_setting() {
         assert!(Settings::default().validate().is_ok());
         type Zero = fn(&mut Settings);
-        let cases: [(&str, Zero); 4] = [
+        let cases: [(&str, Zero); 7] = [
             ("runs.retention", |s| s.runs.retention = Duration::ZERO),
+            // Each named alone (they were named together as `runs`).
+            ("runs.max_active", |s| s.runs.max_active = 0),
+            ("runs.events_per_run", |s| s.runs.events_per_run = 0),
+            ("runs.retained_events", |s| s.runs.retained_events = 0),
             ("sessions.ttl", |s| s.sessions.ttl = Duration::ZERO),
             ("sessions.max_sessions", |s| s.sessions.max_sessions = 0),
             ("sessions.max_turns", |s| s.sessions.max_turns = 0),

@@ -284,6 +284,14 @@ impl ToolCatalog for GrpcToolClient {
                     Code::Cancelled | Code::DeadlineExceeded => {
                         format!("no answer within {:?}", self.timeout)
                     }
+                    // A connection that could not be made is not an answer (it said "it
+                    // answered Unavailable" of a tool executor that was down).
+                    _ if matches!(unsent(&status), Some(Unsent::Unreachable)) => {
+                        format!(
+                            "it cannot be reached (no connection within {:?})",
+                            self.timeout
+                        )
+                    }
                     code => format!("it answered {code:?}"),
                 };
                 self.unavailable(
