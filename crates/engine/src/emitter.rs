@@ -609,11 +609,8 @@ impl Emitter {
     async fn finish(mut self, done: RunEvent) {
         // Calls the run ends without say so (a cancelled call read as an empty success).
         let reason = self.record.stop_reason.map_or("", StopReason::as_str);
-        for (index, step) in self.record.steps.iter_mut().enumerate() {
-            for call in step.tool_calls.iter_mut().filter(|c| !c.finished) {
-                call.end_unfinished(reason);
-                self.saved_steps = self.saved_steps.min(index);
-            }
+        if let Some(changed) = self.record.end_unfinished_calls(reason) {
+            self.saved_steps = self.saved_steps.min(changed);
         }
         self.record.last_sequence = self.published + self.pending.len() as u64 + 1;
         self.record.update_time = done.time;

@@ -1179,6 +1179,11 @@ impl Engine {
                 return answer_or_error(parser.answer().to_owned(), cut_short);
             }
             if let Some((name, input)) = parser.action() {
+                // The conversation keeps the reply up to its action: its observation then
+                // follows the action it answers, not a later one that does not run.
+                if let Some(end) = parser.action_end() {
+                    content.truncate(end);
+                }
                 let call = ModelToolCall {
                     id: format!("react_{iteration}"),
                     name,
@@ -1348,8 +1353,10 @@ impl Engine {
             };
             // A replica that took the run over before published it (it went before it
             // saved its decisions): not published twice.
-            if !published.contains_key(&call.id) {
-                em.tool_result(&call.id, &call.name, &result, Duration::ZERO, None);
+            match published.get(&call.id) {
+                None => em.tool_result(&call.id, &call.name, &result, Duration::ZERO, None),
+                // Its record has it all the same (else it ends "not finished").
+                Some((_, duration)) => em.recovered_result(&call.id, &result, *duration),
             }
             results[index] = Some(CallResult::from(&result));
         }

@@ -133,6 +133,11 @@ pub struct Parser {
     /// of later ones are not read (they were appended to the first, making one call of a
     /// tool named `calculator\ncalculator`).
     action_done: bool,
+    /// Bytes of text pushed so far, where the current line began, and where the text
+    /// after the reply's action begins (the line of the marker that ended it).
+    consumed: usize,
+    line_begin: usize,
+    action_end: Option<usize>,
 }
 
 impl Default for Parser {
@@ -148,6 +153,9 @@ impl Default for Parser {
             unmarked: String::new(),
             trim_next: false,
             action_done: false,
+            consumed: 0,
+            line_begin: 0,
+            action_end: None,
         }
     }
 }
@@ -155,9 +163,12 @@ impl Default for Parser {
 impl Parser {
     /// Routes a chunk of model text.
     pub fn push(&mut self, chunk: &str, out: &mut Vec<Segment>) {
-        for (i, line) in chunk.split_inclusive('\n').enumerate() {
-            let _ = i;
+        for line in chunk.split_inclusive('\n') {
+            if self.deciding && self.line_start.is_empty() {
+                self.line_begin = self.consumed;
+            }
             self.push_line_part(line, out);
+            self.consumed += line.len();
         }
     }
 
@@ -184,8 +195,12 @@ impl Parser {
                 if !self.saw_marker && !self.unmarked.is_empty() {
                     out.push(Segment::Thought(std::mem::take(&mut self.unmarked)));
                 }
-                if self.section == Section::ActionInput && *section != Section::ActionInput {
+                if self.section == Section::ActionInput
+                    && *section != Section::ActionInput
+                    && !self.action_done
+                {
                     self.action_done = true;
+                    self.action_end = Some(self.line_begin);
                 } else if *section == Section::Action && !self.action_done {
                     // A tool named again before its input: the later name stands.
                     self.action.clear();
@@ -220,9 +235,11 @@ impl Parser {
             return;
         }
         match self.section {
+            // What follows the action is not read (its reasoning is for an action that
+            // does not run), but for a final answer.
+            Section::Thought | Section::Action | Section::ActionInput if self.action_done => {}
             Section::Thought if !self.saw_marker => self.unmarked.push_str(&text),
             Section::Thought => out.push(Segment::Thought(text)),
-            Section::Action | Section::ActionInput if self.action_done => {}
             Section::Action => self.action.push_str(&text),
             Section::ActionInput => self.action_input.push_str(&text),
             Section::Answer => {
@@ -259,6 +276,13 @@ impl Parser {
                 unfenced(self.action_input.trim()).to_owned(),
             )
         })
+    }
+
+    /// Where the text after the reply's action begins, when more followed it: the reply
+    /// kept in the conversation ends there, so that the action's observation follows the
+    /// action it belongs to.
+    pub fn action_end(&self) -> Option<usize> {
+        self.action_end
     }
 
     /// Whether any marker appeared at all.
@@ -326,10 +350,16 @@ mod tests {
 
     #[test]
     fn a_round_makes_the_first_action_the_model_wrote() {
-        let (parser, _, _) = parse(&[
-            "Thought: first.\nAction: calculator\nAction Input: {\"expression\": \"1 + 1\"}\n",
+        let first =
+            "Thought: first.\nAction: calculator\nAction Input: {\"expression\": \"1 + 1\"}\n";
+        let (parser, thought, _) = parse(&[
+            first,
             "Thought: and another.\nAction: calculator\nAction Input: {\"expression\": \"2 + 2\"}\n",
         ]);
+        // The reply kept ends with the first action, and the reasoning for the second is
+        // not streamed.
+        assert_eq!(parser.action_end(), Some(first.len()));
+        assert_eq!(thought, "first.\n");
         assert_eq!(
             parser.action(),
             Some(("calculator".into(), "{\"expression\": \"1 + 1\"}".into()))

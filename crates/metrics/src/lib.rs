@@ -1,5 +1,5 @@
 //! The process's Prometheus metrics, in one registry that every crate records into and the
-//! server's admin endpoint encodes (`GET /metrics`, text exposition format).
+//! server's admin endpoint encodes (`GET /metrics`, OpenMetrics text, which Prometheus reads).
 //!
 //! Labels stay bounded, whatever clients send: gRPC services and methods are only those
 //! the server registered (anything else is `unknown`), status codes, stop reasons and
@@ -227,7 +227,7 @@ impl Metrics {
         &METRICS
     }
 
-    /// Every metric in the Prometheus text exposition format.
+    /// Every metric in the OpenMetrics text format (`application/openmetrics-text`).
     pub fn encode(&self) -> String {
         let mut text = String::new();
         // Writing to a String cannot fail.

@@ -154,17 +154,9 @@ impl ProviderRegistry {
             }
             if settings.api_key.is_empty()
                 && let Some(var) = &settings.api_key_env
+                && let Some(key) = env(var).filter(|key| !key.is_empty())
             {
-                match env(var).filter(|key| !key.is_empty()) {
-                    Some(key) => settings.api_key = Secret::new(key),
-                    // Its calls go without a key, and a provider that needs one refuses
-                    // every run: said at start, not first by a failing run.
-                    None => tracing::warn!(
-                        provider = %name,
-                        api_key_env = %var,
-                        "the provider's api_key_env names a variable that is not set (or is empty): its calls carry no key"
-                    ),
-                }
+                settings.api_key = Secret::new(key);
             }
         }
         let default = match default.filter(|d| !d.is_empty()) {

@@ -296,6 +296,19 @@ impl RunRecord {
         }
     }
 
+    /// Marks the calls the run ends without (see [`ToolCallRecord::end_unfinished`]);
+    /// the first step that changed, when one did (saves write from there).
+    pub fn end_unfinished_calls(&mut self, stop_reason: &str) -> Option<usize> {
+        let mut first = None;
+        for (index, step) in self.steps.iter_mut().enumerate() {
+            for call in step.tool_calls.iter_mut().filter(|c| !c.finished) {
+                call.end_unfinished(stop_reason);
+                first.get_or_insert(index);
+            }
+        }
+        first
+    }
+
     /// Whether the run has ended.
     pub fn ended(&self) -> bool {
         !matches!(self.status, RunStatus::Running | RunStatus::RequiresAction)

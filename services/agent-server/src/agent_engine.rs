@@ -432,14 +432,27 @@ fn check_execute(
     }
     let mut context = Vec::with_capacity(request.llm_context.len());
     // A tool message answers a call of the assistant message before it (with only tool
-    // messages between), as providers require: they refuse the whole request otherwise,
-    // which failed the run at its first model call instead of refusing the input.
-    let mut open_calls: Vec<&str> = Vec::new();
+    // messages between), and each call is answered once before the next other message,
+    // as providers require: they refuse the whole request otherwise, which failed the run
+    // at its first model call instead of refusing the input.
+    let mut open_calls: Vec<(usize, usize, &str)> = Vec::new();
+    let unanswered = |open_calls: &mut Vec<(usize, usize, &str)>,
+                      violations: &mut Vec<Violation>| {
+        for (index, call, id) in open_calls.drain(..) {
+            violations.push(Violation::new(
+                format!("llm_context[{index}].tool_calls[{call}].id"),
+                format!(
+                    "has no ROLE_TOOL answer before the next message: {:?}",
+                    agentrt_grpc::status::bounded(id, 128)
+                ),
+            ));
+        }
+    };
     for (index, message) in request.llm_context.iter().enumerate() {
         match convert::message_from_wire(index, message) {
             Ok(ChatMessage::Tool { call_id, content }) => {
-                if let Some(at) = open_calls.iter().position(|id| *id == call_id) {
-                    open_calls.swap_remove(at);
+                if let Some(at) = open_calls.iter().position(|(_, _, id)| *id == call_id) {
+                    open_calls.remove(at);
                 } else {
                     violations.push(Violation::new(
                         format!("llm_context[{index}].tool_call_id"),
@@ -453,22 +466,25 @@ fn check_execute(
                 context.push(ChatMessage::Tool { call_id, content });
             }
             Ok(message) => {
-                open_calls.clear();
-                open_calls.extend(message_ids(&request.llm_context[index]));
+                unanswered(&mut open_calls, &mut violations);
+                open_calls.extend(
+                    request.llm_context[index]
+                        .tool_calls
+                        .iter()
+                        .enumerate()
+                        .map(|(call, c)| (index, call, c.id.as_str())),
+                );
                 context.push(message);
             }
             Err(violation) => violations.push(violation),
         }
     }
+    // The query follows the context: calls still open have no answer.
+    unanswered(&mut open_calls, &mut violations);
     if !violations.is_empty() {
         return Err(violations);
     }
     Ok((!context.is_empty()).then_some(context))
-}
-
-/// The ids of the tool calls an `llm_context` message asks for.
-fn message_ids(message: &v1::ChatMessage) -> impl Iterator<Item = &str> {
-    message.tool_calls.iter().map(|call| call.id.as_str())
 }
 
 #[tonic::async_trait]
@@ -722,15 +738,32 @@ mod tests {
                 .len(),
             5
         );
-        for (context, wrong) in [
-            (vec![message(v1::Role::Tool, &[], "zz")], 0),
+        // Rounds one after another, calls answered in any order.
+        let rounds = vec![
+            message(v1::Role::User, &[], ""),
+            message(v1::Role::Assistant, &["c1", "c2"], ""),
+            message(v1::Role::Tool, &[], "c2"),
+            message(v1::Role::Tool, &[], "c1"),
+            message(v1::Role::Assistant, &["c3"], ""),
+            message(v1::Role::Tool, &[], "c3"),
+        ];
+        assert!(check_execute(&request(rounds), limits).is_ok());
+        let answers_nothing = "answers no tool call";
+        let unanswered = "has no ROLE_TOOL answer";
+        for (context, field, says) in [
+            (
+                vec![message(v1::Role::Tool, &[], "zz")],
+                "llm_context[0].tool_call_id",
+                answers_nothing,
+            ),
             (
                 vec![
                     message(v1::Role::Assistant, &["c1"], ""),
                     message(v1::Role::User, &[], ""),
                     message(v1::Role::Tool, &[], "c1"),
                 ],
-                2,
+                "llm_context[2].tool_call_id",
+                answers_nothing,
             ),
             (
                 vec![
@@ -738,19 +771,32 @@ mod tests {
                     message(v1::Role::Tool, &[], "c1"),
                     message(v1::Role::Tool, &[], "c1"),
                 ],
-                2,
+                "llm_context[2].tool_call_id",
+                answers_nothing,
+            ),
+            (
+                vec![
+                    message(v1::Role::User, &[], ""),
+                    message(v1::Role::Assistant, &["c1", "c2"], ""),
+                    message(v1::Role::Tool, &[], "c1"),
+                    message(v1::Role::User, &[], ""),
+                ],
+                "llm_context[1].tool_calls[1].id",
+                unanswered,
+            ),
+            (
+                // The query comes next: a call left open at the end has no answer either.
+                vec![message(v1::Role::Assistant, &["c1"], "")],
+                "llm_context[0].tool_calls[0].id",
+                unanswered,
             ),
         ] {
             let violations = check_execute(&request(context), limits).unwrap_err();
-            assert_eq!(
-                violations[0].field,
-                format!("llm_context[{wrong}].tool_call_id"),
-                "{violations:?}"
-            );
             assert!(
-                violations[0]
-                    .description
-                    .starts_with("answers no tool call")
+                violations
+                    .iter()
+                    .any(|v| v.field == field && v.description.starts_with(says)),
+                "{field}: {violations:?}"
             );
         }
     }

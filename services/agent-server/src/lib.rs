@@ -169,6 +169,21 @@ pub async fn serve(
             tracing::info!(providers = %names.join(", "), default = providers.default_provider().unwrap_or("none"), "model providers")
         }
     }
+    for (name, provider) in providers.settings() {
+        if let Some(var) = provider
+            .api_key_env
+            .as_ref()
+            .filter(|_| provider.api_key.is_empty())
+        {
+            // Its calls go without a key, and a provider that needs one refuses every
+            // run: said at start, not first by a failing run.
+            tracing::warn!(
+                provider = %name,
+                api_key_env = %var,
+                "the provider's api_key_env names a variable that is not set (or is empty): its calls carry no key"
+            );
+        }
+    }
     let models = ChatModels::from_providers(&providers, RetryPolicy::default())
         .map_err(|e| StartError::Models(e.to_string()))?;
     let tools = Arc::new(

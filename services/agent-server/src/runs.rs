@@ -730,7 +730,10 @@ impl RunManager {
                     category: "internal",
                     retryable: true,
                 });
-                let steps = record.steps.len();
+                // Calls it ended without say so, as any run's end has them.
+                let steps = record
+                    .end_unfinished_calls(StopReason::InternalError.as_str())
+                    .unwrap_or(record.steps.len());
                 if let Some(run) = self.lock().get(run_id) {
                     record.owner.clone_from(&run.token);
                 }

@@ -516,7 +516,8 @@ impl Check {
             ),
         ] {
             let call = self.timeout(field, slot, within_run(default));
-            match (call, run) {
+            // A run over its own limit is reported above; calls are held to the limit.
+            match (call, run.filter(|run| *run <= limits::MAX_RUN_TIMEOUT)) {
                 (Some(call), Some(run)) if call > run => {
                     self.violation(field, "must not exceed timeouts.run");
                 }
@@ -747,6 +748,32 @@ mod tests {
                 "timeouts.run",
                 "must be a positive duration, got 0s"
             )]
+        );
+
+        // A run over its limit holds its calls to the limit, not to itself.
+        let mut long = minimal();
+        long.timeouts = Some(v1::Timeouts {
+            run: Some(prost_types::Duration {
+                seconds: 7200,
+                nanos: 0,
+            }),
+            model_call: Some(prost_types::Duration {
+                seconds: 5000,
+                nanos: 0,
+            }),
+            ..Default::default()
+        });
+        let checked = validator(Ok(vec![])).check(Some(&long)).await.unwrap();
+        let fields: Vec<&str> = checked
+            .violations
+            .iter()
+            .map(|v| v.field.as_str())
+            .collect();
+        assert_eq!(
+            fields,
+            ["timeouts.run", "timeouts.model_call"],
+            "{:?}",
+            checked.violations
         );
 
         // Every timeout is checked, in field order, also when the run's is wrong; a
