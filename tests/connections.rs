@@ -20,7 +20,8 @@ use tokio_rustls::rustls;
 use tonic::transport::Endpoint;
 use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
 
-const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The HTTP/2 client preface: the 24 bytes and an empty SETTINGS frame.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
 
 /// Whether the server closes `conn` within `limit` (reads end or fail).
 async fn closed_within(conn: &mut (impl AsyncReadExt + Unpin), limit: Duration) -> bool {

@@ -29,6 +29,32 @@ use tracing::{debug, info, warn};
 
 /// The first bytes every HTTP/2 client sends (RFC 9113, section 3.4).
 const PREFACE_LEN: usize = 24;
+/// The header of an HTTP/2 frame; the client preface ends with a SETTINGS frame (type 4)
+/// after the 24 bytes, whose payload is at most the default largest frame.
+const FRAME_HEADER_LEN: usize = 9;
+const SETTINGS: u8 = 4;
+const MAX_FIRST_FRAME: usize = 16_384;
+
+/// Reads the HTTP/2 client preface: the 24 bytes, then the SETTINGS frame that completes
+/// it (a connection that sent the 24 bytes alone held its slot, outside the handshake
+/// timeout, until the server's keepalive closed it).
+async fn read_preface(io: &mut (impl AsyncRead + Unpin)) -> io::Result<Vec<u8>> {
+    let mut preface = vec![0; PREFACE_LEN + FRAME_HEADER_LEN];
+    io.read_exact(&mut preface).await?;
+    let header = &preface[PREFACE_LEN..];
+    let length =
+        usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+    if header[3] != SETTINGS || length > MAX_FIRST_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "the HTTP/2 client preface does not end with a SETTINGS frame",
+        ));
+    }
+    preface.resize(PREFACE_LEN + FRAME_HEADER_LEN + length, 0);
+    io.read_exact(&mut preface[PREFACE_LEN + FRAME_HEADER_LEN..])
+        .await?;
+    Ok(preface)
+}
 
 /// Descriptors kept free for what the process opens besides its gRPC connections.
 pub(crate) const RESERVED_DESCRIPTORS: u64 = 256;
@@ -153,11 +179,11 @@ where
             tokio::spawn(async move {
                 let finished = tokio::time::timeout(limits.handshake_timeout, async {
                     let mut io = handshake(conn).await?;
-                    let mut preface = Vec::new();
-                    if limits.preface {
-                        preface.resize(PREFACE_LEN, 0);
-                        io.read_exact(&mut preface).await?;
-                    }
+                    let preface = if limits.preface {
+                        read_preface(&mut io).await?
+                    } else {
+                        Vec::new()
+                    };
                     Ok::<_, io::Error>((io, preface))
                 })
                 .await;
@@ -342,6 +368,38 @@ mod tests {
         }
     }
 
+    /// The 24 bytes and a SETTINGS frame with one setting.
+    const PREFACE: &[u8] =
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x06\x04\x00\x00\x00\x00\x00\x00\x03\x00\x00\x00\x64";
+
+    #[tokio::test]
+    async fn a_preface_without_its_settings_frame_is_closed_at_the_handshake_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let _incoming = admit(
+            "test",
+            listener,
+            limits(true),
+            |conn: TcpStream| async move { Ok(conn) },
+            stop.clone(),
+        );
+        // The 24 bytes alone, and the 24 bytes with a frame that is not SETTINGS.
+        for sent in [
+            &PREFACE[..PREFACE_LEN],
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x06\x00\x00\x00\x00\x00".as_slice(),
+        ] {
+            let mut conn = TcpStream::connect(addr).await.unwrap();
+            conn.write_all(sent).await.unwrap();
+            let mut byte = [0u8; 1];
+            let read = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut byte))
+                .await
+                .expect("the server closes a connection whose preface has no SETTINGS");
+            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        }
+        stop.cancel();
+    }
+
     fn limits(preface: bool) -> Limits {
         Limits {
             handshake_timeout: Duration::from_millis(300),
@@ -390,10 +448,7 @@ mod tests {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
         let mut speaking = TcpStream::connect(addr).await.unwrap();
-        speaking
-            .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-            .await
-            .unwrap();
+        speaking.write_all(PREFACE).await.unwrap();
         let waited = Instant::now();
         let mut first = incoming.next().await.unwrap().unwrap();
         assert!(
@@ -409,19 +464,16 @@ mod tests {
             assert!(matches!(read, Ok(0) | Err(_)));
         }
         // The preface is replayed to the HTTP/2 server.
-        let mut preface = [0u8; PREFACE_LEN];
+        let mut preface = [0u8; PREFACE.len()];
         first.read_exact(&mut preface).await.unwrap();
-        assert_eq!(&preface, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        assert_eq!(&preface, PREFACE);
 
         // Four connections at most: the fifth waits until one is dropped.
         let mut held = vec![first];
         let mut clients = Vec::new();
         for _ in 0..4 {
             let mut client = TcpStream::connect(addr).await.unwrap();
-            client
-                .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-                .await
-                .unwrap();
+            client.write_all(PREFACE).await.unwrap();
             clients.push(client);
         }
         for _ in 0..3 {
