@@ -341,6 +341,27 @@ fn parse_entries(field: &'static str, text: &str) -> Result<Vec<TokenEntry>, Con
         };
         let mut parts = line.split_whitespace();
         let token = parts.next().unwrap_or_default();
+        // An option where the token goes: the token was left out (the option itself
+        // would be a token anyone can guess).
+        if ["principal=", "scope="]
+            .iter()
+            .any(|o| token.starts_with(o))
+        {
+            return Err(invalid(
+                "the line starts with an option: the token is missing (write `TOKEN \
+                 [SERVICE,...] [principal=NAME] [scope=operator]`)"
+                    .into(),
+            ));
+        }
+        // What an `authorization` header can carry: printable ASCII (a token that is not
+        // could never be presented).
+        if !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(invalid(
+                "a token is printable ASCII, without spaces (it could never be presented \
+                 in an `authorization` header)"
+                    .into(),
+            ));
+        }
         if token.chars().count() < MIN_TOKEN_CHARS {
             // Never echo the token itself.
             return Err(invalid(format!(
@@ -353,9 +374,15 @@ fn parse_entries(field: &'static str, text: &str) -> Result<Vec<TokenEntry>, Con
         let mut operator = false;
         for (position, part) in parts.enumerate() {
             match part.split_once('=') {
+                Some(("principal", _)) if principal.is_some() => {
+                    return Err(invalid("`principal=` given twice".into()));
+                }
                 Some(("principal", name)) => {
                     check_principal(name).map_err(invalid)?;
                     principal = Some(name);
+                }
+                Some(("scope", _)) if operator => {
+                    return Err(invalid("`scope=` given twice".into()));
                 }
                 Some(("scope", "operator")) => operator = true,
                 Some(("scope", other)) => {
@@ -763,6 +790,15 @@ mod tests {
             ("ok-token-0123456789 scope=admin", "unknown scope"),
             ("ok-token-0123456789 role=x", "unknown option"),
             ("ok-token-0123456789 principal=a extra", "write `TOKEN"),
+            ("ok-token-0123456789 principal=a principal=b", "given twice"),
+            (
+                "ok-token-0123456789 scope=operator scope=operator",
+                "given twice",
+            ),
+            // The token left out: its option is no token.
+            ("principal=abcdefghijklmnop", "the token is missing"),
+            ("scope=operator-abcdefghij", "the token is missing"),
+            ("ok-token-012345678é", "printable ASCII"),
         ] {
             let err = parse_entries("t", entry).unwrap_err().to_string();
             assert!(err.contains(says), "{entry}: {err}");
