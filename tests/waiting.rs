@@ -721,6 +721,8 @@ async fn a_run_that_would_wait_past_its_budget_fails_and_says_why() {
     assert!(end.content.contains("runs.max_waiting_bytes"), "{end:?}");
     let state = get_run(&mut stack.engine, &end.run_id).await;
     assert_eq!(state.status, v1::RunStatus::Failed as i32);
+    // It waits for nothing (it listed the call it would have waited for).
+    assert!(state.pending_tool_calls.is_empty(), "{state:?}");
 
     submit(&mut stack.engine, &first_id, &[("k1", "shipped")])
         .await

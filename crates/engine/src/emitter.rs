@@ -330,16 +330,14 @@ impl Emitter {
             String::new(),
             Some(data),
         ));
-        // The events first: once the record says the run waits, nobody may write them.
-        self.flush().await?;
+        // The event and the record that says the run waits go as one checkpoint: a client
+        // that reads ACTION_REQUIRED and asks GetRun sees REQUIRES_ACTION (the events went
+        // first, and GetRun could still say RUNNING). A store apart from the bus saves the
+        // record first; a shared one writes both at once, the events before the record
+        // takes the run's owner away (nobody may write its log then).
         self.record.status = RunStatus::RequiresAction;
         self.record.pending = pending;
-        self.store
-            .save(&self.record, self.saved_steps, Some(&progress))
-            .await
-            .map_err(|e| unsaved(&e))?;
-        self.saved_steps = self.record.steps.len().saturating_sub(1);
-        Ok(())
+        self.checkpoint(Some(progress)).await
     }
 
     /// Lets the log go without ending it: the run waits (see [`Emitter::wait`]).

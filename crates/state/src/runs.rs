@@ -163,7 +163,9 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     from_step: usize,
     progress: Option<&Progress>,
 ) -> Result<(), CheckpointError> {
-    let ends = events.last().is_some_and(|event| event.done);
+    // The record before the events when they end the run or ask for answers: a client
+    // that sees `done` or ACTION_REQUIRED and asks GetRun sees the end or the wait.
+    let ends = events.last().is_some_and(|event| event.done) || record.waiting();
     let publish = async {
         if events.is_empty() {
             return Ok(());

@@ -370,9 +370,12 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
         create_time: Some(timestamp(record.create_time)),
         update_time: Some(timestamp(record.update_time)),
         truncated: false,
+        // Only while the run waits, as the proto says (a run that failed as it began to
+        // wait listed the calls it no longer waited for).
         pending_tool_calls: record
             .pending
             .iter()
+            .filter(|_| record.waiting())
             .map(|call| v1::PendingToolCall {
                 id: call.id.clone(),
                 name: call.name.clone(),
