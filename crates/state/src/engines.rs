@@ -129,6 +129,37 @@ impl MemoryEngineStore {
 }
 
 impl Inner {
+    /// Engines of `principal` (the anonymous one: those of no named principal).
+    fn count(&self, principal: &str) -> usize {
+        if principal.is_empty() {
+            self.engines.len() - self.per_principal.values().sum::<usize>()
+        } else {
+            self.per_principal.get(principal).copied().unwrap_or(0)
+        }
+    }
+
+    /// The engine a full store drops for one of `caller`'s: the least recently used, when
+    /// its principal has more engines than the caller; else the caller's own least
+    /// recently used. One principal never drops another's engines to hold more than it
+    /// (four principals at their quota dropped every other principal's engines).
+    fn victim(&self, caller: &str) -> Option<(Instant, String)> {
+        let oldest = self.by_expiry.first()?;
+        let principal_of_id = |id: &str| {
+            self.engines
+                .get(id)
+                .map_or("", |entry| principal_of(&entry.engine.session_id))
+        };
+        let theirs = principal_of_id(&oldest.1);
+        if theirs == caller || self.count(theirs) > self.count(caller) {
+            return Some(oldest.clone());
+        }
+        self.by_expiry
+            .iter()
+            .find(|(_, id)| principal_of_id(id) == caller)
+            .or(Some(oldest))
+            .cloned()
+    }
+
     fn purge_expired(&mut self, now: Instant) {
         while let Some((expires_at, _)) = self.by_expiry.first() {
             if *expires_at > now {
@@ -191,11 +222,12 @@ impl EngineStore for MemoryEngineStore {
             });
         }
         while inner.engines.len() >= self.max_engines {
-            let Some((_, id)) = inner.by_expiry.pop_first() else {
+            let Some(victim) = inner.victim(&principal) else {
                 break;
             };
-            debug!(engine_id = %id, "engine registry full, dropping the least recently used engine");
-            inner.forget(&id);
+            debug!(engine_id = %victim.1, "engine registry full, dropping the least recently used engine");
+            inner.by_expiry.remove(&victim);
+            inner.forget(&victim.1);
         }
         inner.by_expiry.insert((expires_at, engine.id.clone()));
         inner.bytes += bytes;

@@ -376,10 +376,10 @@ struct RedisEngines {
 }
 
 /// The principal of an engine as stored (`{"id":...,"session_id":"PRINCIPAL/..."`), in
-/// Lua: nil for the anonymous one.
+/// Lua: empty for the anonymous one (its engines have a set too, under the bare prefix).
 const ENGINE_PRINCIPAL: &str = r#"
 local function principal_of(json)
-  return string.match(json, '"session_id":"([^"/]*)/')
+  return string.match(json, '"session_id":"([^"/]*)/') or ''
 end
 "#;
 
@@ -387,37 +387,44 @@ end
 /// `KEYS[3]` its principal's set; `ARGV`: id, engine, time to live (ms), most engines,
 /// most of one principal (0 for the anonymous one: no bound of its own), prefix of engine
 /// keys, prefix of principals' sets. -1 when kept; the principal's count of engines when
-/// it has its most already.
+/// it has its most already. A full store drops the least recently used engine when its
+/// principal has more engines than the caller, else the caller's own least recently used
+/// (one principal never drops another's engines to hold more than it).
 const ENGINE_INSERT: &str = r"
 local now = now_ms()
 local ttl = tonumber(ARGV[3])
 local expires = now + ttl
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-local bounded = ARGV[5] ~= '0'
-if bounded then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local owned = redis.call('ZCARD', KEYS[3])
-  if owned >= tonumber(ARGV[5]) then return owned end
+local function count(set)
+  redis.call('ZREMRANGEBYSCORE', set, '-inf', now)
+  return redis.call('ZCARD', set)
 end
+local owned = count(KEYS[3])
+if ARGV[5] ~= '0' and owned >= tonumber(ARGV[5]) then return owned end
 local most = tonumber(ARGV[4])
 while redis.call('ZCARD', KEYS[2]) >= most do
-  local oldest = redis.call('ZPOPMIN', KEYS[2])
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
   if #oldest == 0 then break end
-  local key = ARGV[6] .. oldest[1]
-  local json = redis.call('GET', key)
-  if json then
-    local principal = principal_of(json)
-    if principal then redis.call('ZREM', ARGV[7] .. principal, oldest[1]) end
-    redis.call('DEL', key)
+  local victim = oldest[1]
+  local json = redis.call('GET', ARGV[6] .. victim)
+  local set = json and (ARGV[7] .. principal_of(json))
+  if set and set ~= KEYS[3] and count(set) <= count(KEYS[3]) then
+    local own = redis.call('ZRANGE', KEYS[3], 0, 0)
+    if #own > 0 then
+      victim = own[1]
+      json = redis.call('GET', ARGV[6] .. victim)
+      set = KEYS[3]
+    end
   end
+  redis.call('ZREM', KEYS[2], victim)
+  if set then redis.call('ZREM', set, victim) end
+  redis.call('DEL', ARGV[6] .. victim)
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ttl)
 redis.call('ZADD', KEYS[2], expires, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ttl)
-if bounded then
-  redis.call('ZADD', KEYS[3], expires, ARGV[1])
-  redis.call('PEXPIRE', KEYS[3], ttl)
-end
+redis.call('ZADD', KEYS[3], expires, ARGV[1])
+redis.call('PEXPIRE', KEYS[3], ttl)
 return -1
 ";
 
@@ -431,12 +438,9 @@ local expires = now_ms() + ttl
 redis.call('PEXPIRE', KEYS[1], ttl)
 redis.call('ZADD', KEYS[2], 'XX', expires, ARGV[1])
 redis.call('PEXPIRE', KEYS[2], ttl)
-local principal = principal_of(json)
-if principal then
-  local set = ARGV[3] .. principal
-  redis.call('ZADD', set, 'XX', expires, ARGV[1])
-  redis.call('PEXPIRE', set, ttl)
-end
+local set = ARGV[3] .. principal_of(json)
+redis.call('ZADD', set, 'XX', expires, ARGV[1])
+redis.call('PEXPIRE', set, ttl)
 return json
 ";
 
@@ -446,8 +450,7 @@ const ENGINE_REMOVE: &str = r"
 local json = redis.call('GET', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 if not json then return 0 end
-local principal = principal_of(json)
-if principal then redis.call('ZREM', ARGV[2] .. principal, ARGV[1]) end
+redis.call('ZREM', ARGV[2] .. principal_of(json), ARGV[1])
 redis.call('DEL', KEYS[1])
 return 1
 ";

@@ -375,18 +375,36 @@ where
         assert!(store.get(kept).await.unwrap().is_some(), "{kept} is kept");
         tick().await;
     }
-    // a1 is now the least recently used.
+    // a1 is now the least recently used; but alice, with one engine, does not drop the
+    // anonymous principal's one to hold two: its own least recently used (e1) goes.
     store.insert(engine("e3", "alice/s")).await.unwrap();
     tick().await;
-    assert!(other.get("a1").await.unwrap().is_none(), "a1 was dropped");
+    assert!(other.get("e1").await.unwrap().is_none(), "e1 was dropped");
+    assert!(other.get("a1").await.unwrap().is_some(), "a1 is kept");
+    tick().await;
     // A removed engine gives its principal room again too.
-    assert!(other.remove("e1").await.unwrap());
+    assert!(other.remove("e3").await.unwrap());
+    assert!(other.remove("b1").await.unwrap());
     store.insert(engine("e4", "alice/u")).await.unwrap();
-    let refused = store.insert(engine("e5", "alice/u")).await.unwrap_err();
+    tick().await;
+    store.insert(engine("e5", "alice/u")).await.unwrap();
+    tick().await;
+    let refused = store.insert(engine("e6", "alice/u")).await.unwrap_err();
     assert!(
         matches!(refused, StateError::OverBudget { .. }),
         "{refused:?}"
     );
+    // Full (a1, e4, e5): bob, with none, drops the least recently used (a1, whose
+    // principal has one); then alice's (e4: she has two, bob one).
+    other.insert(engine("b2", "bob/s")).await.unwrap();
+    tick().await;
+    assert!(store.get("a1").await.unwrap().is_none(), "a1 was dropped");
+    other.insert(engine("b3", "bob/s")).await.unwrap();
+    tick().await;
+    assert!(store.get("e4").await.unwrap().is_none(), "e4 was dropped");
+    for kept in ["e5", "b2", "b3"] {
+        assert!(store.get(kept).await.unwrap().is_some(), "{kept} is kept");
+    }
 }
 
 /// The run store suite; `new` makes two handles on one store (two replicas).
