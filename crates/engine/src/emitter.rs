@@ -313,9 +313,9 @@ impl Emitter {
         }
     }
 
-    /// The run waits for answers to `pending`: says so (one event), then saves its record
-    /// (waiting) with `progress`, which lets the run go: nobody executes it until it is
-    /// answered, cancelled or out of time.
+    /// The run waits for answers to `pending`: says so (one event) and saves its record
+    /// (waiting) with `progress`, as one checkpoint, which lets the run go: nobody
+    /// executes it until it is answered, cancelled or out of time.
     pub(crate) async fn wait(
         &mut self,
         pending: Vec<agentrt_events::PendingCall>,

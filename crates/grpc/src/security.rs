@@ -276,7 +276,7 @@ impl AuthSettings {
                 field: "server.auth.tokens_file",
                 message: format!("cannot read {}: {e}", path.display()),
             })?;
-            let from_file = parse_entries("server.auth.tokens_file", &text)?;
+            let from_file = parse_entries("server.auth.tokens_file", &text, &['\n'])?;
             if from_file.is_empty() {
                 return Err(ConfigError::Invalid {
                     field: "server.auth.tokens_file",
@@ -290,7 +290,7 @@ impl AuthSettings {
             entries.extend(from_file);
         }
         if let Some(tokens) = &self.tokens {
-            let inline = parse_entries("server.auth.tokens", tokens.expose())?;
+            let inline = parse_entries("server.auth.tokens", tokens.expose(), &['\n', ';'])?;
             if inline.is_empty() {
                 return Err(ConfigError::Invalid {
                     field: "server.auth.tokens",
@@ -328,9 +328,15 @@ fn refuse_conflicts(entries: &[TokenEntry]) -> Result<(), ConfigError> {
 /// Shortest token accepted: shorter ones are guessable.
 pub const MIN_TOKEN_CHARS: usize = 16;
 
-fn parse_entries(field: &'static str, text: &str) -> Result<Vec<TokenEntry>, ConfigError> {
+/// The entries of `text`, one per line (and per `;` in the inline setting: a file's tokens
+/// may hold `;`).
+fn parse_entries(
+    field: &'static str,
+    text: &str,
+    separators: &[char],
+) -> Result<Vec<TokenEntry>, ConfigError> {
     let mut entries = Vec::new();
-    for (index, line) in text.split(['\n', ';']).enumerate() {
+    for (index, line) in text.split(separators).enumerate() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
             continue;
@@ -341,8 +347,18 @@ fn parse_entries(field: &'static str, text: &str) -> Result<Vec<TokenEntry>, Con
         };
         let mut parts = line.split_whitespace();
         let token = parts.next().unwrap_or_default();
-        // An option where the token goes: the token was left out (the option itself
-        // would be a token anyone can guess).
+        // Services or an option where the token goes: the token was left out (what is
+        // there would be a token anyone can guess).
+        let services_list = token == "*"
+            || token.contains(',')
+            || ["agent.v1.", "grpc."].iter().any(|s| token.starts_with(s));
+        if services_list {
+            return Err(invalid(
+                "the line starts with services: the token is missing (write `TOKEN \
+                 [SERVICE,...] [principal=NAME] [scope=operator]`)"
+                    .into(),
+            ));
+        }
         if ["principal=", "scope="]
             .iter()
             .any(|o| token.starts_with(o))
@@ -715,7 +731,7 @@ mod tests {
 
     fn set(text: &str) -> TokenSet {
         TokenSet {
-            entries: parse_entries("t", text).unwrap(),
+            entries: parse_entries("t", text, &['\n', ';']).unwrap(),
         }
     }
 
@@ -799,16 +815,31 @@ mod tests {
             ("principal=abcdefghijklmnop", "the token is missing"),
             ("scope=operator-abcdefghij", "the token is missing"),
             ("ok-token-012345678é", "printable ASCII"),
+            // Services where the token goes.
+            ("agent.v1.AgentEngine principal=ops", "the token is missing"),
+            (
+                "agent.v1.AgentEngine,agent.v1.AgentService",
+                "the token is missing",
+            ),
         ] {
-            let err = parse_entries("t", entry).unwrap_err().to_string();
+            let err = parse_entries("t", entry, &['\n', ';'])
+                .unwrap_err()
+                .to_string();
             assert!(err.contains(says), "{entry}: {err}");
             assert!(!err.contains("ok-token"), "{err}");
         }
     }
 
     #[test]
+    fn a_file_token_may_hold_a_semicolon() {
+        let entries = parse_entries("t", "semi;colon-token-0123 principal=ci\n", &['\n']).unwrap();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].digest, sha256(b"semi;colon-token-0123"));
+    }
+
+    #[test]
     fn a_token_given_twice_with_other_rights_is_refused() {
-        let twice = |text: &str| refuse_conflicts(&parse_entries("t", text).unwrap());
+        let twice = |text: &str| refuse_conflicts(&parse_entries("t", text, &['\n', ';']).unwrap());
         let err = twice(
             "dup-token-0123456789 agent.v1.AgentEngine principal=bob\n\
              dup-token-0123456789 principal=alice",
@@ -827,15 +858,19 @@ mod tests {
 
     #[test]
     fn short_tokens_and_bad_entries_are_refused_without_echoing_them() {
-        let err = parse_entries("server.auth.tokens", "ok-token-0123456789\nshort")
-            .unwrap_err()
-            .to_string();
+        let err = parse_entries(
+            "server.auth.tokens",
+            "ok-token-0123456789\nshort",
+            &['\n', ';'],
+        )
+        .unwrap_err()
+        .to_string();
         assert!(
             err.contains("entry 2") && err.contains("at least 16"),
             "{err}"
         );
         assert!(!err.contains("short"), "{err}");
-        let err = parse_entries("t", "ok-token-0123456789 a, b").unwrap_err();
+        let err = parse_entries("t", "ok-token-0123456789 a, b", &['\n', ';']).unwrap_err();
         assert!(err.to_string().contains("without spaces"), "{err}");
     }
 }

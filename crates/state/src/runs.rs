@@ -152,9 +152,9 @@ pub enum CheckpointError {
 
 /// A checkpoint written as two calls (with a remote store they share the wait): the
 /// events through `publisher`, the record through `store`. Both are tried whatever the
-/// other's outcome. Sent at once, except a run's end: its record is saved before its
-/// `done` event is published, so that a reader who sees `done` and asks for the run sees
-/// it ended.
+/// other's outcome. Sent at once, except a run's end and its waits: the record is saved
+/// before the `done` or `ACTION_REQUIRED` event is published, so that a reader who sees
+/// it and asks for the run sees it ended, or waiting.
 pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     store: &S,
     publisher: &dyn RunPublisher,
