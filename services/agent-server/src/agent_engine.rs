@@ -670,27 +670,29 @@ impl AgentEngine for AgentEngineImpl {
 mod tests {
     use super::*;
 
+    /// Small limits for the requests the tests check.
+    const LIMITS: RequestLimits = RequestLimits {
+        query_chars: 100,
+        context_messages: 10,
+        context_chars: 1000,
+        max_message_bytes: 1 << 20,
+        max_streams_per_principal: 10,
+    };
+
     #[test]
     fn message_ids_are_bounded_and_printable() {
-        let limits = RequestLimits {
-            query_chars: 100,
-            context_messages: 10,
-            context_chars: 1000,
-            max_message_bytes: 1 << 20,
-            max_streams_per_principal: 10,
-        };
         let request = |message_id: &str| v1::ExecuteRequest {
             engine_id: "e".into(),
             query: "q".into(),
             message_id: message_id.into(),
             ..Default::default()
         };
-        assert!(check_execute(&request("msg-1 (retry)"), limits).is_ok());
+        assert!(check_execute(&request("msg-1 (retry)"), LIMITS).is_ok());
         for (id, says) in [
             ("a\nb", "control characters (it holds '\\n')"),
             (&"m".repeat(129), "at most 128"),
         ] {
-            let violations = check_execute(&request(id), limits).unwrap_err();
+            let violations = check_execute(&request(id), LIMITS).unwrap_err();
             assert_eq!(violations[0].field, "message_id");
             assert!(violations[0].description.contains(says), "{violations:?}");
         }
@@ -698,13 +700,6 @@ mod tests {
 
     #[test]
     fn a_tool_message_in_the_context_answers_a_call_before_it() {
-        let limits = RequestLimits {
-            query_chars: 100,
-            context_messages: 10,
-            context_chars: 1000,
-            max_message_bytes: 1 << 20,
-            max_streams_per_principal: 10,
-        };
         let message = |role: v1::Role, calls: &[&str], answers: &str| v1::ChatMessage {
             role: role as i32,
             content: "x".into(),
@@ -732,7 +727,7 @@ mod tests {
             message(v1::Role::Assistant, &[], ""),
         ];
         assert_eq!(
-            check_execute(&request(answered), limits)
+            check_execute(&request(answered), LIMITS)
                 .unwrap()
                 .unwrap()
                 .len(),
@@ -747,7 +742,7 @@ mod tests {
             message(v1::Role::Assistant, &["c3"], ""),
             message(v1::Role::Tool, &[], "c3"),
         ];
-        assert!(check_execute(&request(rounds), limits).is_ok());
+        assert!(check_execute(&request(rounds), LIMITS).is_ok());
         let answers_nothing = "answers no tool call";
         let unanswered = "has no ROLE_TOOL answer";
         for (context, field, says) in [
@@ -791,7 +786,7 @@ mod tests {
                 unanswered,
             ),
         ] {
-            let violations = check_execute(&request(context), limits).unwrap_err();
+            let violations = check_execute(&request(context), LIMITS).unwrap_err();
             assert!(
                 violations
                     .iter()

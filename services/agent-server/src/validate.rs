@@ -583,6 +583,11 @@ impl Check {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fields the violations name, in order.
+    fn fields_of(violations: &[Violation]) -> Vec<&str> {
+        violations.iter().map(|v| v.field.as_str()).collect()
+    }
     use agentrt_core::{ToolSource, ToolSpec};
     use std::collections::BTreeMap;
 
@@ -764,11 +769,7 @@ mod tests {
             ..Default::default()
         });
         let checked = validator(Ok(vec![])).check(Some(&long)).await.unwrap();
-        let fields: Vec<&str> = checked
-            .violations
-            .iter()
-            .map(|v| v.field.as_str())
-            .collect();
+        let fields = fields_of(&checked.violations);
         assert_eq!(
             fields,
             ["timeouts.run", "timeouts.model_call"],
@@ -787,11 +788,7 @@ mod tests {
             action: duration(5, 2_000_000_000),
         });
         let checked = validator(Ok(vec![])).check(Some(&wrong)).await.unwrap();
-        let fields: Vec<&str> = checked
-            .violations
-            .iter()
-            .map(|v| v.field.as_str())
-            .collect();
+        let fields = fields_of(&checked.violations);
         assert_eq!(
             fields,
             [
@@ -897,11 +894,7 @@ mod tests {
             .check(Some(&config))
             .await
             .unwrap();
-        let fields: Vec<&str> = checked
-            .violations
-            .iter()
-            .map(|v| v.field.as_str())
-            .collect();
+        let fields = fields_of(&checked.violations);
         assert_eq!(
             fields,
             [
