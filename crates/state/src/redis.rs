@@ -94,6 +94,9 @@ pub struct RedisLimits {
     /// How long a run's lease lasts without being renewed: after it, another replica
     /// takes the run over.
     pub lease: Duration,
+    /// Most runs of one named principal waiting for answers at once, all replicas
+    /// together (`runs.max_waiting_per_principal`).
+    pub max_waiting_per_principal: usize,
 }
 
 /// A connection to the Redis every replica shares.
@@ -613,12 +616,24 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+-- 3 when run `run` would begin to wait (`wait_ms` set) while its principal has `most`
+-- runs waiting already (`waiting`: their set, scored by when their wait ends; `most`
+-- '0': no bound), else 1.
+local function may_wait(run, waiting, wait_ms, most)
+  if wait_ms == '' or most == '0' then return 1 end
+  redis.call('ZREMRANGEBYSCORE', waiting, '-inf', now_ms())
+  if redis.call('ZSCORE', waiting, run) then return 1 end
+  if redis.call('ZCARD', waiting) >= tonumber(most) then return 3 end
+  return 1
+end
 ";
 
 /// Whether the save may write (see [`FENCE`]): `KEYS[1]` the record, `KEYS[2]` the
 /// owner key, flag `o` in `ARGV[5]` for a save of the whole run (its opening).
 const SAVE_FENCE: &str = r"
 local allowed = may_write(KEYS[1], KEYS[2], ARGV[2], string.find(ARGV[5], 'o', 1, true))
+if allowed ~= 1 then return allowed end
+allowed = may_wait(ARGV[1], KEYS[9], ARGV[7], ARGV[8])
 if allowed ~= 1 then return allowed end
 ";
 
@@ -627,7 +642,8 @@ if allowed ~= 1 then return allowed end
 /// (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped with the last.
 /// `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e` ended, `o` a save
 /// of the whole run, `a` with the agent), record field count, wait (ms, or empty when the run
-/// does not wait), the number of pending call ids, the ids, then record fields and
+/// does not wait), most runs of its principal waiting at once (`0`: no bound; its waiting
+/// runs are `KEYS[9]`), the number of pending call ids, the ids, then record fields and
 /// progress fields, and with flag `a` last the agent of the run's engine. A run that waits
 /// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
 /// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
@@ -636,8 +652,8 @@ if allowed ~= 1 then return allowed end
 /// kept as long as the longest-lived run that uses it.
 const SAVE: &str = r"
 local fields = tonumber(ARGV[6])
-local waits = tonumber(ARGV[8])
-local base = 8 + waits
+local waits = tonumber(ARGV[9])
+local base = 9 + waits
 local first = string.find(ARGV[5], 'f', 1, true)
 local ended = string.find(ARGV[5], 'e', 1, true)
 local last = #ARGV
@@ -658,6 +674,7 @@ if not ended and last > base + 2 * fields then
   -- nothing (until then, each is, as the replica that took it over may have died).
   if ARGV[7] == '' and redis.call('HEXISTS', KEYS[7], '!taken') == 1 then
     redis.call('HSET', KEYS[7], '!past', '1')
+    redis.call('ZREM', KEYS[9], ARGV[1])
   end
 end
 local function keep_agent()
@@ -685,8 +702,14 @@ if ARGV[7] ~= '' then
   redis.call('SET', KEYS[2], '', 'PX', ARGV[3])
   redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[7]), ARGV[1])
   redis.call('DEL', KEYS[7])
+  if ARGV[8] ~= '0' then
+    redis.call('ZADD', KEYS[9], now_ms() + tonumber(ARGV[7]), ARGV[1])
+    if redis.call('PTTL', KEYS[9]) < tonumber(ARGV[3]) then
+      redis.call('PEXPIRE', KEYS[9], ARGV[3])
+    end
+  end
   local pending = {}
-  for i = 9, 8 + waits do
+  for i = 10, 9 + waits do
     pending[#pending + 1] = 'c:' .. ARGV[i]
     pending[#pending + 1] = ''
   end
@@ -701,6 +724,7 @@ if ended then
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
   redis.call('DEL', KEYS[6])
   redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[9], ARGV[1])
   if redis.call('EXISTS', KEYS[7]) == 1 then
     redis.call('HSET', KEYS[7], '!taken', '1')
     redis.call('PEXPIRE', KEYS[7], ARGV[3])
@@ -923,7 +947,15 @@ impl RedisRuns {
         let wait = progress
             .and_then(|p| p.wait)
             .filter(|_| record.waiting() && !record.pending.is_empty());
-        let mut args = Vec::with_capacity(8 + fields.len() + record.pending.len());
+        let principal = crate::principal_of(&record.session_id);
+        // The anonymous principal's waiting runs are bound by nothing of their own.
+        let most_waiting =
+            if principal.is_empty() || self.0.limits.max_waiting_per_principal == usize::MAX {
+                0
+            } else {
+                self.0.limits.max_waiting_per_principal.max(1)
+            };
+        let mut args = Vec::with_capacity(9 + fields.len() + record.pending.len());
         args.extend([
             record.run_id.clone(),
             record.owner.clone(),
@@ -932,6 +964,7 @@ impl RedisRuns {
             flags,
             count.to_string(),
             wait.map_or_else(String::new, |w| millis(w).to_string()),
+            most_waiting.to_string(),
         ]);
         if wait.is_some() {
             args.push(record.pending.len().to_string());
@@ -950,6 +983,7 @@ impl RedisRuns {
                 self.0.key("resume", &record.run_id),
                 self.0.key("wait", &record.run_id),
                 self.0.key("agent", agent.as_ref().map_or("", |(id, _)| id)),
+                self.0.key("waiting:of", principal),
             ],
             args,
         })
@@ -1488,6 +1522,8 @@ for i = 2, #ARGV do
 end
 local allowed = may_write(save_keys[1], save_keys[2], save_args[2], string.find(save_args[5], 'o', 1, true))
 if allowed ~= 1 then return allowed end
+allowed = may_wait(save_args[1], save_keys[9], save_args[7], save_args[8])
+if allowed ~= 1 then return allowed end
 publish(publish_keys, publish_args)
 return save(save_keys, save_args)
 "
@@ -1497,7 +1533,7 @@ return save(save_keys, save_args)
 
 /// The keys and arguments of a [`SAVE`].
 struct SaveCall {
-    keys: [String; 8],
+    keys: [String; 9],
     args: Vec<String>,
 }
 
@@ -1513,10 +1549,30 @@ impl SaveCall {
             .invoke_async(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
+        if written == OVER_WAITING_BUDGET {
+            return Err(shared.waiting_budget());
+        }
         if refused(written, run_id) {
             return Err(StateError::Fenced(run_id.to_owned()));
         }
         Ok(())
+    }
+}
+
+/// The answer of a save refused as the run would begin to wait past its principal's
+/// budget of waiting runs (see `may_wait` in [`FENCE`]).
+const OVER_WAITING_BUDGET: u8 = 3;
+
+impl Shared {
+    fn waiting_budget(&self) -> StateError {
+        StateError::OverBudget {
+            budget: "runs.max_waiting_per_principal",
+            message: format!(
+                "this principal has {} runs waiting for answers, its most; answer or cancel \
+                 some",
+                self.limits.max_waiting_per_principal
+            ),
+        }
     }
 }
 
@@ -1825,6 +1881,17 @@ impl PublisherCore {
         }
         // Whatever happens now happens whole: the write is no longer given up part way.
         let batch = pending.batch.take().unwrap_or_default();
+        if written
+            .as_ref()
+            .is_ok_and(|&written| written == OVER_WAITING_BUDGET)
+        {
+            // Nothing was written: the events wait, with their numbers, for the run's
+            // next write (its end, as it cannot wait).
+            self.state()
+                .buffer
+                .splice(0..0, batch.into_iter().skip(logged));
+            return Err(CheckpointError::Record(self.shared.waiting_budget()));
+        }
         if written
             .as_ref()
             .is_ok_and(|&written| refused(written, &self.run_id))

@@ -27,6 +27,7 @@ fn limits(events_per_run: usize) -> RedisLimits {
         events_per_run,
         retained_events: 1_000_000,
         lease: conformance::TEST_LEASE,
+        max_waiting_per_principal: usize::MAX,
     }
 }
 
@@ -110,6 +111,38 @@ async fn memory_engine_budgets() {
                 max_per_principal: 2,
             }));
         (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn memory_waiting_budget() {
+    conformance::waiting_budget(|| async {
+        let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
+            max_waiting_per_principal: 1,
+            ..RunRetention::unbounded(Duration::from_secs(600), conformance::TEST_LEASE)
+        }));
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_waiting_budget() {
+    conformance::waiting_budget(|| async {
+        let prefix = redis_prefix("waiting-budget");
+        let connect = || {
+            Redis::connect(
+                &redis_url(),
+                &prefix,
+                RedisLimits {
+                    max_waiting_per_principal: 1,
+                    ..limits(100)
+                },
+            )
+            .unwrap()
+        };
+        (connect().runs(), connect().runs())
     })
     .await;
 }

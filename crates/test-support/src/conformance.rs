@@ -752,7 +752,21 @@ async fn start_waiting(
     calls: Vec<PendingCall>,
     wait: Duration,
 ) -> RunRecord {
-    let mut record = RunRecord::new(run_id, "e", "s", &format!("m-{run_id}"), "q");
+    start_waiting_in(store, run_id, "s", calls, wait)
+        .await
+        .unwrap()
+}
+
+/// [`start_waiting`] in session `session` (`PRINCIPAL/SESSION` for a named principal's);
+/// the waiting save's error when the store refuses it.
+async fn start_waiting_in(
+    store: &dyn RunStore,
+    run_id: &str,
+    session: &str,
+    calls: Vec<PendingCall>,
+    wait: Duration,
+) -> Result<RunRecord, StateError> {
+    let mut record = RunRecord::new(run_id, "e", session, &format!("m-{run_id}"), "q");
     record.owner = format!("{run_id}.a");
     let started = Progress {
         spec: Some("{\"spec\":1}".into()),
@@ -778,8 +792,50 @@ async fn start_waiting(
         first_message: 1,
         wait: Some(wait),
     };
-    store.save(&record, 0, Some(&waiting)).await.unwrap();
-    record
+    store.save(&record, 0, Some(&waiting)).await?;
+    Ok(record)
+}
+
+/// The budget of a principal's waiting runs; `new` makes two handles on one store (two
+/// replicas) that let a named principal have at most one run waiting at once.
+pub async fn waiting_budget<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn RunStore>)>,
+{
+    const LONG: Duration = Duration::from_secs(60);
+    let (store, other) = new().await;
+    let calls = || vec![pending_call("c1", Action::ClientExecute)];
+    start_waiting_in(&*store, "wb1", "alice/s", calls(), LONG)
+        .await
+        .unwrap();
+    // A second run of alice's, on either replica, cannot begin to wait.
+    let refused = start_waiting_in(&*other, "wb2", "alice/t", calls(), LONG)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, StateError::OverBudget { budget, .. } if budget == &"runs.max_waiting_per_principal"),
+        "{refused:?}"
+    );
+    assert!(
+        !other.load("wb2").await.unwrap().unwrap().waiting(),
+        "nothing of the refused wait is saved"
+    );
+    // Other principals, and the anonymous one, are not bound by alice's waits.
+    for (run, session) in [("wb3", "bob/s"), ("wb4", "s"), ("wb5", "s")] {
+        start_waiting_in(&*other, run, session, calls(), LONG)
+            .await
+            .unwrap();
+    }
+    // Once alice's waiting run ends, she may have another.
+    assert!(store.cancel_waiting("wb1").await.unwrap());
+    let mut ended = take_over_once(&store, &other, "wb1").await.record;
+    ended.status = RunStatus::Cancelled;
+    ended.stop_reason = Some(StopReason::Cancelled);
+    store.save(&ended, 0, None).await.unwrap();
+    start_waiting_in(&*other, "wb6", "alice/u", calls(), LONG)
+        .await
+        .unwrap();
 }
 
 /// Takes `run_id` over from both replicas at once (six tries): exactly one gets it.

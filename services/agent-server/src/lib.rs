@@ -118,6 +118,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     events_per_run: settings.runs.events_per_run,
                     retained_events: settings.runs.retained_events,
                     lease: settings.runs.takeover_after,
+                    max_waiting_per_principal: settings.runs.max_waiting_per_principal,
                 },
             )
             .map_err(|e| StartError::State(e.to_string()))?;

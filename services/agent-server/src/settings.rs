@@ -132,8 +132,8 @@ pub struct RunSettings {
     /// Most bytes held by the runs waiting for answers (with `state = memory`: packed, and
     /// about 512 bytes each besides); beyond, a run that would wait fails instead.
     pub max_waiting_bytes: usize,
-    /// Most runs of one principal waiting for answers at once (with `state = memory`);
-    /// beyond, a run that would wait fails instead.
+    /// Most runs of one principal waiting for answers at once (with Redis, on all
+    /// replicas together); beyond, a run that would wait fails instead.
     pub max_waiting_per_principal: usize,
 }
 

@@ -342,6 +342,7 @@ pub async fn run(
             events_per_run: 100,
             retained_events: 100,
             lease: takeover_after,
+            max_waiting_per_principal: usize::MAX,
         },
     )?
     .runs();
