@@ -23,7 +23,10 @@
 //!   machine's state, the turn's messages), dropped when it ends;
 //! - `P:agent:DIGEST`: an agent's config and tools (JSON), one copy for all the runs of
 //!   every engine that runs it (named by a digest of the JSON, the `a` field of their
-//!   `P:resume:ID`), kept as long as the longest-lived of them may be continued.
+//!   `P:resume:ID`), kept as long as the longest-lived of them may be continued;
+//! - `P:wait:ID`: a waiting run's answers; `P:waiting:of:PRINCIPAL`: a named principal's
+//!   waiting runs, scored by when each wait ends, which bounds them
+//!   (`runs.max_waiting_per_principal`), left when a wait is answered, cancelled or over.
 //!
 //! Every write of a run's events and record is a script that first checks the writer's
 //! token against the run's owner (a fence): a replica paused past its lease writes
@@ -629,7 +632,9 @@ end
 ";
 
 /// Whether the save may write (see [`FENCE`]): `KEYS[1]` the record, `KEYS[2]` the
-/// owner key, flag `o` in `ARGV[5]` for a save of the whole run (its opening).
+/// owner key, flag `o` in `ARGV[5]` for a save of the whole run (its opening); and, for a
+/// save that begins a wait, whether its principal has room for one more (`KEYS[9]`, the
+/// bound `ARGV[8]`; 3 when not).
 const SAVE_FENCE: &str = r"
 local allowed = may_write(KEYS[1], KEYS[2], ARGV[2], string.find(ARGV[5], 'o', 1, true))
 if allowed ~= 1 then return allowed end
@@ -714,6 +719,9 @@ if ARGV[7] ~= '' then
     pending[#pending + 1] = ''
   end
   redis.call('HSET', KEYS[7], unpack(pending))
+  -- Where the run is counted among its principal's waiting runs: answered or cancelled,
+  -- it leaves the count at once (not when a replica next saves it).
+  if ARGV[8] ~= '0' then redis.call('HSET', KEYS[7], '!of', KEYS[9]) end
   for _, i in ipairs({1, 4, 5, 6, 7}) do redis.call('PEXPIRE', KEYS[i], ARGV[3]) end
   keep_agent()
 end
@@ -836,6 +844,8 @@ if #answered == 2 then
   answered[2] = '1'
   redis.call('HSET', KEYS[1], '!done', '1')
   redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
+  local of = redis.call('HGET', KEYS[1], '!of')
+  if of then redis.call('ZREM', of, ARGV[1]) end
 end
 return answered
 ";
@@ -849,6 +859,8 @@ if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], '!taken'
 end
 redis.call('HSET', KEYS[1], '!cancel', '1')
 redis.call('ZADD', KEYS[2], 'XX', 0, ARGV[1])
+local of = redis.call('HGET', KEYS[1], '!of')
+if of then redis.call('ZREM', of, ARGV[1]) end
 return 1
 ";
 
@@ -1762,7 +1774,8 @@ impl PublisherCore {
     /// [`PublisherCore::write`], with `save` (the run's record) in the same script when
     /// given.
     /// Writes `events` (none, with a save) and `save`, in one script; the log's last
-    /// sequence is then `last`. Redis's answer: 1 written, 0 fenced, 2 gone (see [`FENCE`]).
+    /// sequence is then `last`. Redis's answer: 1 written, 0 fenced, 2 gone (see [`FENCE`]),
+    /// 3 over the principal's budget of waiting runs (nothing written).
     async fn invoke(
         &self,
         events: &[(u64, RunEvent)],
@@ -1886,10 +1899,13 @@ impl PublisherCore {
             .is_ok_and(|&written| written == OVER_WAITING_BUDGET)
         {
             // Nothing was written: the events wait, with their numbers, for the run's
-            // next write (its end, as it cannot wait).
-            self.state()
-                .buffer
-                .splice(0..0, batch.into_iter().skip(logged));
+            // next write (its end, as it cannot wait), which sets the log's time to live
+            // if this one was to.
+            let mut state = self.state();
+            if set_ttl.is_some() {
+                state.expiring = false;
+            }
+            state.buffer.splice(0..0, batch.into_iter().skip(logged));
             return Err(CheckpointError::Record(self.shared.waiting_budget()));
         }
         if written

@@ -827,13 +827,32 @@ where
             .await
             .unwrap();
     }
-    // Once alice's waiting run ends, she may have another.
+    // A cancelled wait leaves the count at once, before any replica takes the run over;
+    // so does a wait that has all its answers.
     assert!(store.cancel_waiting("wb1").await.unwrap());
-    let mut ended = take_over_once(&store, &other, "wb1").await.record;
+    start_waiting_in(&*other, "wb6", "alice/u", calls(), LONG)
+        .await
+        .unwrap();
+    assert!(
+        start_waiting_in(&*store, "wb7", "alice/v", calls(), LONG)
+            .await
+            .is_err()
+    );
+    other
+        .answer("wb6", &answers(&[("c1", "\"out\"")]))
+        .await
+        .unwrap();
+    start_waiting_in(&*store, "wb8", "alice/w", calls(), LONG)
+        .await
+        .unwrap();
+    // A run that ended after its wait counts no more either.
+    assert!(store.cancel_waiting("wb8").await.unwrap());
+    let mut ended = take_over_once(&store, &other, "wb8").await.record;
     ended.status = RunStatus::Cancelled;
     ended.stop_reason = Some(StopReason::Cancelled);
+    ended.pending.clear();
     store.save(&ended, 0, None).await.unwrap();
-    start_waiting_in(&*other, "wb6", "alice/u", calls(), LONG)
+    start_waiting_in(&*other, "wb9", "alice/x", calls(), LONG)
         .await
         .unwrap();
 }
