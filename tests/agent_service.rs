@@ -413,6 +413,17 @@ async fn create_get_delete_an_engine() {
     }
 }
 
+/// The fields of a status's BadRequest details, in order.
+fn violated_fields(status: &tonic::Status) -> Vec<String> {
+    status
+        .get_details_bad_request()
+        .expect("BadRequest details")
+        .field_violations
+        .into_iter()
+        .map(|v| v.field)
+        .collect()
+}
+
 #[tokio::test]
 async fn create_refuses_invalid_configs_with_bad_request_details() {
     let mut s = stack().await;
@@ -431,13 +442,7 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
-    let fields: Vec<String> = status
-        .get_details_bad_request()
-        .expect("BadRequest details")
-        .field_violations
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields = violated_fields(&status);
     assert_eq!(fields, ["name", "tools[2].name", "session_id"]);
     assert!(
         status.message().contains("tools[2].name"),
@@ -462,13 +467,7 @@ async fn create_refuses_invalid_configs_with_bad_request_details() {
         })
         .await
         .unwrap_err();
-    let fields: Vec<String> = status
-        .get_details_bad_request()
-        .expect("BadRequest details")
-        .field_violations
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields = violated_fields(&status);
     let expected: Vec<String> = (0..12).map(|i| format!("tools[{i}].name")).collect();
     assert_eq!(fields, expected);
     assert!(status.get_details_error_info().is_none());

@@ -756,16 +756,11 @@ mod tests {
         );
 
         // A run over its limit holds its calls to the limit, not to itself.
+        let duration = |seconds, nanos| Some(prost_types::Duration { seconds, nanos });
         let mut long = minimal();
         long.timeouts = Some(v1::Timeouts {
-            run: Some(prost_types::Duration {
-                seconds: 7200,
-                nanos: 0,
-            }),
-            model_call: Some(prost_types::Duration {
-                seconds: 5000,
-                nanos: 0,
-            }),
+            run: duration(7200, 0),
+            model_call: duration(5000, 0),
             ..Default::default()
         });
         let checked = validator(Ok(vec![])).check(Some(&long)).await.unwrap();
@@ -780,7 +775,6 @@ mod tests {
         // Every timeout is checked, in field order, also when the run's is wrong; a
         // malformed Duration is called so, not "not positive".
         let mut wrong = minimal();
-        let duration = |seconds, nanos| Some(prost_types::Duration { seconds, nanos });
         wrong.timeouts = Some(v1::Timeouts {
             run: duration(-1, 0),
             model_call: duration(7200, 0),
