@@ -13,7 +13,6 @@
 //! unreadable or too large is a [`ModelError`], never a short answer.
 
 mod chat;
-mod h2c;
 mod openai;
 mod providers;
 mod rerank;

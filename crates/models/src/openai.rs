@@ -2,6 +2,7 @@
 
 use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
 
+use agentrt_h2c::{Failure, H2cClient};
 use futures_util::{Stream, StreamExt};
 use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderValue, RETRY_AFTER};
 use http_body_util::BodyDataStream;
@@ -12,7 +13,6 @@ use tracing::{debug, warn};
 use crate::{
     ChatDelta, ChatMessage, ChatModel, ChatRequest, ChatStream, FinishReason, ModelError,
     ModelToolCall, ProviderSettings, ToolDefinition, Usage,
-    h2c::H2cClient,
     think::{Piece, ThinkSplitter},
 };
 
@@ -194,7 +194,11 @@ impl OpenAiChat {
         };
         let lean = settings.http_client == crate::HttpClient::Lean;
         let transport = if lean && settings.http2_prior_knowledge && url.starts_with("http://") {
-            Transport::H2c(H2cClient::new(&url, CONNECT_TIMEOUT).map_err(|e| invalid(&e))?)
+            Transport::H2c(
+                H2cClient::new(&url, CONNECT_TIMEOUT)
+                    .map_err(|e| invalid(&e))?
+                    .with_http1_hint("unset http2_prior_knowledge for this provider"),
+            )
         } else {
             Transport::General {
                 http: general_client(settings.http2_prior_knowledge)?,
@@ -263,11 +267,11 @@ impl OpenAiChat {
                 let (parts, body) = client
                     .post(body.clone(), headers)
                     .await
-                    .map_err(|e| match e {
-                        ModelError::Misconfigured(m) => {
-                            ModelError::Misconfigured(format!("{}: {m}", self.site.who()))
+                    .map_err(|e| match e.failure {
+                        Failure::NotHttp2 => {
+                            ModelError::Misconfigured(format!("{}: {}", self.site.who(), e.message))
                         }
-                        e => e,
+                        _ => ModelError::Connect(e.message),
                     })?
                     .into_parts();
                 let body = ResponseBody::H2c(body);
@@ -380,7 +384,7 @@ where
 /// A response body, from either transport, as a stream of bytes.
 enum ResponseBody {
     General(BodyDataStream<reqwest::Body>),
-    H2c(crate::h2c::H2Body),
+    H2c(agentrt_h2c::H2Body),
 }
 
 impl Stream for ResponseBody {
@@ -476,16 +480,7 @@ fn past_deadline(error: ModelError, delay: Duration) -> ModelError {
     }
 }
 
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
+pub(crate) use agentrt_h2c::error_chain;
 
 /// Reads a failed response: the provider's JSON `error.message` when there is one, at most
 /// `limits.max_error_body_bytes` of it. A 404 names the path called (a wrong `base_url` is

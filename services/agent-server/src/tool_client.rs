@@ -16,6 +16,8 @@ use agentrt_core::{
 };
 use async_trait::async_trait;
 use tokio::time::Instant;
+mod unary;
+
 use tonic::{
     Code, ConnectError, Status,
     metadata::{Ascii, MetadataValue},
@@ -24,7 +26,8 @@ use tonic::{
 
 /// A lazily connected gRPC client of `agent.v1.ToolExecutor`, over a few connections.
 ///
-/// Calls take the connections in turn. Behind a load balancer that spreads connections
+/// Calls take the connections in turn (tool calls to a cleartext tool executor take the
+/// least busy, in turn among the equally busy, through [`unary`]). Behind a load balancer that spreads connections
 /// (a Kubernetes Service), each connection may reach another tool executor replica, so one
 /// agent-server spreads its calls over several; a tool executor with
 /// `server.max_connection_age` makes the connections move now and then, so replicas added
@@ -37,6 +40,14 @@ pub struct GrpcToolClient {
     next: Arc<AtomicUsize>,
     timeout: Duration,
     authorization: Option<MetadataValue<Ascii>>,
+    /// `ExecuteTool` over the lean HTTP/2 client, for a cleartext tool executor.
+    execute: Option<Arc<Execute>>,
+}
+
+/// `ExecuteTool` over h2c, and the credentials its calls carry.
+struct Execute {
+    unary: unary::Unary,
+    authorization: Option<http::HeaderValue>,
 }
 
 /// How many times a call the tool executor refused unprocessed (a stream past its GOAWAY,
@@ -69,6 +80,9 @@ enum Unsent {
 fn unsent(status: &Status) -> Option<Unsent> {
     let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
     while let Some(current) = error {
+        if let Some(unary::NotReceived(why)) = current.downcast_ref::<unary::NotReceived>() {
+            return Some(*why);
+        }
         if current.downcast_ref::<ConnectError>().is_some() {
             return Some(Unsent::Unreachable);
         }
@@ -114,7 +128,9 @@ pub struct ToolClientOptions {
     pub tls: Option<ClientTlsConfig>,
     /// The bearer token to send.
     pub token: Option<Secret>,
-    /// Connections to open (lazily), which calls take in turn.
+    /// Connections to open (lazily), which calls take in turn; tool calls to a cleartext
+    /// tool executor keep at least this many open, and open more while every one is at
+    /// the tool executor's limit of concurrent streams.
     pub connections: usize,
 }
 
@@ -130,11 +146,40 @@ impl GrpcToolClient {
         } = options;
         let mut endpoint = Endpoint::from_shared(url.to_owned())
             .map_err(|e| format!("invalid tool executor URL {url:?}: {e}"))?;
+        let secure = tls.is_some();
         if let Some(tls) = tls {
             endpoint = endpoint
                 .tls_config(tls)
                 .map_err(|e| format!("invalid TLS settings for {url:?}: {e}"))?;
         }
+        let execute = if !secure && url.starts_with("http://") {
+            let authorization = token
+                .as_ref()
+                .map(|token| {
+                    let mut value =
+                        http::HeaderValue::try_from(format!("Bearer {}", token.expose())).map_err(
+                            |_| "the tool executor token has characters a header cannot carry",
+                        )?;
+                    // Keeps the token out of HPACK's dynamic table.
+                    value.set_sensitive(true);
+                    Ok::<_, String>(value)
+                })
+                .transpose()?;
+            let unary = unary::Unary::new(
+                url,
+                "/agent.v1.ToolExecutor/ExecuteTool",
+                timeout,
+                connections,
+                max_message_bytes,
+                max_message_bytes.max(agentrt_grpc::MAX_CATALOGUE_BYTES),
+            )?;
+            Some(Arc::new(Execute {
+                unary,
+                authorization,
+            }))
+        } else {
+            None
+        };
         let authorization = token
             .map(|token| {
                 let mut value = MetadataValue::try_from(format!("Bearer {}", token.expose()))
@@ -170,6 +215,7 @@ impl GrpcToolClient {
             next: Arc::new(AtomicUsize::new(0)),
             timeout,
             authorization,
+            execute,
         })
     }
 
@@ -213,7 +259,7 @@ impl GrpcToolClient {
     /// deadline passed first.
     async fn send<T, F, Fut>(&self, deadline: Instant, mut call: F) -> Result<Result<T, Status>, ()>
     where
-        F: FnMut(ToolExecutorClient<Channel>, Duration) -> Fut,
+        F: FnMut(Duration) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
         let unreachable_until = Instant::now() + self.timeout;
@@ -225,7 +271,7 @@ impl GrpcToolClient {
             if left.is_zero() {
                 return Err(());
             }
-            let outcome = tokio::time::timeout(left, call(self.client(), left))
+            let outcome = tokio::time::timeout(left, call(left))
                 .await
                 .map_err(|_| ())?;
             let Err(status) = &outcome else {
@@ -268,7 +314,8 @@ impl ToolCatalog for GrpcToolClient {
         // The client enforces the limit itself too: a server that accepts the connection
         // but never answers must not hang validation.
         let response = self
-            .send(Instant::now() + self.timeout, |mut client, left| {
+            .send(Instant::now() + self.timeout, |left| {
+                let mut client = self.client();
                 let request = self.request(v1::ListToolsRequest {}, left);
                 async move { client.list_tools(request).await }
             })
@@ -344,18 +391,32 @@ impl ToolRunner for GrpcToolClient {
         };
         let timed_out =
             || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
-        let response = self
-            .send(Instant::now() + timeout, |mut client, left| {
-                let request = self.request(message.clone(), left);
-                async move { client.execute_tool(request).await }
-            })
-            .await;
+        let deadline = Instant::now() + timeout;
+        let response = match &self.execute {
+            Some(execute) => {
+                let message = &message;
+                self.send(deadline, |left| {
+                    execute
+                        .unary
+                        .call(message, left, execute.authorization.as_ref())
+                })
+                .await
+            }
+            None => self
+                .send(deadline, |left| {
+                    let mut client = self.client();
+                    let request = self.request(message.clone(), left);
+                    async move { client.execute_tool(request).await }
+                })
+                .await
+                .map(|outcome| outcome.map(tonic::Response::into_inner)),
+        };
         let Ok(response) = response else {
             return timed_out();
         };
         match response {
             Ok(response) => {
-                let response = response.into_inner();
+                let response: v1::ExecuteToolResponse = response;
                 ToolResult {
                     output: response.output,
                     is_error: response.is_error,

@@ -1,5 +1,6 @@
-//! A lean HTTP/2 client for cleartext model servers that speak HTTP/2 from the first byte
-//! (h2c with prior knowledge): vLLM or a simulator beside the server in the same cluster.
+//! A lean HTTP/2 client for cleartext servers that speak HTTP/2 from the first byte (h2c
+//! with prior knowledge) beside the agent-server in the same cluster: model servers (vLLM,
+//! the simulator) and the tool executor, whose unary gRPC calls go over it.
 //!
 //! Calls in flight share a few connections, and a call is one HTTP/2 stream on one of them,
 //! driven by the caller's own task through `h2`. The general client (connection pool,
@@ -10,7 +11,8 @@
 //! where it is awaited, so a call spawns nothing.
 //!
 //! A call takes the least busy connection that has a stream to spare under the server's
-//! limit (`SETTINGS_MAX_CONCURRENT_STREAMS`, often about 100); when none has, another
+//! limit (`SETTINGS_MAX_CONCURRENT_STREAMS`, often about 100), the connections taking
+//! turns among the equally busy; when none has, another
 //! connection is opened, so that calls never queue behind each other while the server
 //! would take them. At least two connections are kept: a connection's state is locked by
 //! its driver task while it receives, and by every call reading from it, and with two the
@@ -52,7 +54,60 @@ use http::{HeaderMap, HeaderValue, Request, Response, Uri, header::CONTENT_LENGT
 use tokio::{net::TcpStream, sync::Mutex};
 use tracing::debug;
 
-use crate::{ModelError, openai::error_chain};
+/// Why a call failed, as far as sending it again is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// No connection could be made: the server never saw the call.
+    Unreachable,
+    /// The server answered in HTTP/1: it does not speak HTTP/2 with prior knowledge.
+    NotHttp2,
+    /// The server did not process the call (it refused the stream, or the stream was
+    /// past its GOAWAY), even after it was sent again on other connections.
+    Unprocessed,
+    /// The connection broke under the call: the server may have processed it.
+    Lost,
+    /// Anything else (the stream was reset, the request could not be made).
+    Other,
+}
+
+/// A call that failed: why, and what happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostError {
+    /// Why, as far as sending it again is concerned.
+    pub failure: Failure,
+    /// What happened, for a log or an error message.
+    pub message: String,
+}
+
+impl PostError {
+    fn new(failure: Failure, message: impl Into<String>) -> Self {
+        Self {
+            failure,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for PostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for PostError {}
+
+/// `error` and its sources, `: `-separated.
+#[must_use]
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
 
 /// How often an open connection is pinged, and how long a pong may take before the
 /// connection counts as dead.
@@ -69,7 +124,8 @@ const RESET_MEMORY: Duration = Duration::from_secs(10);
 /// Times one call is sent again because the server did not process it (refused, or past
 /// its GOAWAY, whose connection takes no more calls), before it fails.
 const MAX_UNPROCESSED_RESENDS: usize = 4;
-/// Connections opened before calls share them, and kept open when idle.
+/// Connections opened before calls share them, and kept open when idle, unless
+/// [`H2cClient::with_min_connections`] says otherwise.
 const MIN_CONNECTIONS: usize = 2;
 /// Most connections to one endpoint; when all are at the server's stream limit, a call
 /// waits for a stream on the least busy one.
@@ -83,12 +139,16 @@ const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 const CONNECT_BACKOFF: Duration = Duration::from_secs(10);
 
 /// A cleartext HTTP/2 client of one endpoint.
-pub(crate) struct H2cClient {
+pub struct H2cClient {
     uri: Uri,
     /// `host:port` to connect to.
     address: String,
     connect_timeout: Duration,
     idle_timeout: Duration,
+    /// Connections opened before calls share them, and kept open when idle.
+    min_connections: usize,
+    /// What to do about a server that answers in HTTP/1, for its errors.
+    http1_hint: Option<&'static str>,
     pool: Mutex<Pool>,
     /// The origin of the connections' times of last use.
     epoch: Instant,
@@ -100,6 +160,10 @@ struct Pool {
     connections: Vec<Connection>,
     /// Milliseconds from the client's epoch.
     no_connect_before: u64,
+    /// Where the next look for the least busy connection starts, so that calls made one
+    /// at a time take the connections in turn (behind a load balancer, each may reach
+    /// another replica of the server).
+    turn: usize,
 }
 
 /// Whole milliseconds of `duration`, the unit of the pool's times.
@@ -170,7 +234,10 @@ impl Drop for CallGuard {
 
 impl H2cClient {
     /// A client of `uri`, an `http://` URL; nothing connects before the first call.
-    pub(crate) fn new(uri: &str, connect_timeout: Duration) -> Result<Self, String> {
+    ///
+    /// # Errors
+    /// When `uri` is not an `http://` URL with a host.
+    pub fn new(uri: &str, connect_timeout: Duration) -> Result<Self, String> {
         let uri: Uri = uri.parse().map_err(|e| format!("{e}"))?;
         if uri.scheme_str() != Some("http") {
             return Err("HTTP/2 with prior knowledge needs an http:// URL".into());
@@ -186,9 +253,26 @@ impl H2cClient {
             address,
             connect_timeout,
             idle_timeout: IDLE_TIMEOUT,
+            min_connections: MIN_CONNECTIONS,
+            http1_hint: None,
             pool: Mutex::default(),
             epoch: Instant::now(),
         })
+    }
+
+    /// Keeps at least `connections` open (at least one) once calls began.
+    #[must_use]
+    pub fn with_min_connections(mut self, connections: usize) -> Self {
+        self.min_connections = connections.max(1);
+        self
+    }
+
+    /// What a server that answers in HTTP/1 calls for, said in its errors (for example
+    /// the setting to change).
+    #[must_use]
+    pub fn with_http1_hint(mut self, hint: &'static str) -> Self {
+        self.http1_hint = Some(hint);
+        self
     }
 
     fn millis_since_epoch(&self) -> u64 {
@@ -197,29 +281,33 @@ impl H2cClient {
 
     /// The connection for the next call, counted on it: the least busy open one with a
     /// stream to spare, or a new one while there are fewer than the minimum or all are full.
-    async fn connection(&self) -> Result<(Connection, CallGuard), ModelError> {
+    async fn connection(&self) -> Result<(Connection, CallGuard), PostError> {
         let mut guard = self.pool.lock().await;
         let Pool {
             connections: pool,
             no_connect_before,
+            turn,
         } = &mut *guard;
         let now = self.millis_since_epoch();
         let idle_since = now.saturating_sub(millis(self.idle_timeout));
         pool.retain(Connection::is_open);
         // Calls are only counted on a connection under this lock, so one found idle here
         // takes none while it is dropped; its driver ends once its last stream is done.
-        let mut closable = pool.len().saturating_sub(MIN_CONNECTIONS);
+        let mut closable = pool.len().saturating_sub(self.min_connections);
         pool.retain(|connection| {
             let close = closable > 0 && connection.idle_since(idle_since);
             closable -= usize::from(close);
             !close
         });
-        let spare = pool
+        *turn = turn.wrapping_add(1);
+        let start = *turn % pool.len().max(1);
+        let spare = pool[start..]
             .iter()
+            .chain(&pool[..start])
             .filter(|c| c.has_room())
             .min_by_key(|c| c.calls())
             .cloned();
-        let wanted = pool.len() < MIN_CONNECTIONS || spare.is_none();
+        let wanted = pool.len() < self.min_connections || spare.is_none();
         let allowed =
             pool.is_empty() || (pool.len() < MAX_CONNECTIONS && now >= *no_connect_before);
         let mut opened = None;
@@ -245,14 +333,17 @@ impl H2cClient {
         let chosen = opened
             .or(spare)
             .or_else(|| pool.iter().min_by_key(|c| c.calls()).cloned())
-            .ok_or_else(|| ModelError::Connect("no model connection".into()))?;
+            .ok_or_else(|| PostError::new(Failure::Unreachable, "no connection"))?;
         let call = chosen.call(now);
         Ok((chosen, call))
     }
 
-    async fn connect(&self) -> Result<Connection, ModelError> {
+    async fn connect(&self) -> Result<Connection, PostError> {
         let unreachable = |e: &dyn std::fmt::Display| {
-            ModelError::Connect(format!("cannot connect to {}: {e}", self.address))
+            PostError::new(
+                Failure::Unreachable,
+                format!("cannot connect to {}: {e}", self.address),
+            )
         };
         let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.address))
             .await
@@ -265,16 +356,25 @@ impl H2cClient {
             let answered = first_bytes.get().map(Vec::as_slice).unwrap_or_default();
             if answered.starts_with(b"HTTP/") {
                 debug!(address = %self.address, "the model server answered the HTTP/2 preface in HTTP/1");
-                ModelError::Misconfigured(
-                    "the server answered in HTTP/1: it does not speak HTTP/2 with prior \
-                     knowledge (h2c); unset http2_prior_knowledge for this provider"
-                        .into(),
+                PostError::new(
+                    Failure::NotHttp2,
+                    format!(
+                        "the server answered in HTTP/1: it does not speak HTTP/2 with prior \
+                         knowledge (h2c){}",
+                        self.http1_hint
+                            .map(|h| format!("; {h}"))
+                            .unwrap_or_default()
+                    ),
                 )
             } else {
-                unreachable(&format!(
-                    "{e} (a server that speaks only HTTP/1.1 may do this: if so, unset \
-                     http2_prior_knowledge)"
-                ))
+                unreachable(&match self.http1_hint {
+                    Some(hint) => {
+                        format!(
+                            "{e} (a server that speaks only HTTP/1.1 may do this: if so, {hint})"
+                        )
+                    }
+                    None => format!("{e} (a server that speaks only HTTP/1.1 may do this)"),
+                })
             }
         };
         let (sender, mut connection) = h2::client::Builder::new()
@@ -353,11 +453,11 @@ impl H2cClient {
     /// POSTs `body` with `headers`; the response, its body still to read. A call the
     /// server did not process is sent again on another connection, up to
     /// [`MAX_UNPROCESSED_RESENDS`] times.
-    pub(crate) async fn post(
+    pub async fn post(
         &self,
         body: Bytes,
         headers: HeaderMap,
-    ) -> Result<Response<H2Body>, ModelError> {
+    ) -> Result<Response<H2Body>, PostError> {
         let mut resent = 0;
         loop {
             match self.post_once(body.clone(), headers.clone()).await {
@@ -387,13 +487,16 @@ impl H2cClient {
         // seen the call.
         let unsent = |e: h2::Error| {
             unusable(&e);
-            Attempt::Unprocessed(ModelError::Connect(error_chain(&e)))
+            Attempt::Unprocessed(PostError::new(Failure::Unprocessed, error_chain(&e)))
         };
         let mut sender = connection.sender.clone().ready().await.map_err(unsent)?;
         headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
-        let mut request = Request::post(self.uri.clone())
-            .body(())
-            .map_err(|e| Attempt::Failed(ModelError::Connect(format!("invalid request: {e}"))))?;
+        let mut request = Request::post(self.uri.clone()).body(()).map_err(|e| {
+            Attempt::Failed(PostError::new(
+                Failure::Other,
+                format!("invalid request: {e}"),
+            ))
+        })?;
         *request.headers_mut() = headers;
         let (response, mut stream) = sender.send_request(request, false).map_err(unsent)?;
         let id = u32::from(response.stream_id());
@@ -404,11 +507,15 @@ impl H2cClient {
             let refused = e.is_remote()
                 && ((e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
                     || (e.is_go_away() && connection.refused_by_go_away(id)));
-            let error = ModelError::Connect(error_chain(&e));
             if refused {
-                Attempt::Unprocessed(error)
+                Attempt::Unprocessed(PostError::new(Failure::Unprocessed, error_chain(&e)))
             } else {
-                Attempt::Failed(error)
+                let failure = if e.is_io() {
+                    Failure::Lost
+                } else {
+                    Failure::Other
+                };
+                Attempt::Failed(PostError::new(failure, error_chain(&e)))
             }
         };
         // The whole body is queued at once; h2 sends it as the stream's window allows.
@@ -425,9 +532,9 @@ impl H2cClient {
 /// How one attempt at a call failed.
 enum Attempt {
     /// The server did not process the call: it may be sent again at once.
-    Unprocessed(ModelError),
+    Unprocessed(PostError),
     /// Anything else.
-    Failed(ModelError),
+    Failed(PostError),
 }
 
 /// A connection that keeps the first bytes it reads (at most 8), until they are read, and
@@ -576,7 +683,7 @@ const RELEASE_AT: usize = 16 * 1024;
 /// A response body as a stream of bytes, the room of what was read given back to the
 /// peer in batches. Dropped before its end, it resets the stream, and the server stops;
 /// h2 gives back the room of a closed stream itself.
-pub(crate) struct H2Body {
+pub struct H2Body {
     body: RecvStream,
     /// Bytes read and not yet given back.
     unreleased: usize,
@@ -585,6 +692,15 @@ pub(crate) struct H2Body {
 }
 
 impl H2Body {
+    /// The trailers that end the response, once its data is read.
+    ///
+    /// # Errors
+    /// When the stream fails before they come.
+    pub async fn trailers(&mut self) -> Result<Option<HeaderMap>, h2::Error> {
+        self.release();
+        self.body.trailers().await
+    }
+
     fn release(&mut self) {
         if self.unreleased > 0 {
             // Giving back what was read cannot fail while the stream is open, and once
@@ -705,14 +821,14 @@ mod tests {
     }
 
     /// One call of `client` made after `delay`, its answer read to the end.
-    async fn answer_after(client: &H2cClient, delay: Duration) -> Result<Vec<u8>, ModelError> {
+    async fn answer_after(client: &H2cClient, delay: Duration) -> Result<Vec<u8>, PostError> {
         tokio::time::sleep(delay).await;
         let answer = client
             .post(Bytes::from_static(b"q"), HeaderMap::new())
             .await?;
         read_all(answer.into_body())
             .await
-            .map_err(|e| ModelError::Stream(e.to_string()))
+            .map_err(|e| PostError::new(Failure::Other, e.to_string()))
     }
 
     /// Streams reset by the client still get the frames the server sent before it saw
@@ -854,6 +970,35 @@ mod tests {
         }
         // Two refused on each of the two connections, each answered when sent again.
         assert_eq!(seen.answered.load(Ordering::Relaxed), 24);
+    }
+
+    /// Calls made one at a time take the connections in turn: behind a load balancer,
+    /// each connection may reach another replica of the server.
+    #[tokio::test]
+    async fn calls_one_at_a_time_take_the_connections_in_turn() {
+        let counts = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen_counts = counts.clone();
+        let (url, _) = h2_server(
+            move |n, _, mut respond| {
+                seen_counts.lock().unwrap().push(n);
+                async move {
+                    let mut stream = respond.send_response(event_stream(), false).unwrap();
+                    let _ = stream.send_data(Bytes::from_static(b"data: [DONE]\n\n"), true);
+                }
+            },
+            None,
+        )
+        .await;
+        let client = H2cClient::new(&url, Duration::from_secs(5))
+            .unwrap()
+            .with_min_connections(3);
+        for _ in 0..6 {
+            answer_after(&client, Duration::ZERO).await.unwrap();
+        }
+        // Each of the three connections answered its first and its second call.
+        let mut counts = counts.lock().unwrap().clone();
+        counts.sort_unstable();
+        assert_eq!(counts, [1, 1, 1, 2, 2, 2]);
     }
 
     /// Connections opened for a burst are closed once idle, down to the minimum.
