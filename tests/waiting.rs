@@ -46,6 +46,10 @@ const SCENARIOS: &str = r#"{"scenarios": {
   "client_counting": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
     {"content": "users: {user_messages}"}]},
+  "twice": {"turns": [
+    {"tool_calls": [{"id": "w1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"tool_calls": [{"id": "w2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
+    {"content": "results: {tool_results}"}]},
   "plain": {"turns": [{"content": "an answer"}]},
   "client_slow": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
@@ -473,6 +477,50 @@ impl PendingAnswered for v1::AgentState {
             .map(|c| (c.id.as_str(), c.answered))
             .collect()
     }
+}
+
+/// A client that retries a request whose reply it lost may do so after the run moved on
+/// to another wait, and after it ended: the same answer is accepted again, another is
+/// refused as a conflict.
+#[tokio::test]
+async fn answers_of_an_earlier_wait_may_be_repeated_and_not_changed() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (mut stream, _, action, run_id) =
+        waiting_run(&mut stack, waiting_agent("twice", false)).await;
+    assert_eq!(pending(&action)[0].0, "w1");
+    submit(&mut stack.engine, &run_id, &[("w1", "shipped")])
+        .await
+        .unwrap();
+    let (_, action) = until_action(&mut stream).await;
+    assert_eq!(pending(&action)[0].0, "w2");
+
+    let again = submit(&mut stack.engine, &run_id, &[("w1", "shipped")])
+        .await
+        .unwrap();
+    assert_eq!(again.status(), v1::RunStatus::RequiresAction);
+    let changed = submit(&mut stack.engine, &run_id, &[("w1", "lost")])
+        .await
+        .unwrap_err();
+    assert_eq!(changed.code(), Code::FailedPrecondition, "{changed:?}");
+    assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED");
+    // The last request again, with the new call's answer: that one counts.
+    submit(&mut stack.engine, &run_id, &[("w1", "shipped"), ("w2", "packed")])
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        events.push(event.unwrap());
+    }
+    assert!(answer(&events).contains("packed"), "{}", answer(&events));
+
+    let late = submit(&mut stack.engine, &run_id, &[("w1", "shipped")])
+        .await
+        .unwrap();
+    assert_eq!(late.status(), v1::RunStatus::Succeeded);
+    let changed = submit(&mut stack.engine, &run_id, &[("w1", "lost")])
+        .await
+        .unwrap_err();
+    assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED", "{changed:?}");
 }
 
 #[tokio::test]

@@ -706,7 +706,24 @@ if ARGV[7] ~= '' then
   -- cancelled or out of time; its keys live as long as the wait may.
   redis.call('SET', KEYS[2], '', 'PX', ARGV[3])
   redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[7]), ARGV[1])
+  -- The answers of its earlier waits stay known, as digests ('e:ID'): the same answer
+  -- again is a repeat, another conflicts.
+  local earlier = {}
+  for _, field in ipairs(redis.call('HKEYS', KEYS[7])) do
+    local kind = string.sub(field, 1, 2)
+    if kind == 'e:' or kind == 'c:' then
+      local value = redis.call('HGET', KEYS[7], field)
+      if kind == 'e:' then
+        earlier[#earlier + 1] = field
+        earlier[#earlier + 1] = value
+      elseif value ~= '' then
+        earlier[#earlier + 1] = 'e:' .. string.sub(field, 3)
+        earlier[#earlier + 1] = redis.sha1hex(value)
+      end
+    end
+  end
   redis.call('DEL', KEYS[7])
+  if #earlier > 0 then redis.call('HSET', KEYS[7], unpack(earlier)) end
   if ARGV[8] ~= '0' then
     redis.call('ZADD', KEYS[9], now_ms() + tonumber(ARGV[7]), ARGV[1])
     if redis.call('PTTL', KEYS[9]) < tonumber(ARGV[3]) then
@@ -809,26 +826,43 @@ return taken
 
 /// Keeps answers for waiting run `ARGV[1]` (`KEYS[1]` its wait, `KEYS[2]` the leases):
 /// `ARGV[2..]` are call id and answer pairs. Answers `{'a', completed, left...}`, `{'n'}`
-/// (not waiting), `{'p', id}` (not pending) or `{'c', id}` (answered otherwise before).
+/// (not waiting), `{'p', id}` (not pending) or `{'c', id}` (answered otherwise before). A
+/// call of an earlier wait ('e:ID', its answer's digest) takes the same answer again.
 const ANSWER: &str = r"
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
   return {'n'}
+end
+-- Whether answer `i` is the one an earlier wait received: true, false, or nil when the
+-- call is of no earlier wait.
+local function earlier(i)
+  local digest = redis.call('HGET', KEYS[1], 'e:' .. ARGV[i])
+  if not digest then return nil end
+  return digest == redis.sha1hex(ARGV[i + 1])
 end
 if redis.call('HEXISTS', KEYS[1], '!taken') == 1 or redis.call('HEXISTS', KEYS[1], '!done') == 1 then
   -- A repeat of answers it received is accepted; anything else is late.
   for i = 2, #ARGV, 2 do
     local answer = redis.call('HGET', KEYS[1], 'c:' .. ARGV[i])
-    if not answer or answer == '' then return {'n'} end
-    if answer ~= ARGV[i + 1] then return {'c', ARGV[i]} end
+    if not answer or answer == '' then
+      local same = earlier(i)
+      if same == nil then return {'n'} end
+      if not same then return {'c', ARGV[i]} end
+    elseif answer ~= ARGV[i + 1] then
+      return {'c', ARGV[i]}
+    end
   end
   return {'a', '0'}
 end
 for i = 2, #ARGV, 2 do
-  if redis.call('HEXISTS', KEYS[1], 'c:' .. ARGV[i]) == 0 then return {'p', ARGV[i]} end
+  if redis.call('HEXISTS', KEYS[1], 'c:' .. ARGV[i]) == 0 and earlier(i) == nil then
+    return {'p', ARGV[i]}
+  end
 end
 for i = 2, #ARGV, 2 do
   local answer = redis.call('HGET', KEYS[1], 'c:' .. ARGV[i])
-  if answer ~= '' and answer ~= ARGV[i + 1] then return {'c', ARGV[i]} end
+  if (answer and answer ~= '' and answer ~= ARGV[i + 1]) or (not answer and not earlier(i)) then
+    return {'c', ARGV[i]}
+  end
 end
 for i = 2, #ARGV, 2 do
   if redis.call('HGET', KEYS[1], 'c:' .. ARGV[i]) == '' then

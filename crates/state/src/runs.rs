@@ -392,6 +392,15 @@ fn key_digest(session_id: &str, message_id: &str) -> [u8; 16] {
     digest
 }
 
+/// What an answer's digest in [`Wait::earlier`] is.
+fn answer_digest(answer: &str) -> [u8; 16] {
+    let mut digest = [0; 16];
+    digest.copy_from_slice(
+        &ring::digest::digest(&ring::digest::SHA256, answer.as_bytes()).as_ref()[..16],
+    );
+    digest
+}
+
 /// A waiting run, as it is packed.
 #[derive(Serialize, Deserialize)]
 struct Parked {
@@ -402,6 +411,8 @@ struct Parked {
     state: String,
     messages: Vec<String>,
     answers: Vec<(String, Option<String>)>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    earlier: Vec<(String, [u8; 16])>,
 }
 
 /// Packs waiting runs, primed with one that waits for a tool call: its record, and its
@@ -448,6 +459,7 @@ static PACKER: LazyLock<Packer> = LazyLock::new(|| {
             r#"[{"Assistant":{"content":"","tool_calls":[]}},0]"#.into(),
         ],
         answers: vec![("call_".into(), None)],
+        earlier: Vec::new(),
     };
     Packer::new(serde_json::to_vec(&sample).unwrap_or_default())
 });
@@ -556,6 +568,9 @@ struct Continuation {
 struct Wait {
     /// Each pending call, in call order, with its answer once it came.
     answers: Vec<(String, Option<String>)>,
+    /// The calls of the run's earlier waits that were answered, with a digest of their
+    /// answer ([`answer_digest`]): the same answer again is a repeat, another conflicts.
+    earlier: Vec<(String, [u8; 16])>,
     cancelled: bool,
     /// Set when a replica took the run over: it waits no more.
     taken: bool,
@@ -643,6 +658,7 @@ impl Inner {
             state: continuation.state,
             messages: continuation.messages,
             answers: wait.answers,
+            earlier: wait.earlier,
         };
         match serde_json::to_vec(&parked) {
             Ok(json) => {
@@ -734,6 +750,7 @@ impl Inner {
             state,
             messages,
             answers,
+            earlier,
         } = parked;
         record.steps = steps;
         let run_id = record.run_id.clone();
@@ -751,6 +768,7 @@ impl Inner {
             run_id.clone(),
             Wait {
                 answers,
+                earlier,
                 ..Wait::default()
             },
         );
@@ -939,12 +957,25 @@ impl RunStore for MemoryRunStore {
                     inner
                         .leases
                         .set(&record.run_id, String::new(), lapses, false);
+                    // The answers of its earlier waits stay known, as digests.
+                    let earlier = inner
+                        .waits
+                        .remove(&record.run_id)
+                        .map(|old| {
+                            let mut earlier = old.earlier;
+                            earlier.extend(old.answers.into_iter().filter_map(|(id, answer)| {
+                                answer.map(|answer| (id, answer_digest(&answer)))
+                            }));
+                            earlier
+                        })
+                        .unwrap_or_default();
                     let wait = Wait {
                         answers: record
                             .pending
                             .iter()
                             .map(|p| (p.id.clone(), None))
                             .collect(),
+                        earlier,
                         ..Wait::default()
                     };
                     inner.waits.insert(record.run_id.clone(), wait);
@@ -1027,6 +1058,13 @@ impl RunStore for MemoryRunStore {
                     .find(|(pending, _)| pending == id)
                     .and_then(|(_, answer)| answer.clone())
             };
+            // For a call of an earlier wait: whether `answer` is the one it received.
+            let earlier = |wait: &Wait, id: &str, answer: &str| -> Option<bool> {
+                wait.earlier
+                    .iter()
+                    .find(|(call, _)| call == id)
+                    .map(|(_, digest)| *digest == answer_digest(answer))
+            };
             let complete = wait.answers.iter().all(|(_, a)| a.is_some());
             if wait.taken || wait.cancelled || complete {
                 // A repeat of an answer the run received is accepted; anything else is late.
@@ -1034,10 +1072,13 @@ impl RunStore for MemoryRunStore {
                     return Ok(Answered::NotWaiting);
                 }
                 for (id, answer) in answers {
-                    match kept(wait, id) {
-                        Some(first) if first == *answer => {}
-                        Some(_) => return Ok(Answered::Conflict(id.clone())),
-                        None => return Ok(Answered::NotWaiting),
+                    match (kept(wait, id), earlier(wait, id, answer)) {
+                        (Some(first), _) if first == *answer => {}
+                        (None, Some(true)) => {}
+                        (Some(_), _) | (None, Some(false)) => {
+                            return Ok(Answered::Conflict(id.clone()));
+                        }
+                        (None, None) => return Ok(Answered::NotWaiting),
                     }
                 }
                 return Ok(Answered::Accepted {
@@ -1045,16 +1086,16 @@ impl RunStore for MemoryRunStore {
                     completed: false,
                 });
             }
-            if let Some((id, _)) = answers
-                .iter()
-                .find(|(id, _)| !wait.answers.iter().any(|(pending, _)| pending == id))
-            {
+            if let Some((id, _)) = answers.iter().find(|(id, _)| {
+                !wait.answers.iter().any(|(pending, _)| pending == id)
+                    && !wait.earlier.iter().any(|(call, _)| call == id)
+            }) {
                 return Ok(Answered::NotPending(id.clone()));
             }
-            if let Some((id, _)) = answers
-                .iter()
-                .find(|(id, answer)| kept(wait, id).is_some_and(|first| first != *answer))
-            {
+            if let Some((id, _)) = answers.iter().find(|(id, answer)| {
+                kept(wait, id).is_some_and(|first| first != *answer)
+                    || earlier(wait, id, answer) == Some(false)
+            }) {
                 return Ok(Answered::Conflict(id.clone()));
             }
             for (id, answer) in answers {

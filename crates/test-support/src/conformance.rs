@@ -1194,17 +1194,34 @@ where
     assert_eq!(loaded.pending, record.pending);
     assert!(!loaded.pending[0].answered);
     assert!(!is_lapsed(&*other, "w1").await);
+    // A call of the first wait takes its answer again (a client retrying a request
+    // whose reply it lost) and no other; with the new calls' answers, those count.
     assert_eq!(
         other
             .answer("w1", &answers(&[("c1", "\"first\"")]))
             .await
             .unwrap(),
-        Answered::NotPending("c1".into()),
-        "an answer of the first wait is for no call of this one"
+        accepted(&["c3"], false),
+        "an answer of the first wait, repeated"
     );
     assert_eq!(
         other
-            .answer("w1", &answers(&[("c3", "false")]))
+            .answer("w1", &answers(&[("c3", "false"), ("c1", "\"other\"")]))
+            .await
+            .unwrap(),
+        Answered::Conflict("c1".into()),
+        "another answer for a call of the first wait"
+    );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c9", "false")]))
+            .await
+            .unwrap(),
+        Answered::NotPending("c9".into())
+    );
+    assert_eq!(
+        other
+            .answer("w1", &answers(&[("c1", "\"first\""), ("c3", "false")]))
             .await
             .unwrap(),
         accepted(&[], true)
@@ -1226,12 +1243,23 @@ where
     record.stop_reason = Some(StopReason::FinalAnswer);
     record.final_answer = "done".into();
     other.save(&record, 2, None).await.unwrap();
+    for repeat in [
+        &[("c3", "false")][..],
+        &[("c1", "\"first\""), ("c3", "false")],
+    ] {
+        assert_eq!(
+            store.answer("w1", &answers(repeat)).await.unwrap(),
+            accepted(&[], false),
+            "{repeat:?}"
+        );
+    }
     assert_eq!(
         store
-            .answer("w1", &answers(&[("c3", "false")]))
+            .answer("w1", &answers(&[("c1", "true")]))
             .await
             .unwrap(),
-        accepted(&[], false)
+        Answered::Conflict("c1".into()),
+        "another answer for a call of the first wait, after the end"
     );
     for late in [&[("c4", "true")][..], &[("c3", "false"), ("c4", "true")]] {
         assert_eq!(

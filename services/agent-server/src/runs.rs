@@ -833,13 +833,9 @@ impl RunManager {
         if record.waiting() {
             for (call_id, answer) in &answers {
                 match record.pending.iter().find(|p| p.id == *call_id) {
-                    None => {
-                        return Err(Error::CallNotPending {
-                            run_id: run_id.to_owned(),
-                            call_id: call_id.clone(),
-                            waiting: waiting(),
-                        });
-                    }
+                    // Of no call it waits for now: the store knows whether it is one of
+                    // an earlier wait (its answer repeated, or another).
+                    None => {}
                     Some(pending) if !answer.answers(pending.action) => {
                         let (wanted, rpc) = match pending.action {
                             Action::Approve => ("an approval", "ApproveToolCalls"),
