@@ -504,9 +504,13 @@ async fn answers_of_an_earlier_wait_may_be_repeated_and_not_changed() {
     assert_eq!(changed.code(), Code::FailedPrecondition, "{changed:?}");
     assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED");
     // The last request again, with the new call's answer: that one counts.
-    submit(&mut stack.engine, &run_id, &[("w1", "shipped"), ("w2", "packed")])
-        .await
-        .unwrap();
+    submit(
+        &mut stack.engine,
+        &run_id,
+        &[("w1", "shipped"), ("w2", "packed")],
+    )
+    .await
+    .unwrap();
     let mut events = Vec::new();
     while let Some(event) = stream.next().await {
         events.push(event.unwrap());
@@ -766,9 +770,12 @@ async fn a_run_that_would_wait_past_its_budget_fails_and_says_why() {
     let end = events.last().unwrap();
     assert!(end.done && kind(end) == v1::EventType::Error, "{events:#?}");
     assert_eq!(done(&events)["code"], "BUDGET_EXCEEDED", "{end:?}");
+    assert_eq!(done(&events)["category"], "budget", "{end:?}");
+    assert_eq!(done(&events)["stop_reason"], "budget_exceeded", "{end:?}");
     assert!(end.content.contains("runs.max_waiting_bytes"), "{end:?}");
     let state = get_run(&mut stack.engine, &end.run_id).await;
     assert_eq!(state.status, v1::RunStatus::Failed as i32);
+    assert_eq!(state.stop_reason, v1::StopReason::BudgetExceeded as i32);
     // It waits for nothing (it listed the call it would have waited for).
     assert!(state.pending_tool_calls.is_empty(), "{state:?}");
 

@@ -56,11 +56,11 @@ fn unsaved(error: &StateError) -> Outcome {
         StateError::Fenced(_) => Outcome::Moved,
         // A run that would wait past a budget of waiting runs.
         StateError::OverBudget { budget, message } => Outcome::Failed(
-            StopReason::InternalError,
+            StopReason::BudgetExceeded,
             RunError {
                 code: "BUDGET_EXCEEDED".into(),
                 message: format!("the run cannot wait for answers: {message} ({budget})"),
-                category: "internal",
+                category: "budget",
                 retryable: true,
             },
         ),

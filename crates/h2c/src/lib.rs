@@ -11,22 +11,25 @@
 //! where it is awaited, so a call spawns nothing.
 //!
 //! A call takes the least busy connection that has a stream to spare under the server's
-//! limit (`SETTINGS_MAX_CONCURRENT_STREAMS`, often about 100), the connections taking
-//! turns among the equally busy; when none has, another
-//! connection is opened, so that calls never queue behind each other while the server
-//! would take them. At least two connections are kept: a connection's state is locked by
-//! its driver task while it receives, and by every call reading from it, and with two the
-//! worker threads wait on each other less (the agent-server's CPU per streamed delta fell
-//! by 5 to 10% in `agentrt-bench`). Connections beyond those two that took no call for
-//! 90 s are closed. When another connection cannot be opened while some are, calls go on
-//! over those and the next attempt waits 10 s. A connection that closes (the server
-//! restarted, sent GOAWAY, stopped answering pings) is dropped from the pool, and the next
-//! call opens another.
+//! limit (`SETTINGS_MAX_CONCURRENT_STREAMS`, often about 100), the kept connections taking
+//! turns among the equally busy; when none has, another connection is opened (up to 256),
+//! so that calls never queue behind each other while the server would take them. A
+//! connection is opened by the call that needs it, without holding the pool: the other
+//! calls go on over the connections open, and wait for it only when none has room. At
+//! least two connections are kept by default ([`H2cClient::with_min_connections`]): a
+//! connection's state is locked by its driver task while it receives, and by every call
+//! reading from it, and with two the worker threads wait on each other less (the
+//! agent-server's CPU per streamed delta fell by 5 to 10% in `agentrt-bench`). Connections
+//! beyond those kept that took no call for 90 s are closed. When another connection cannot
+//! be opened while some are, calls go on over those and the next attempt waits 10 s. A
+//! connection that closes (the server restarted, sent GOAWAY, stopped answering pings) is
+//! dropped from the pool, and the next call opens another.
 //!
 //! A call the server did not process is sent again at once (on another connection when
-//! its own is going away), without counting as a retry: one refused with `REFUSED_STREAM`, one above the last stream id of
-//! the server's GOAWAY, one whose connection was lost before it was sent (RFC 9113, section
-//! 8.7). Calls in flight on a connection that dies fail, and follow the retry policy.
+//! its own is going away), without counting as a retry: one refused with
+//! `REFUSED_STREAM`, one above the last stream id of the server's GOAWAY, one that failed
+//! before its stream opened (RFC 9113, section 8.7). A call whose connection broke under it
+//! after its stream opened fails as [`Failure::Lost`]: the server may have processed it.
 //!
 //! Streams this client resets (a run cancelled mid-answer, a server slow to end its stream
 //! after `[DONE]`) may still receive the frames the server had sent. RFC 9113 says to
@@ -77,6 +80,8 @@ pub struct PostError {
     pub failure: Failure,
     /// What happened, for a log or an error message.
     pub message: String,
+    /// The HTTP/2 error code, when the stream or the connection was ended with one.
+    pub reason: Option<h2::Reason>,
 }
 
 impl PostError {
@@ -84,6 +89,15 @@ impl PostError {
         Self {
             failure,
             message: message.into(),
+            reason: None,
+        }
+    }
+
+    fn of_h2(failure: Failure, error: &h2::Error) -> Self {
+        Self {
+            failure,
+            message: error_chain(error),
+            reason: error.reason(),
         }
     }
 }
@@ -150,6 +164,8 @@ pub struct H2cClient {
     /// What to do about a server that answers in HTTP/1, for its errors.
     http1_hint: Option<&'static str>,
     pool: Mutex<Pool>,
+    /// Told when a connection being opened is open, or could not be.
+    connected: tokio::sync::Notify,
     /// The origin of the connections' times of last use.
     epoch: Instant,
 }
@@ -161,9 +177,11 @@ struct Pool {
     /// Milliseconds from the client's epoch.
     no_connect_before: u64,
     /// Where the next look for the least busy connection starts, so that calls made one
-    /// at a time take the connections in turn (behind a load balancer, each may reach
-    /// another replica of the server).
+    /// at a time take the kept connections in turn (behind a load balancer, each may
+    /// reach another replica of the server).
     turn: usize,
+    /// Connections being opened, by calls that do not hold the pool meanwhile.
+    connecting: usize,
 }
 
 /// Whole milliseconds of `duration`, the unit of the pool's times.
@@ -256,6 +274,7 @@ impl H2cClient {
             min_connections: MIN_CONNECTIONS,
             http1_hint: None,
             pool: Mutex::default(),
+            connected: tokio::sync::Notify::new(),
             epoch: Instant::now(),
         })
     }
@@ -281,61 +300,84 @@ impl H2cClient {
 
     /// The connection for the next call, counted on it: the least busy open one with a
     /// stream to spare, or a new one while there are fewer than the minimum or all are full.
+    /// The call that opens a connection takes it; the pool is not held meanwhile, so other
+    /// calls go on over the connections open (and wait for it only when none has room).
     async fn connection(&self) -> Result<(Connection, CallGuard), PostError> {
-        let mut guard = self.pool.lock().await;
-        let Pool {
-            connections: pool,
-            no_connect_before,
-            turn,
-        } = &mut *guard;
-        let now = self.millis_since_epoch();
-        let idle_since = now.saturating_sub(millis(self.idle_timeout));
-        pool.retain(Connection::is_open);
-        // Calls are only counted on a connection under this lock, so one found idle here
-        // takes none while it is dropped; its driver ends once its last stream is done.
-        let mut closable = pool.len().saturating_sub(self.min_connections);
-        pool.retain(|connection| {
-            let close = closable > 0 && connection.idle_since(idle_since);
-            closable -= usize::from(close);
-            !close
-        });
-        *turn = turn.wrapping_add(1);
-        let start = *turn % pool.len().max(1);
-        let spare = pool[start..]
-            .iter()
-            .chain(&pool[..start])
-            .filter(|c| c.has_room())
-            .min_by_key(|c| c.calls())
-            .cloned();
-        let wanted = pool.len() < self.min_connections || spare.is_none();
-        let allowed =
-            pool.is_empty() || (pool.len() < MAX_CONNECTIONS && now >= *no_connect_before);
-        let mut opened = None;
-        if wanted && allowed {
-            // Boxed: the handshake's state is large, and a future that held it inline
-            // would carry that room through every call, though few calls connect.
-            match Box::pin(self.connect()).await {
-                Ok(connection) => {
-                    pool.push(connection.clone());
-                    opened = Some(connection);
-                }
-                Err(error) if pool.is_empty() => return Err(error),
-                Err(error) => {
-                    debug!(address = %self.address, %error, "no other model connection for now");
-                    *no_connect_before = self
-                        .millis_since_epoch()
-                        .saturating_add(millis(CONNECT_BACKOFF));
+        loop {
+            let mut guard = self.pool.lock().await;
+            let Pool {
+                connections: pool,
+                no_connect_before,
+                turn,
+                connecting,
+            } = &mut *guard;
+            let now = self.millis_since_epoch();
+            let idle_since = now.saturating_sub(millis(self.idle_timeout));
+            pool.retain(Connection::is_open);
+            // Calls are only counted on a connection under this lock, so one found idle
+            // here takes none while it is dropped; its driver ends once its last stream is
+            // done.
+            let mut closable = pool.len().saturating_sub(self.min_connections);
+            pool.retain(|connection| {
+                let close = closable > 0 && connection.idle_since(idle_since);
+                closable -= usize::from(close);
+                !close
+            });
+            // The kept connections take turns among the equally busy; those opened beyond
+            // them for a burst come last, so that they fall idle and close once it passed.
+            let kept = pool.len().min(self.min_connections);
+            *turn = turn.wrapping_add(1);
+            let start = *turn % kept.max(1);
+            let spare = pool[start..kept]
+                .iter()
+                .chain(&pool[..start])
+                .chain(&pool[kept..])
+                .filter(|c| c.has_room())
+                .min_by_key(|c| c.calls())
+                .cloned();
+            if spare.is_none() && *connecting > 0 {
+                // Another call is opening a connection: this one waits for it.
+                let connected = self.connected.notified();
+                drop(guard);
+                connected.await;
+                continue;
+            }
+            let opened = pool.len() + *connecting;
+            let wanted = opened < self.min_connections || spare.is_none();
+            let allowed = opened == 0 || (opened < MAX_CONNECTIONS && now >= *no_connect_before);
+            if wanted && allowed {
+                *connecting += 1;
+                drop(guard);
+                // Boxed: the handshake's state is large, and a future that held it inline
+                // would carry that room through every call, though few calls connect.
+                let result = Box::pin(self.connect()).await;
+                let mut guard = self.pool.lock().await;
+                guard.connecting -= 1;
+                self.connected.notify_waiters();
+                match result {
+                    Ok(connection) => {
+                        guard.connections.push(connection.clone());
+                        let call = connection.call(self.millis_since_epoch());
+                        return Ok((connection, call));
+                    }
+                    Err(error) if guard.connections.is_empty() => return Err(error),
+                    Err(error) => {
+                        debug!(address = %self.address, %error, "no other connection for now");
+                        guard.no_connect_before = self
+                            .millis_since_epoch()
+                            .saturating_add(millis(CONNECT_BACKOFF));
+                        continue;
+                    }
                 }
             }
+            // Else one with a stream to spare; with none, h2 queues the call on the least
+            // busy one until the server takes another stream.
+            let chosen = spare
+                .or_else(|| pool.iter().min_by_key(|c| c.calls()).cloned())
+                .ok_or_else(|| PostError::new(Failure::Unreachable, "no connection"))?;
+            let call = chosen.call(now);
+            return Ok((chosen, call));
         }
-        // Else one with a stream to spare; with none, h2 queues the call on the least busy
-        // one until the server takes another stream.
-        let chosen = opened
-            .or(spare)
-            .or_else(|| pool.iter().min_by_key(|c| c.calls()).cloned())
-            .ok_or_else(|| PostError::new(Failure::Unreachable, "no connection"))?;
-        let call = chosen.call(now);
-        Ok((chosen, call))
     }
 
     async fn connect(&self) -> Result<Connection, PostError> {
@@ -355,7 +397,7 @@ impl H2cClient {
         let not_h2 = |e: &dyn std::fmt::Display| {
             let answered = first_bytes.get().map(Vec::as_slice).unwrap_or_default();
             if answered.starts_with(b"HTTP/") {
-                debug!(address = %self.address, "the model server answered the HTTP/2 preface in HTTP/1");
+                debug!(address = %self.address, "the server answered the HTTP/2 preface in HTTP/1");
                 PostError::new(
                     Failure::NotHttp2,
                     format!(
@@ -430,7 +472,7 @@ impl H2cClient {
                 reason = keep_alive => reason,
             };
             ended.store(true, Ordering::Release);
-            debug!(%address, %reason, "model connection closed");
+            debug!(%address, %reason, "connection closed");
         });
         match tokio::time::timeout(self.connect_timeout, settling).await {
             Ok(Ok(())) => {}
@@ -440,7 +482,7 @@ impl H2cClient {
         debug!(
             address = %self.address,
             max_streams = sender.current_max_send_streams(),
-            "model connection open"
+            "connection open"
         );
         Ok(Connection {
             sender,
@@ -487,7 +529,7 @@ impl H2cClient {
         // seen the call.
         let unsent = |e: h2::Error| {
             unusable(&e);
-            Attempt::Unprocessed(PostError::new(Failure::Unprocessed, error_chain(&e)))
+            Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
         };
         let mut sender = connection.sender.clone().ready().await.map_err(unsent)?;
         headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
@@ -508,14 +550,14 @@ impl H2cClient {
                 && ((e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
                     || (e.is_go_away() && connection.refused_by_go_away(id)));
             if refused {
-                Attempt::Unprocessed(PostError::new(Failure::Unprocessed, error_chain(&e)))
+                Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
             } else {
                 let failure = if e.is_io() {
                     Failure::Lost
                 } else {
                     Failure::Other
                 };
-                Attempt::Failed(PostError::new(failure, error_chain(&e)))
+                Attempt::Failed(PostError::of_h2(failure, &e))
             }
         };
         // The whole body is queued at once; h2 sends it as the stream's window allows.
@@ -1030,9 +1072,13 @@ mod tests {
         assert!(answers.iter().all(Result::is_ok));
         assert_eq!(client.pool.lock().await.connections.len(), 4);
         drop(answers);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let answer = call().await.unwrap();
-        assert_eq!(answer.status(), 200);
+        // Calls one at a time meanwhile go to the kept connections only: those opened for
+        // the burst fall idle.
+        for _ in 0..8 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let answer = call().await.unwrap();
+            assert_eq!(answer.status(), 200);
+        }
         assert_eq!(client.pool.lock().await.connections.len(), MIN_CONNECTIONS);
         stop.cancel();
     }

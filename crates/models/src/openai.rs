@@ -178,8 +178,8 @@ enum Transport {
         /// Parsed once: parsing it on every call costs more than the rest of the request.
         url: reqwest::Url,
     },
-    /// Cleartext HTTP/2 with prior knowledge, one shared connection.
-    H2c(H2cClient),
+    /// Cleartext HTTP/2 with prior knowledge, over a few shared connections.
+    H2c(Box<H2cClient>),
 }
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -194,11 +194,11 @@ impl OpenAiChat {
         };
         let lean = settings.http_client == crate::HttpClient::Lean;
         let transport = if lean && settings.http2_prior_knowledge && url.starts_with("http://") {
-            Transport::H2c(
+            Transport::H2c(Box::new(
                 H2cClient::new(&url, CONNECT_TIMEOUT)
                     .map_err(|e| invalid(&e))?
                     .with_http1_hint("unset http2_prior_knowledge for this provider"),
-            )
+            ))
         } else {
             Transport::General {
                 http: general_client(settings.http2_prior_knowledge)?,

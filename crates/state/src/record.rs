@@ -43,6 +43,8 @@ pub enum StopReason {
     MaxTokens,
     /// The run waited for tool outputs or approvals longer than `timeouts.action`.
     ActionTimeout,
+    /// A budget the operator set refused what the run needed (to wait for answers).
+    BudgetExceeded,
 }
 
 impl StopReason {
@@ -58,6 +60,7 @@ impl StopReason {
             Self::InternalError => "internal_error",
             Self::MaxTokens => "max_tokens",
             Self::ActionTimeout => "action_timeout",
+            Self::BudgetExceeded => "budget_exceeded",
         }
     }
 
@@ -73,6 +76,7 @@ impl StopReason {
             Self::InternalError,
             Self::MaxTokens,
             Self::ActionTimeout,
+            Self::BudgetExceeded,
         ]
         .into_iter()
         .find(|reason| reason.as_str() == name)
@@ -84,9 +88,11 @@ impl StopReason {
             Self::FinalAnswer | Self::MaxIterations => RunStatus::Succeeded,
             Self::MaxTokens => RunStatus::Incomplete,
             Self::Cancelled | Self::Shutdown => RunStatus::Cancelled,
-            Self::Timeout | Self::ModelError | Self::InternalError | Self::ActionTimeout => {
-                RunStatus::Failed
-            }
+            Self::Timeout
+            | Self::ModelError
+            | Self::InternalError
+            | Self::ActionTimeout
+            | Self::BudgetExceeded => RunStatus::Failed,
         }
     }
 }
@@ -98,7 +104,7 @@ pub struct RunError {
     pub code: String,
     /// For people.
     pub message: String,
-    /// `model`, `tool`, `timeout`, `cancelled` or `internal`.
+    /// `model`, `tool`, `timeout`, `cancelled`, `budget` or `internal`.
     pub category: &'static str,
     /// Whether sending the same request again may succeed.
     pub retryable: bool,

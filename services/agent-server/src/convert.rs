@@ -253,6 +253,7 @@ fn stop_reason_to_wire(reason: Option<StopReason>) -> v1::StopReason {
         Some(StopReason::InternalError) => v1::StopReason::InternalError,
         Some(StopReason::MaxTokens) => v1::StopReason::MaxTokens,
         Some(StopReason::ActionTimeout) => v1::StopReason::ActionTimeout,
+        Some(StopReason::BudgetExceeded) => v1::StopReason::BudgetExceeded,
     }
 }
 

@@ -171,7 +171,7 @@ impl GrpcToolClient {
                 timeout,
                 connections,
                 max_message_bytes,
-                max_message_bytes.max(agentrt_grpc::MAX_CATALOGUE_BYTES),
+                max_message_bytes,
             )?;
             Some(Arc::new(Execute {
                 unary,
@@ -198,8 +198,14 @@ impl GrpcToolClient {
             // small DATA frame: h2 allows unread small frames up to half the connection
             // window, so thousands of results at once need a large one.
             .initial_connection_window_size(16 * 1024 * 1024);
-        // Each channel is a connection of its own (made again when it closes).
-        let clients = (0..connections.max(1))
+        // Each channel is a connection of its own (made again when it closes). With tool
+        // calls over h2c, one serves `ListTools`, called once per engine.
+        let channels = if execute.is_some() {
+            1
+        } else {
+            connections.max(1)
+        };
+        let clients = (0..channels)
             .map(|_| {
                 ToolExecutorClient::new(endpoint.connect_lazy())
                     // The catalogue may be larger than a message a peer may send.
@@ -252,7 +258,7 @@ impl GrpcToolClient {
         self.clients[turn % self.clients.len()].clone()
     }
 
-    /// Makes the call `call` (given a client and the time left) until the tool executor
+    /// Makes the call `call` (given the time left) until the tool executor
     /// receives it or `deadline` passes: a call that never reached it goes again, at once
     /// on another connection when a closing connection refused it, after a short wait
     /// when none could be made (within `tool_executor_timeout`). `Err(())` when the

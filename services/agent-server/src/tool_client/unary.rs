@@ -66,7 +66,9 @@ impl Unary {
             .ok_or_else(|| format!("invalid tool executor URL {url:?}: it has no host"))?;
         let client = H2cClient::new(&format!("http://{authority}{method}"), connect_timeout)?
             .with_min_connections(connections)
-            .with_http1_hint("tool_executor_url must reach the tool executor's gRPC port");
+            .with_http1_hint(
+                "check that tool_executor (--tool-executor) is the tool executor's gRPC address",
+            );
         Ok(Self {
             client,
             max_send_bytes,
@@ -95,7 +97,7 @@ impl Unary {
         message
             .encode(&mut body)
             .map_err(|e| Status::internal(format!("cannot encode the call: {e}")))?;
-        let mut headers = HeaderMap::with_capacity(6);
+        let mut headers = HeaderMap::with_capacity(8);
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(TE, HeaderValue::from_static("trailers"));
         headers.insert("grpc-timeout", grpc_timeout(timeout));
@@ -122,11 +124,13 @@ impl Unary {
                 format!("the tool executor answered HTTP {}", parts.status),
             ));
         }
+        // `application/grpc`, or with a suffix (`+proto`) or parameters; not gRPC-Web.
         let grpc = parts
             .headers
             .get(CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("application/grpc"));
+            .and_then(|v| v.strip_prefix("application/grpc"))
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(['+', ';']));
         if !grpc {
             return Err(Status::unknown(format!(
                 "the tool executor answered content-type {:?}, not gRPC",
@@ -175,20 +179,26 @@ impl Unary {
                 "the tool executor compressed its answer, though it was not asked to",
             ));
         }
-        if data.len() != len {
+        if data.len() < len {
             return Err(Status::internal(format!(
-                "the tool executor's answer holds {} bytes where its prefix says {len}",
+                "the tool executor's answer is cut: {} bytes of the {len} its prefix says",
                 data.len()
             )));
+        }
+        if data.len() > len {
+            return Err(Status::internal(
+                "the tool executor answered more than one message to a unary call",
+            ));
         }
         R::decode(data).map_err(|e| Status::internal(format!("cannot decode the answer: {e}")))
     }
 }
 
-/// `grpc-timeout`: at most 8 digits, in the finest unit that holds them.
+/// `grpc-timeout`: at most 8 digits, in the finest unit that holds them, and at least 1.
 fn grpc_timeout(timeout: Duration) -> HeaderValue {
     const MOST: u128 = 99_999_999;
     let (value, unit) = [
+        (timeout.as_nanos().max(1), 'n'),
         (timeout.as_micros(), 'u'),
         (timeout.as_millis(), 'm'),
         (u128::from(timeout.as_secs()), 'S'),
@@ -256,13 +266,15 @@ fn http_code(status: http::StatusCode) -> Code {
 
 /// A call that failed before its answer began, marked with why when it may go again.
 fn not_sent(error: PostError) -> Status {
-    let mark = match error.failure {
-        Failure::Unreachable => Some(Unsent::Unreachable),
-        Failure::Lost => Some(Unsent::Lost),
+    let (mark, code) = match error.failure {
+        Failure::Unreachable => (Some(Unsent::Unreachable), Code::Unavailable),
+        Failure::Lost => (Some(Unsent::Lost), Code::Unavailable),
         // Sent again by the client already, as often as a call refused through tonic.
-        Failure::Unprocessed | Failure::NotHttp2 | Failure::Other => None,
+        Failure::Unprocessed | Failure::NotHttp2 => (None, Code::Unavailable),
+        // The stream was ended with an HTTP/2 error code: the call may have run.
+        Failure::Other => (None, code_of(error.reason)),
     };
-    let mut status = Status::unavailable(error.message);
+    let mut status = Status::new(code, error.message);
     if let Some(mark) = mark {
         status.set_source(std::sync::Arc::new(NotReceived(mark)));
     }
@@ -276,15 +288,20 @@ fn stream_failure(error: &h2::Error) -> Status {
         status.set_source(std::sync::Arc::new(NotReceived(Unsent::Lost)));
         return status;
     }
-    let code = match error.reason() {
+    Status::new(code_of(error.reason()), agentrt_h2c::error_chain(error))
+}
+
+/// The gRPC code of a stream ended with HTTP/2 error code `reason` (gRPC's "Errors"
+/// table for HTTP/2).
+fn code_of(reason: Option<h2::Reason>) -> Code {
+    match reason {
         Some(h2::Reason::CANCEL) => Code::Cancelled,
         Some(h2::Reason::REFUSED_STREAM) => Code::Unavailable,
         Some(h2::Reason::ENHANCE_YOUR_CALM) => Code::ResourceExhausted,
         Some(h2::Reason::INADEQUATE_SECURITY) => Code::PermissionDenied,
         Some(_) => Code::Internal,
         None => Code::Unknown,
-    };
-    Status::new(code, agentrt_h2c::error_chain(error))
+    }
 }
 
 #[cfg(test)]
@@ -415,7 +432,10 @@ mod tests {
         });
         let status = call(&url).await.unwrap_err();
         assert_eq!(status.code(), Code::Unavailable);
-        assert!(status.message().contains("tool_executor_url"), "{status:?}");
+        assert!(
+            status.message().contains("tool_executor (--tool-executor)"),
+            "{status:?}"
+        );
         // Final: not a call that went unsent.
         assert_eq!(super::super::unsent(&status), None);
     }
@@ -423,6 +443,8 @@ mod tests {
     #[test]
     fn timeouts_take_the_finest_unit_that_holds_them() {
         let text = |d| grpc_timeout(d).to_str().unwrap().to_owned();
+        assert_eq!(text(Duration::ZERO), "1n");
+        assert_eq!(text(Duration::from_micros(20)), "20000n");
         assert_eq!(text(Duration::from_millis(1500)), "1500000u");
         assert_eq!(text(Duration::from_secs(600)), "600000m");
         assert_eq!(text(Duration::from_secs(7 * 24 * 3600)), "604800S");
