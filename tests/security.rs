@@ -690,3 +690,56 @@ async fn grpcurl_checks_health_without_a_token_on_both_ports() {
     );
     assert!(!ok, "{out}");
 }
+
+/// A tool executor that refuses agent-server's token is a setting to fix, not an outage:
+/// `CreateAgentEngine` fails `INTERNAL` naming the setting, without a retry delay (it was
+/// `UNAVAILABLE`, "retry in 1 s", saying only "it answered Unauthenticated").
+#[tokio::test]
+async fn a_tool_executor_refusing_the_token_is_named_as_a_setting_to_fix() {
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = Server::start(
+        "tool-executor",
+        &["--listen", "127.0.0.1:0"],
+        &[(
+            "TOOL_EXECUTOR_AUTH_TOKENS",
+            "tool-token-0123456789 agent.v1.ToolExecutor",
+        )],
+    )
+    .await;
+    let model_url = format!("{}/v1", model.url());
+    for (token, says) in [
+        (Some("wrong-token-0123456789"), "tool_executor_token"),
+        (None, "tool_executor_token"),
+    ] {
+        let mut env = vec![
+            ("OPENAI_BASE_URL", model_url.as_str()),
+            ("OPENAI_API_KEY", "test-key"),
+        ];
+        if let Some(token) = token {
+            env.push(("AGENT_SERVER_TOOL_EXECUTOR_TOKEN", token));
+        }
+        let agents = Server::start(
+            "agent-server",
+            &["--listen", "127.0.0.1:0", "--tool-executor", &tools.url()],
+            &env,
+        )
+        .await;
+        let mut service = AgentServiceClient::new(connect(&agents.url()).await);
+        let status = service
+            .create_agent_engine(v1::CreateAgentEngineRequest {
+                config: Some(agent("adder")),
+                session_id: String::new(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Internal, "{token:?}: {status:?}");
+        assert!(status.message().contains(says), "{status:?}");
+        let details = tonic_types::StatusExt::get_error_details(&status);
+        assert_eq!(
+            details.error_info().map(|i| i.reason.as_str()),
+            Some("TOOL_EXECUTOR_MISCONFIGURED"),
+            "{status:?}"
+        );
+        assert!(details.retry_info().is_none(), "{status:?}");
+    }
+}

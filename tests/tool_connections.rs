@@ -33,6 +33,9 @@ const SCENARIOS: &str = r#"{"scenarios": {
     {"content": "sums: {tool_results}"}]},
   "nap": {"turns": [
     {"tool_calls": [{"name": "sleep", "arguments": {"seconds": 1}}]},
+    {"content": "rested: {tool_results}"}]},
+  "long_nap": {"turns": [
+    {"tool_calls": [{"name": "sleep", "arguments": {"seconds": 3}}]},
     {"content": "rested: {tool_results}"}]}
 }}"#;
 
@@ -189,6 +192,33 @@ async fn a_call_in_flight_when_the_tool_executor_dies_goes_again_to_its_replacem
     let listen = addr.to_string();
     let restart = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(400)).await;
+        drop(tools);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        Server::start("tool-executor", &["--listen", &listen], &[]).await
+    });
+    run_making(&agents, engine_id, 1).await;
+    drop(restart.await.unwrap());
+}
+
+#[tokio::test]
+async fn a_call_that_ran_past_the_tool_executor_timeout_before_it_died_goes_again_too() {
+    // The time the tool executor may take to come back counts from the call's loss, not
+    // from its start: killed 1.5 s into a 3 s call, past agent-server's
+    // `tool_executor_timeout` of 1 s, and back 300 ms later, it runs the call again (the
+    // call failed: its unreachable time had run out before it was lost).
+    let model = simulator(SCENARIOS, &[]).await;
+    let tools = tool_executor(&[]).await;
+    let addr = tools.addr;
+    let agents = agent_server_with_model(
+        &tools.url(),
+        &format!("{}/v1", model.url()),
+        &["--tool-executor-timeout", "1s"],
+    )
+    .await;
+    let engine_id = engine_of(&agents, "long_nap", &["sleep"]).await;
+    let listen = addr.to_string();
+    let restart = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
         drop(tools);
         tokio::time::sleep(Duration::from_millis(300)).await;
         Server::start("tool-executor", &["--listen", &listen], &[]).await

@@ -128,6 +128,16 @@ pub enum ToolServiceError {
         /// What went wrong, in terms a client may see.
         reason: String,
     },
+    /// It answered, but not as a tool executor this server may use: it refused this
+    /// server's credentials, or it does not speak gRPC. No retry helps until an operator
+    /// changes a setting, which the message names.
+    #[error("the tool executor cannot be used: {reason}")]
+    Misconfigured {
+        /// Where it was expected (for the log, not for clients).
+        endpoint: String,
+        /// What went wrong and what to change, in terms a client may see.
+        reason: String,
+    },
 }
 
 /// The catalogue of tools an agent may use, as the tool executor reports it. A trait so

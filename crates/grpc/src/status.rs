@@ -106,6 +106,13 @@ pub fn failed_precondition(reason: &str, message: String) -> Status {
     Status::with_error_details(Code::FailedPrecondition, message, details)
 }
 
+/// `INTERNAL` with an `ErrorInfo` naming the reason: the server cannot serve the request
+/// as it is set up, and no retry helps until an operator changes what the message names.
+pub fn misconfigured(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
+    Status::with_error_details(Code::Internal, message, details)
+}
+
 /// `ALREADY_EXISTS` with an `ErrorInfo` naming the reason.
 pub fn already_exists(reason: &str, message: String) -> Status {
     let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);

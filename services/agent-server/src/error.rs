@@ -132,11 +132,17 @@ impl From<Error> for Status {
                 status::invalid_argument("invalid request", &violations)
             }
             Error::EngineNotFound(id) => status::not_found("ENGINE_NOT_FOUND", "engine", &id),
-            Error::ToolService(e) => status::unavailable(
+            Error::ToolService(e @ ToolServiceError::Unavailable { .. }) => status::unavailable(
                 "TOOL_EXECUTOR_UNAVAILABLE",
                 format!("cannot check the config's tools: {e}"),
                 Duration::from_secs(1),
             ),
+            Error::ToolService(e @ ToolServiceError::Misconfigured { .. }) => {
+                status::misconfigured(
+                    "TOOL_EXECUTOR_MISCONFIGURED",
+                    format!("cannot check the config's tools: {e}"),
+                )
+            }
             Error::State(StateError::Unavailable(message))
             | Error::Bus(BusError::Unavailable(message)) => {
                 status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))

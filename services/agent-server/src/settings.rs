@@ -223,6 +223,47 @@ impl Default for Settings {
     }
 }
 
+/// Refuses a tool executor URL with parts agent-server would not use: credentials (the
+/// token goes in `tool_executor_token`), a path or a query (gRPC calls go to
+/// `/agent.v1.ToolExecutor/...` at its root), a port out of range, no host.
+fn check_tool_executor_url(url: &str) -> Result<(), ConfigError> {
+    let invalid = |message: String| ConfigError::Invalid {
+        field: "tool_executor",
+        message,
+    };
+    let shown = agentrt_core::mask_url_credentials(url);
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| invalid(format!("{shown:?} is not a URL: {e}")))?;
+    let authority = uri
+        .authority()
+        .ok_or_else(|| invalid(format!("{shown:?} has no host")))?;
+    if authority.as_str().contains('@') {
+        return Err(invalid(format!(
+            "{shown:?} holds credentials: give the token in tool_executor_token (or \
+             tool_executor_token_file) instead"
+        )));
+    }
+    if authority.host().is_empty() {
+        return Err(invalid(format!("{shown:?} has no host")));
+    }
+    if let Some(port) = authority.as_str().rsplit_once(':').map(|(_, p)| p)
+        && !authority.host().ends_with(port)
+        && authority.port_u16().is_none_or(|p| p == 0)
+    {
+        return Err(invalid(format!(
+            "{shown:?} has port {port:?}: a port is 1 to 65535"
+        )));
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(invalid(format!(
+            "{shown:?} has a path or a query, which gRPC calls do not use: give the tool \
+             executor's address only, as http://host:port"
+        )));
+    }
+    Ok(())
+}
+
 impl Settings {
     /// The bearer token for the tool executor, from the setting or its file; `None` when
     /// none is configured.
@@ -290,6 +331,7 @@ impl Settings {
                 ),
             });
         }
+        check_tool_executor_url(&self.tool_executor)?;
         if self.tool_executor.starts_with("https://") {
             // The files are read once, when the server starts, before it listens.
             self.tool_executor_tls.check("tool_executor_tls")?;
@@ -545,6 +587,31 @@ impl Cli {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tool_executor_url_with_parts_grpc_does_not_use_is_refused() {
+        for good in [
+            "http://127.0.0.1:50052",
+            "http://tools:50052/",
+            "https://tools.example",
+            "http://[::1]:50052",
+            "http://[::1]",
+        ] {
+            assert!(check_tool_executor_url(good).is_ok(), "{good}");
+        }
+        for (bad, says) in [
+            ("http://127.0.0.1:99999", "a port is 1 to 65535"),
+            ("http://127.0.0.1:0", "a port is 1 to 65535"),
+            ("http://user:pw@127.0.0.1:50052", "tool_executor_token"),
+            ("http://127.0.0.1:50052/some/path", "a path or a query"),
+            ("http://127.0.0.1:50052?x=1", "a path or a query"),
+        ] {
+            let error = check_tool_executor_url(bad).unwrap_err().to_string();
+            assert!(error.contains("tool_executor"), "{bad}: {error}");
+            assert!(error.contains(says), "{bad}: {error}");
+            assert!(!error.contains("pw"), "{bad}: {error}");
+        }
+    }
 
     #[test]
     fn zero_retention_ttls_and_session_bounds_are_refused_naming_the_setting() {

@@ -118,6 +118,19 @@ fn unsent(status: &Status) -> Option<Unsent> {
     None
 }
 
+/// Whether `status` comes from a peer that does not speak gRPC over HTTP/2: an HTTP/2
+/// protocol error under it (an HTTP/1 server answering the preface).
+fn speaks_no_grpc(status: &Status) -> bool {
+    let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(current) = error {
+        if let Some(h2) = current.downcast_ref::<h2::Error>() {
+            return h2.reason() == Some(h2::Reason::PROTOCOL_ERROR) || h2.is_go_away();
+        }
+        error = current.source();
+    }
+    false
+}
+
 /// How to reach the tool executor.
 pub struct ToolClientOptions {
     /// Each call gives up after this long, connecting included.
@@ -268,7 +281,9 @@ impl GrpcToolClient {
         F: FnMut(Duration) -> Fut,
         Fut: Future<Output = Result<T, Status>>,
     {
-        let unreachable_until = Instant::now() + self.timeout;
+        // `tool_executor_timeout` from the first of the attempts in a row that found no
+        // connection (a call lost with its connection looks for the tool executor anew).
+        let mut unreachable_until: Option<Instant> = None;
         let mut refused = 0;
         let mut lost = false;
         let mut wait = FIRST_UNREACHABLE_WAIT;
@@ -283,7 +298,14 @@ impl GrpcToolClient {
             let Err(status) = &outcome else {
                 return Ok(outcome);
             };
-            match unsent(status) {
+            let why = unsent(status);
+            let until = if why == Some(Unsent::Unreachable) {
+                *unreachable_until.get_or_insert_with(|| Instant::now() + self.timeout)
+            } else {
+                unreachable_until = None;
+                deadline
+            };
+            match why {
                 Some(Unsent::Refused) if refused < MAX_REFUSED => {
                     refused += 1;
                     tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "a call the tool executor refused unprocessed goes again");
@@ -292,9 +314,7 @@ impl GrpcToolClient {
                     lost = true;
                     tracing::info!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "the connection to the tool executor broke under a call; it goes again, once, with its call_id");
                 }
-                Some(Unsent::Unreachable)
-                    if Instant::now() + wait < unreachable_until.min(deadline) =>
-                {
+                Some(Unsent::Unreachable) if Instant::now() + wait < until.min(deadline) => {
                     tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), ?wait, "tool executor unreachable; calling again");
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(MOST_UNREACHABLE_WAIT);
@@ -331,6 +351,32 @@ impl ToolCatalog for GrpcToolClient {
                 self.unavailable(reason.clone(), &reason)
             })?
             .map_err(|status| {
+                let refused = match status.code() {
+                    Code::Unauthenticated => Some(
+                        "it refused this server's credentials; set tool_executor_token \
+                         (AGENT_SERVER_TOOL_EXECUTOR_TOKEN) to a token it accepts",
+                    ),
+                    Code::PermissionDenied => Some(
+                        "the token it was sent does not grant agent.v1.ToolExecutor; give \
+                         tool_executor_token a token that does",
+                    ),
+                    Code::Unimplemented => Some(
+                        "it does not serve agent.v1.ToolExecutor; check that tool_executor \
+                         (--tool-executor) is the tool executor's gRPC address",
+                    ),
+                    Code::Internal | Code::Unknown if speaks_no_grpc(&status) => Some(
+                        "it does not answer in gRPC over HTTP/2; check that tool_executor \
+                         (--tool-executor) is the tool executor's gRPC address",
+                    ),
+                    _ => None,
+                };
+                if let Some(reason) = refused {
+                    tracing::warn!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), code = ?status.code(), detail = %status.message(), "the tool executor cannot be used");
+                    return ToolServiceError::Misconfigured {
+                        endpoint: self.endpoint.clone(),
+                        reason: format!("{reason} ({:?}: {})", status.code(), status.message()),
+                    };
+                }
                 let reason = match status.code() {
                     // The call's own deadline (`tool_executor_timeout`) passed: the tool
                     // executor did not answer, it cancelled nothing.
@@ -448,6 +494,21 @@ impl ToolRunner for GrpcToolClient {
                     ToolResult::error(format!("tool {name:?} does not exist on the tool executor"))
                 }
                 Code::DeadlineExceeded | Code::Cancelled => timed_out(),
+                // Its address and the error's details are for the operator, in the log;
+                // the model and the client read what happened.
+                _ if unsent(&status) == Some(Unsent::Unreachable) => {
+                    self.unavailable(String::new(), status.message());
+                    ToolResult::error(format!(
+                        "tool {name:?} failed: the tool executor cannot be reached"
+                    ))
+                }
+                _ if unsent(&status) == Some(Unsent::Lost) => {
+                    self.unavailable(String::new(), status.message());
+                    ToolResult::error(format!(
+                        "tool {name:?} failed: the connection to the tool executor broke \
+                         during the call, twice"
+                    ))
+                }
                 code => ToolResult::error(format!(
                     "tool {name:?} failed: {code:?}: {}",
                     status.message()
