@@ -219,3 +219,47 @@ async fn unregistered_paths_cannot_grow_the_metrics() {
         300.0
     );
 }
+
+/// Tool calls that end without finishing are counted too, by how they ended: one whose
+/// deadline passed (`timeout`) and one whose caller went away (`cancelled`).
+#[tokio::test]
+async fn tool_calls_that_time_out_or_are_cancelled_are_counted() {
+    let tools = tool_executor(&["--metrics-listen", "127.0.0.1:0"]).await;
+    let mut client = v1::tool_executor_client::ToolExecutorClient::new(connect(&tools.url()).await);
+    let nap = || v1::ExecuteToolRequest {
+        call_id: "nap".into(),
+        tool_name: "sleep".into(),
+        arguments: agentrt::json::json_to_struct(&serde_json::json!({"seconds": 5})),
+        ..Default::default()
+    };
+    let mut timed = tonic::Request::new(nap());
+    timed.set_timeout(std::time::Duration::from_millis(300));
+    let status = client.execute_tool(timed).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    // The caller goes away 300 ms into the call.
+    let mut cancelled = client.clone();
+    let _ = tokio::time::timeout(
+        std::time::Duration::from_millis(300),
+        cancelled.execute_tool(nap()),
+    )
+    .await;
+    let addr = tools.logged_addr("metrics_addr").await;
+    let mut text = String::new();
+    for _ in 0..50 {
+        text = get(addr, "/metrics").await.1;
+        if text.contains(r#"tool="sleep",outcome="cancelled""#) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    for outcome in ["timeout", "cancelled"] {
+        assert_eq!(
+            sample(
+                &text,
+                &format!(r#"agentrt_tool_calls_total{{tool="sleep",outcome="{outcome}"}}"#)
+            ),
+            1.0,
+            "{outcome}"
+        );
+    }
+}

@@ -1784,10 +1784,21 @@ impl Engine {
 /// Cuts `output` to at most `max` bytes (at a character boundary) followed by a marker
 /// saying how much was left out.
 fn truncate_output(output: &mut String, max: usize) {
+    // An output the tool executor cut already ends with its own marker, which the cut
+    // here would drop: the size it names is the output's.
+    let cut_before = output
+        .rsplit_once("\n[output truncated at ")
+        .and_then(|(_, rest)| rest.strip_suffix(" bytes]"))
+        .and_then(|size| size.parse::<u64>().ok());
     if let Some((omitted, total)) = agentrt_core::truncate_at_char_boundary(output, max) {
-        output.push_str(&format!(
-            "\n[tool output truncated: {omitted} of {total} bytes omitted]"
-        ));
+        output.push_str(&match cut_before {
+            Some(size) => format!(
+                "\n[tool output truncated: {} bytes kept; the tool executor had cut it at \
+                 {size} bytes already]",
+                total - omitted
+            ),
+            None => format!("\n[tool output truncated: {omitted} of {total} bytes omitted]"),
+        });
     }
 }
 
@@ -1948,6 +1959,21 @@ fn stopped_error(reason: StopReason) -> RunError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_output_cut_twice_keeps_the_size_the_tool_executor_named() {
+        let mut once = "x".repeat(100);
+        truncate_output(&mut once, 10);
+        assert!(
+            once.ends_with("[tool output truncated: 90 of 100 bytes omitted]"),
+            "{once}"
+        );
+        let mut twice = format!("{}\n[output truncated at 1048576 bytes]", "x".repeat(100));
+        truncate_output(&mut twice, 10);
+        assert!(twice.starts_with("xxxxxxxxxx\n"), "{twice}");
+        assert!(twice.contains("10 bytes kept"), "{twice}");
+        assert!(twice.contains("cut it at 1048576 bytes already"), "{twice}");
+    }
 
     #[test]
     fn schemas_referring_outside_themselves_are_refused_plainly() {

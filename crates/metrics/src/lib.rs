@@ -150,7 +150,8 @@ impl Metrics {
         );
         registry.register(
             "tool_calls",
-            "Tool calls finished, by tool and outcome (ok, error)",
+            "Tool calls finished, by tool and outcome (ok, error; on the tool executor also \
+             timeout, cancelled, unavailable)",
             metrics.tool_calls.clone(),
         );
         registry.register(
@@ -296,7 +297,12 @@ impl Metrics {
 
     /// A tool call ended.
     pub fn tool_call(&self, tool: &str, is_error: bool, elapsed: Duration) {
-        let outcome = if is_error { "error" } else { "ok" };
+        self.tool_call_ended(tool, if is_error { "error" } else { "ok" }, elapsed);
+    }
+
+    /// Counts a tool call that ended with `outcome` (`ok`, `error`, `timeout`,
+    /// `cancelled`, `unavailable`) after `elapsed`.
+    pub fn tool_call_ended(&self, tool: &str, outcome: &'static str, elapsed: Duration) {
         let tool = &self.tools.value(tool);
         self.tool_calls
             .get_or_create(&[("tool", tool.to_owned()), ("outcome", outcome.to_owned())])

@@ -415,14 +415,40 @@ impl Scenario {
             .cloned()
             .unwrap_or_default();
         Turn {
-            content: turn
-                .content
-                .replace("{tool_results}", &conversation.tool_results.join(", "))
-                .replace("{query}", &conversation.query)
-                .replace("{user_messages}", &conversation.user_messages.to_string()),
+            content: fill(&turn.content, conversation),
             ..turn
         }
     }
+}
+
+/// `template` with its placeholders replaced, in one pass: text put in (a tool result
+/// that reads `{query}`) is not read as a placeholder again.
+fn fill(template: &str, conversation: &Conversation) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(at) = rest.find('{') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        let value = [
+            ("{tool_results}", conversation.tool_results.join(", ")),
+            ("{query}", conversation.query.clone()),
+            ("{user_messages}", conversation.user_messages.to_string()),
+        ]
+        .into_iter()
+        .find(|(name, _)| rest.starts_with(name));
+        match value {
+            Some((name, value)) => {
+                out.push_str(&value);
+                rest = &rest[name.len()..];
+            }
+            None => {
+                out.push('{');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The built-in `demo` model, deterministic:
@@ -614,6 +640,30 @@ mod tests {
             ..Scenario::default()
         };
         assert_eq!(scenario.turn(&conversation).content, "got 1, 2 for q");
+    }
+
+    #[test]
+    fn placeholders_in_what_is_put_in_are_left_as_they_are() {
+        let request = json!({"messages": [
+            {"role": "user", "content": "17 * 3"},
+            {"role": "assistant", "tool_calls": [{"id": "a", "type": "function",
+                "function": {"name": "calculator", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "cannot evaluate \"{query}\""},
+        ]});
+        let scenario = Scenario {
+            turns: vec![
+                Turn::default(),
+                Turn {
+                    content: "R={tool_results} Q={query} {other}".into(),
+                    ..Turn::default()
+                },
+            ],
+            ..Scenario::default()
+        };
+        assert_eq!(
+            scenario.turn(&conversation(&request)).content,
+            "R=cannot evaluate \"{query}\" Q=17 * 3 {other}"
+        );
     }
 
     #[test]

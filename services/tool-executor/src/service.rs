@@ -99,6 +99,13 @@ impl ToolExecutor for ToolExecutorService {
             run_id = %request.run_id,
         );
         let started = Instant::now();
+        // Counted and logged however the call ends: a caller that goes away (or whose
+        // deadline tonic enforces) drops this future with the guard in it.
+        let mut ended = Ended {
+            tool: request.tool_name.clone(),
+            started,
+            outcome: "cancelled",
+        };
         let execution = self
             .catalogue
             .execute(&request.tool_name, arguments, &ctx)
@@ -109,6 +116,7 @@ impl ToolExecutor for ToolExecutorService {
                     .await
                     .map_err(|_| {
                         ctx.cancel.cancel();
+                        ended.outcome = "timeout";
                         Status::deadline_exceeded(format!(
                             "tool {:?} did not finish within the call's deadline of {limit:?}",
                             request.tool_name
@@ -117,14 +125,41 @@ impl ToolExecutor for ToolExecutorService {
                 None => execution.await,
             };
         let duration = started.elapsed();
-        let output = outcome.map_err(|e| execute_error_to_status(&e))?;
-        debug!(tool = %request.tool_name, ?duration, is_error = output.is_error, "tool call finished");
-        agentrt_metrics::Metrics::global().tool_call(&request.tool_name, output.is_error, duration);
+        let output = outcome.map_err(|e| {
+            ended.outcome = match e {
+                ExecuteError::Unavailable { .. } => "unavailable",
+                ExecuteError::NotFound(_) | ExecuteError::InvalidArguments { .. } => "error",
+            };
+            execute_error_to_status(&e)
+        })?;
+        ended.outcome = if output.is_error { "error" } else { "ok" };
         Ok(Response::new(output_to_wire(
             request.call_id,
             output,
             duration,
         )))
+    }
+}
+
+/// A tool call as it ends: logged and counted by outcome when dropped.
+struct Ended {
+    tool: String,
+    started: Instant,
+    outcome: &'static str,
+}
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        let duration = self.started.elapsed();
+        match self.outcome {
+            "cancelled" => {
+                debug!(tool = %self.tool, ?duration, "tool call stopped: its caller went away or its deadline passed");
+            }
+            outcome => {
+                debug!(tool = %self.tool, ?duration, outcome, "tool call finished");
+            }
+        }
+        agentrt_metrics::Metrics::global().tool_call_ended(&self.tool, self.outcome, duration);
     }
 }
 

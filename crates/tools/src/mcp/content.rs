@@ -103,11 +103,17 @@ pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: us
         }
     }
     references.truncate(MAX_REFERENCES);
-    let structured = result.structured_content;
-    if text.is_empty()
-        && let Some(value) = &structured
-    {
-        text = value.to_string();
+    let mut structured = result.structured_content;
+    if let Some(value) = &structured {
+        let json = value.to_string();
+        // Bound as the text is: a structured output past `max_output_bytes` is left out
+        // (the text, cut, says what it held).
+        if json.len() > max_output_bytes {
+            structured = None;
+        }
+        if text.is_empty() {
+            text = json;
+        }
     }
     truncate_text(&mut text, max_output_bytes);
     ToolOutput {
@@ -162,6 +168,29 @@ mod tests {
         assert_eq!(out.references[0].snippet, "first");
         assert_eq!(out.references[1].snippet, "body of b");
         assert_eq!(out.references[0].source, "ev__tool");
+    }
+
+    #[test]
+    fn structured_output_past_the_bound_is_left_out() {
+        let big = json!({"t": "x".repeat(2000)});
+        let out = to_output(
+            result(json!({"content": [{"type": "text", "text": "big"}], "structuredContent": big})),
+            "t",
+            1024,
+        );
+        assert_eq!(out.structured, None);
+        assert_eq!(out.text, "big");
+        let out = to_output(
+            result(json!({"content": [], "structuredContent": big})),
+            "t",
+            1024,
+        );
+        assert_eq!(out.structured, None);
+        assert!(
+            out.text.ends_with("[output truncated at 1024 bytes]"),
+            "{}",
+            out.text
+        );
     }
 
     #[test]
