@@ -345,7 +345,9 @@ pub struct MemoryRunStore {
 
 #[derive(Default)]
 struct Inner {
-    records: HashMap<String, RunRecord>,
+    /// Boxed: a map's table holds room for more entries than it has, and a record is
+    /// a few hundred bytes.
+    records: HashMap<String, Box<RunRecord>>,
     /// The run that holds each idempotency key, by [`key_digest`].
     keys: HashMap<[u8; 16], Box<str>>,
     /// Ended runs in the order they ended, with what their records weigh.
@@ -634,7 +636,7 @@ impl Inner {
             !wait.taken && !wait.cancelled && wait.answers.iter().any(|(_, a)| a.is_none())
         });
         if !waits
-            || !self.records.get(run_id).is_some_and(RunRecord::waiting)
+            || !self.records.get(run_id).is_some_and(|r| r.waiting())
             || !self.progress.contains_key(run_id)
             || self.leases.token(run_id) != Some("")
         {
@@ -652,7 +654,7 @@ impl Inner {
         };
         let parked = Parked {
             steps: std::mem::take(&mut record.steps),
-            record,
+            record: *record,
             spec: continuation.spec,
             agent: continuation.agent,
             state: continuation.state,
@@ -772,7 +774,7 @@ impl Inner {
                 ..Wait::default()
             },
         );
-        self.records.insert(run_id, record);
+        self.records.insert(run_id, Box::new(record));
     }
 
     fn expire(&mut self, retention: RunRetention) {
@@ -903,7 +905,7 @@ impl RunStore for MemoryRunStore {
                 && !inner
                     .records
                     .get(&record.run_id)
-                    .is_some_and(RunRecord::waiting);
+                    .is_some_and(|r| r.waiting());
             if starts_waiting {
                 inner.check_waiting_budget(&record.session_id, self.retention)?;
             }
@@ -998,9 +1000,11 @@ impl RunStore for MemoryRunStore {
             };
             let mut stored = record.without_steps();
             stored.steps = steps;
-            inner.records.insert(record.run_id.clone(), stored);
+            inner
+                .records
+                .insert(record.run_id.clone(), Box::new(stored));
             if newly_ended {
-                let bytes = inner.records.get(&record.run_id).map_or(0, weight);
+                let bytes = inner.records.get(&record.run_id).map_or(0, |r| weight(r));
                 inner.ended_bytes += bytes;
                 inner
                     .ended
@@ -1026,7 +1030,8 @@ impl RunStore for MemoryRunStore {
                     (record, parked.answers)
                 }
                 None => {
-                    let Some(record) = inner.records.get(run_id).cloned() else {
+                    let Some(record) = inner.records.get(run_id).map(|r| RunRecord::clone(r))
+                    else {
                         return Ok(None);
                     };
                     let answers = match inner.waits.get(run_id) {
@@ -1178,7 +1183,7 @@ impl RunStore for MemoryRunStore {
                 .map(|(json, _)| json.clone())
                 .unwrap_or_default();
             let mut resumable = Resumable {
-                record,
+                record: *record,
                 spec: continuation.spec.clone(),
                 agent,
                 state: continuation.state.clone(),
