@@ -259,7 +259,7 @@ pub struct RunFailure {
     pub code: String,
     /// For people.
     pub message: String,
-    /// `model`, `tool`, `timeout`, `cancelled` or `internal`.
+    /// `model`, `tool`, `timeout`, `cancelled`, `budget` or `internal`.
     pub category: &'static str,
     /// Whether sending the same request again may succeed.
     pub retryable: bool,
@@ -277,8 +277,10 @@ const NAMES: &[&str] = &[
     "internal_error",
     "max_tokens",
     "action_timeout",
+    "budget_exceeded",
     "model",
     "tool",
+    "budget",
     "internal",
 ];
 

@@ -64,22 +64,23 @@ impl StopReason {
         }
     }
 
+    /// Every reason.
+    pub const ALL: [Self; 10] = [
+        Self::FinalAnswer,
+        Self::MaxIterations,
+        Self::Cancelled,
+        Self::Timeout,
+        Self::ModelError,
+        Self::Shutdown,
+        Self::InternalError,
+        Self::MaxTokens,
+        Self::ActionTimeout,
+        Self::BudgetExceeded,
+    ];
+
     /// The reason named `name` (as [`StopReason::as_str`] gives it).
     pub fn from_name(name: &str) -> Option<Self> {
-        [
-            Self::FinalAnswer,
-            Self::MaxIterations,
-            Self::Cancelled,
-            Self::Timeout,
-            Self::ModelError,
-            Self::Shutdown,
-            Self::InternalError,
-            Self::MaxTokens,
-            Self::ActionTimeout,
-            Self::BudgetExceeded,
-        ]
-        .into_iter()
-        .find(|reason| reason.as_str() == name)
+        Self::ALL.into_iter().find(|reason| reason.as_str() == name)
     }
 
     /// The status a run that stopped for this reason ends with.
@@ -323,5 +324,34 @@ impl RunRecord {
     /// Whether the run waits for answers.
     pub fn waiting(&self) -> bool {
         self.status == RunStatus::RequiresAction
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stop reason read back from a store (a `done` event on the Redis bus) keeps its
+    /// name: every one is among the names the events crate knows (`budget_exceeded` read
+    /// back as `unknown`).
+    #[test]
+    fn every_stop_reason_survives_a_store() {
+        for reason in StopReason::ALL {
+            assert_eq!(
+                agentrt_events::static_name_of(reason.as_str()),
+                reason.as_str()
+            );
+            assert_eq!(StopReason::from_name(reason.as_str()), Some(reason));
+        }
+        for category in [
+            "model",
+            "tool",
+            "timeout",
+            "cancelled",
+            "budget",
+            "internal",
+        ] {
+            assert_eq!(agentrt_events::static_name_of(category), category);
+        }
     }
 }

@@ -24,7 +24,8 @@
 //! - `P:agent:DIGEST`: an agent's config and tools (JSON), one copy for all the runs of
 //!   every engine that runs it (named by a digest of the JSON, the `a` field of their
 //!   `P:resume:ID`), kept as long as the longest-lived of them may be continued;
-//! - `P:wait:ID`: a waiting run's answers; `P:waiting:of:PRINCIPAL`: a named principal's
+//! - `P:wait:ID`: a waiting run's answers (`c:CALL`), and digests of its earlier waits'
+//!   (`e:CALL`); `P:waiting:of:PRINCIPAL`: a named principal's
 //!   waiting runs, scored by when each wait ends, which bounds them
 //!   (`runs.max_waiting_per_principal`), left when a wait is answered, cancelled or over.
 //!
@@ -708,22 +709,21 @@ if ARGV[7] ~= '' then
   redis.call('ZADD', KEYS[3], now_ms() + tonumber(ARGV[7]), ARGV[1])
   -- The answers of its earlier waits stay known, as digests ('e:ID'): the same answer
   -- again is a repeat, another conflicts.
-  local earlier = {}
-  for _, field in ipairs(redis.call('HKEYS', KEYS[7])) do
-    local kind = string.sub(field, 1, 2)
-    if kind == 'e:' or kind == 'c:' then
-      local value = redis.call('HGET', KEYS[7], field)
-      if kind == 'e:' then
-        earlier[#earlier + 1] = field
-        earlier[#earlier + 1] = value
-      elseif value ~= '' then
-        earlier[#earlier + 1] = 'e:' .. string.sub(field, 3)
-        earlier[#earlier + 1] = redis.sha1hex(value)
-      end
+  -- An id's latest answer stands (ids may repeat across waits).
+  local digests = {}
+  local old = redis.call('HGETALL', KEYS[7])
+  for i = 1, #old, 2 do
+    if string.sub(old[i], 1, 2) == 'e:' and not digests[old[i]] then
+      digests[old[i]] = old[i + 1]
+    end
+  end
+  for i = 1, #old, 2 do
+    if string.sub(old[i], 1, 2) == 'c:' and old[i + 1] ~= '' then
+      digests['e:' .. string.sub(old[i], 3)] = redis.sha1hex(old[i + 1])
     end
   end
   redis.call('DEL', KEYS[7])
-  if #earlier > 0 then redis.call('HSET', KEYS[7], unpack(earlier)) end
+  for field, digest in pairs(digests) do redis.call('HSET', KEYS[7], field, digest) end
   if ARGV[8] ~= '0' then
     redis.call('ZADD', KEYS[9], now_ms() + tonumber(ARGV[7]), ARGV[1])
     if redis.call('PTTL', KEYS[9]) < tonumber(ARGV[3]) then

@@ -964,10 +964,14 @@ impl RunStore for MemoryRunStore {
                         .waits
                         .remove(&record.run_id)
                         .map(|old| {
+                            // The latest answer of an id stands (ids may repeat).
                             let mut earlier = old.earlier;
-                            earlier.extend(old.answers.into_iter().filter_map(|(id, answer)| {
-                                answer.map(|answer| (id, answer_digest(&answer)))
-                            }));
+                            for (id, answer) in old.answers {
+                                if let Some(answer) = answer {
+                                    earlier.retain(|(call, _)| *call != id);
+                                    earlier.push((id, answer_digest(&answer)));
+                                }
+                            }
                             earlier
                         })
                         .unwrap_or_default();
@@ -1097,9 +1101,12 @@ impl RunStore for MemoryRunStore {
             }) {
                 return Ok(Answered::NotPending(id.clone()));
             }
+            // A call of this wait is judged by this wait alone (models that give no ids
+            // have the same ids in every round); one of an earlier wait by its digest.
+            let pending = |wait: &Wait, id: &str| wait.answers.iter().any(|(call, _)| call == id);
             if let Some((id, _)) = answers.iter().find(|(id, answer)| {
                 kept(wait, id).is_some_and(|first| first != *answer)
-                    || earlier(wait, id, answer) == Some(false)
+                    || (!pending(wait, id) && earlier(wait, id, answer) == Some(false))
             }) {
                 return Ok(Answered::Conflict(id.clone()));
             }

@@ -1451,6 +1451,62 @@ where
         accepted(&[], false)
     );
     assert!(!other.cancel_waiting("wt").await.unwrap());
+
+    // Models that give no ids get the same ids in every round: a call of the next wait
+    // with the id of an answered one is answered afresh, and its answer then stands.
+    start_waiting(
+        &*store,
+        "wr",
+        vec![pending_call("c1", Action::ClientExecute)],
+        LONG,
+    )
+    .await;
+    assert_eq!(
+        other
+            .answer("wr", &answers(&[("c1", "\"a\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], true)
+    );
+    let taken = take_over_once(&store, &other, "wr").await;
+    let mut again = taken.record.clone();
+    again.status = RunStatus::RequiresAction;
+    again.pending = vec![pending_call("c1", Action::ClientExecute)];
+    store
+        .save(
+            &again,
+            0,
+            Some(&Progress {
+                wait: Some(LONG),
+                ..running("waiting-again", 1, &["m1"])
+            }),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        other
+            .answer("wr", &answers(&[("c1", "\"b\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], true),
+        "the same id in the next wait takes another answer"
+    );
+    take_over_once(&store, &other, "wr").await;
+    assert_eq!(
+        store
+            .answer("wr", &answers(&[("c1", "\"b\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
+    assert_eq!(
+        store
+            .answer("wr", &answers(&[("c1", "\"a\"")]))
+            .await
+            .unwrap(),
+        Answered::Conflict("c1".into()),
+        "the latest answer of the id stands"
+    );
 }
 
 /// The Redis the tests use: `AGENTRT_TEST_REDIS`, or the local default. `scripts/test`
