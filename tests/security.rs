@@ -366,6 +366,19 @@ fn with_token<T>(message: T, token: &str) -> Request<T> {
     request
 }
 
+/// A tool executor that takes calls with the bearer token `tool-token-0123456789` only.
+async fn tool_executor_taking_a_token() -> Server {
+    Server::start(
+        "tool-executor",
+        &["--listen", "127.0.0.1:0"],
+        &[(
+            "TOOL_EXECUTOR_AUTH_TOKENS",
+            "tool-token-0123456789 agent.v1.ToolExecutor",
+        )],
+    )
+    .await
+}
+
 #[tokio::test]
 async fn bearer_tokens_tell_unauthenticated_from_permission_denied() {
     let pki = Pki::new("tokens");
@@ -378,15 +391,7 @@ async fn bearer_tokens_tell_unauthenticated_from_permission_denied() {
     )
     .unwrap();
     let model = simulator(SCENARIOS, &[]).await;
-    let tools = Server::start(
-        "tool-executor",
-        &["--listen", "127.0.0.1:0"],
-        &[(
-            "TOOL_EXECUTOR_AUTH_TOKENS",
-            "tool-token-0123456789 agent.v1.ToolExecutor",
-        )],
-    )
-    .await;
+    let tools = tool_executor_taking_a_token().await;
     let model_url = format!("{}/v1", model.url());
     let agents = Server::start(
         "agent-server",
@@ -697,15 +702,7 @@ async fn grpcurl_checks_health_without_a_token_on_both_ports() {
 #[tokio::test]
 async fn a_tool_executor_refusing_the_token_is_named_as_a_setting_to_fix() {
     let model = simulator(SCENARIOS, &[]).await;
-    let tools = Server::start(
-        "tool-executor",
-        &["--listen", "127.0.0.1:0"],
-        &[(
-            "TOOL_EXECUTOR_AUTH_TOKENS",
-            "tool-token-0123456789 agent.v1.ToolExecutor",
-        )],
-    )
-    .await;
+    let tools = tool_executor_taking_a_token().await;
     let model_url = format!("{}/v1", model.url());
     for (token, says) in [
         (Some("wrong-token-0123456789"), "tool_executor_token"),

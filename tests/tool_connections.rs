@@ -179,21 +179,25 @@ async fn a_call_made_while_the_tool_executor_restarts_runs_once_it_is_back() {
     drop(restart.await.unwrap());
 }
 
-#[tokio::test]
-async fn a_call_in_flight_when_the_tool_executor_dies_goes_again_to_its_replacement() {
-    // The tool executor is killed while a 1 s call runs; its replacement comes up on the
-    // same address 300 ms later. The call goes again, once, with its call_id, and the run
-    // ends with its result (it ended with "Unknown: transport error" given to the model).
+/// Runs `scenario` (one `sleep` call) on an agent-server started with `args`, killing its
+/// tool executor `dies_after` into the run and starting another on the same address
+/// `back_after` later: the call must go again, once, with its call_id, and the run end
+/// with its result.
+async fn a_call_survives_its_tool_executor(
+    scenario: &str,
+    args: &[&str],
+    dies_after: Duration,
+    back_after: Duration,
+) {
     let model = simulator(SCENARIOS, &[]).await;
     let tools = tool_executor(&[]).await;
-    let addr = tools.addr;
-    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
-    let engine_id = engine_of(&agents, "nap", &["sleep"]).await;
-    let listen = addr.to_string();
+    let listen = tools.addr.to_string();
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), args).await;
+    let engine_id = engine_of(&agents, scenario, &["sleep"]).await;
     let restart = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(400)).await;
+        tokio::time::sleep(dies_after).await;
         drop(tools);
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(back_after).await;
         Server::start("tool-executor", &["--listen", &listen], &[]).await
     });
     run_making(&agents, engine_id, 1).await;
@@ -201,30 +205,31 @@ async fn a_call_in_flight_when_the_tool_executor_dies_goes_again_to_its_replacem
 }
 
 #[tokio::test]
+async fn a_call_in_flight_when_the_tool_executor_dies_goes_again_to_its_replacement() {
+    // Killed while a 1 s call runs, back 300 ms later (the run ended with "Unknown:
+    // transport error" given to the model).
+    a_call_survives_its_tool_executor(
+        "nap",
+        &[],
+        Duration::from_millis(400),
+        Duration::from_millis(300),
+    )
+    .await;
+}
+
+#[tokio::test]
 async fn a_call_that_ran_past_the_tool_executor_timeout_before_it_died_goes_again_too() {
     // The time the tool executor may take to come back counts from the call's loss, not
     // from its start: killed 1.5 s into a 3 s call, past agent-server's
-    // `tool_executor_timeout` of 1 s, and back 300 ms later, it runs the call again (the
-    // call failed: its unreachable time had run out before it was lost).
-    let model = simulator(SCENARIOS, &[]).await;
-    let tools = tool_executor(&[]).await;
-    let addr = tools.addr;
-    let agents = agent_server_with_model(
-        &tools.url(),
-        &format!("{}/v1", model.url()),
+    // `tool_executor_timeout` of 1 s, and back 300 ms later (the call failed: its
+    // unreachable time had run out before it was lost).
+    a_call_survives_its_tool_executor(
+        "long_nap",
         &["--tool-executor-timeout", "1s"],
+        Duration::from_millis(1500),
+        Duration::from_millis(300),
     )
     .await;
-    let engine_id = engine_of(&agents, "long_nap", &["sleep"]).await;
-    let listen = addr.to_string();
-    let restart = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        drop(tools);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        Server::start("tool-executor", &["--listen", &listen], &[]).await
-    });
-    run_making(&agents, engine_id, 1).await;
-    drop(restart.await.unwrap());
 }
 
 #[tokio::test]
