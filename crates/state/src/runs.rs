@@ -385,10 +385,19 @@ struct ParkedRun {
 /// under: 128 bits of SHA-256 of both, which no two keys share in practice (a copy of the
 /// ids would cost a waiting run a hundred bytes more).
 fn key_digest(session_id: &str, message_id: &str) -> [u8; 16] {
+    digest_of(&[
+        &(session_id.len() as u64).to_le_bytes(),
+        session_id.as_bytes(),
+        message_id.as_bytes(),
+    ])
+}
+
+/// The first 128 bits of the SHA-256 of `parts`, one after the other.
+fn digest_of(parts: &[&[u8]]) -> [u8; 16] {
     let mut context = ring::digest::Context::new(&ring::digest::SHA256);
-    context.update(&(session_id.len() as u64).to_le_bytes());
-    context.update(session_id.as_bytes());
-    context.update(message_id.as_bytes());
+    for part in parts {
+        context.update(part);
+    }
     let mut digest = [0; 16];
     digest.copy_from_slice(&context.finish().as_ref()[..16]);
     digest
@@ -396,11 +405,7 @@ fn key_digest(session_id: &str, message_id: &str) -> [u8; 16] {
 
 /// What an answer's digest in [`Wait::earlier`] is.
 fn answer_digest(answer: &str) -> [u8; 16] {
-    let mut digest = [0; 16];
-    digest.copy_from_slice(
-        &ring::digest::digest(&ring::digest::SHA256, answer.as_bytes()).as_ref()[..16],
-    );
-    digest
+    digest_of(&[answer.as_bytes()])
 }
 
 /// A waiting run, as it is packed.
@@ -1067,6 +1072,8 @@ impl RunStore for MemoryRunStore {
                     .find(|(pending, _)| pending == id)
                     .and_then(|(_, answer)| answer.clone())
             };
+            // Whether `id` is a call of this wait.
+            let pending = |wait: &Wait, id: &str| wait.answers.iter().any(|(call, _)| call == id);
             // For a call of an earlier wait: whether `answer` is the one it received.
             let earlier = |wait: &Wait, id: &str, answer: &str| -> Option<bool> {
                 wait.earlier
@@ -1096,14 +1103,12 @@ impl RunStore for MemoryRunStore {
                 });
             }
             if let Some((id, _)) = answers.iter().find(|(id, _)| {
-                !wait.answers.iter().any(|(pending, _)| pending == id)
-                    && !wait.earlier.iter().any(|(call, _)| call == id)
+                !pending(wait, id) && !wait.earlier.iter().any(|(call, _)| call == id)
             }) {
                 return Ok(Answered::NotPending(id.clone()));
             }
             // A call of this wait is judged by this wait alone (models that give no ids
             // have the same ids in every round); one of an earlier wait by its digest.
-            let pending = |wait: &Wait, id: &str| wait.answers.iter().any(|(call, _)| call == id);
             if let Some((id, _)) = answers.iter().find(|(id, answer)| {
                 kept(wait, id).is_some_and(|first| first != *answer)
                     || (!pending(wait, id) && earlier(wait, id, answer) == Some(false))

@@ -247,9 +247,12 @@ fn check_tool_executor_url(url: &str) -> Result<(), ConfigError> {
     if authority.host().is_empty() {
         return Err(invalid(format!("{shown:?} has no host")));
     }
-    if let Some(port) = authority.as_str().rsplit_once(':').map(|(_, p)| p)
-        && !authority.host().ends_with(port)
-        && authority.port_u16().is_none_or(|p| p == 0)
+    // Credentials are refused above: what follows the host is its port, if anything.
+    if let Some(port) = authority
+        .as_str()
+        .get(authority.host().len()..)
+        .and_then(|rest| rest.strip_prefix(':'))
+        && !port.parse::<u16>().is_ok_and(|p| p > 0)
     {
         return Err(invalid(format!(
             "{shown:?} has port {port:?}: a port is 1 to 65535"

@@ -16,19 +16,20 @@ use agentrt_core::{
 };
 use async_trait::async_trait;
 use tokio::time::Instant;
-mod unary;
-
 use tonic::{
     Code, ConnectError, Status,
     metadata::{Ascii, MetadataValue},
     transport::{Channel, ClientTlsConfig, Endpoint},
 };
 
+mod unary;
+
 /// A lazily connected gRPC client of `agent.v1.ToolExecutor`, over a few connections.
 ///
 /// Calls take the connections in turn (tool calls to a cleartext tool executor take the
-/// least busy, in turn among the equally busy, through [`unary`]). Behind a load balancer that spreads connections
-/// (a Kubernetes Service), each connection may reach another tool executor replica, so one
+/// least busy, in turn among the equally busy, through [`unary`]). Behind a load balancer
+/// that spreads connections (a Kubernetes Service), each connection may reach another tool
+/// executor replica, so one
 /// agent-server spreads its calls over several; a tool executor with
 /// `server.max_connection_age` makes the connections move now and then, so replicas added
 /// later get their share. A call the tool executor never received (it could not be reached,
@@ -77,9 +78,13 @@ enum Unsent {
 /// Whether `status` says the call is to go again, and why: it never reached the tool
 /// executor, or its connection broke under it. A status the tool executor sent itself
 /// (with `grpc-status`) has no transport error behind it, and is final.
+/// The errors under `status`, outermost first.
+fn causes(status: &Status) -> impl Iterator<Item = &(dyn std::error::Error + 'static)> {
+    std::iter::successors(std::error::Error::source(status), |e| e.source())
+}
+
 fn unsent(status: &Status) -> Option<Unsent> {
-    let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
-    while let Some(current) = error {
+    for current in causes(status) {
         if let Some(unary::NotReceived(why)) = current.downcast_ref::<unary::NotReceived>() {
             return Some(*why);
         }
@@ -113,7 +118,6 @@ fn unsent(status: &Status) -> Option<Unsent> {
             // because of a broken pipe" on as an I/O error).
             return Some(Unsent::Lost);
         }
-        error = current.source();
     }
     None
 }
@@ -121,14 +125,17 @@ fn unsent(status: &Status) -> Option<Unsent> {
 /// Whether `status` comes from a peer that does not speak gRPC over HTTP/2: an HTTP/2
 /// protocol error under it (an HTTP/1 server answering the preface).
 fn speaks_no_grpc(status: &Status) -> bool {
-    let mut error: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
-    while let Some(current) = error {
-        if let Some(h2) = current.downcast_ref::<h2::Error>() {
-            return h2.reason() == Some(h2::Reason::PROTOCOL_ERROR) || h2.is_go_away();
-        }
-        error = current.source();
-    }
-    false
+    causes(status)
+        .find_map(|e| e.downcast_ref::<h2::Error>())
+        .is_some_and(|h2| h2.reason() == Some(h2::Reason::PROTOCOL_ERROR) || h2.is_go_away())
+}
+
+/// `Bearer TOKEN` as a header value kept out of HPACK's dynamic table.
+fn bearer(token: &Secret) -> Result<http::HeaderValue, String> {
+    let mut value = http::HeaderValue::try_from(format!("Bearer {}", token.expose()))
+        .map_err(|_| "the tool executor token has characters a header cannot carry")?;
+    value.set_sensitive(true);
+    Ok(value)
 }
 
 /// How to reach the tool executor.
@@ -166,18 +173,7 @@ impl GrpcToolClient {
                 .map_err(|e| format!("invalid TLS settings for {url:?}: {e}"))?;
         }
         let execute = if !secure && url.starts_with("http://") {
-            let authorization = token
-                .as_ref()
-                .map(|token| {
-                    let mut value =
-                        http::HeaderValue::try_from(format!("Bearer {}", token.expose())).map_err(
-                            |_| "the tool executor token has characters a header cannot carry",
-                        )?;
-                    // Keeps the token out of HPACK's dynamic table.
-                    value.set_sensitive(true);
-                    Ok::<_, String>(value)
-                })
-                .transpose()?;
+            let authorization = token.as_ref().map(bearer).transpose()?;
             let unary = unary::Unary::new(
                 url,
                 "/agent.v1.ToolExecutor/ExecuteTool",
@@ -194,10 +190,12 @@ impl GrpcToolClient {
             None
         };
         let authorization = token
-            .map(|token| {
-                let mut value = MetadataValue::try_from(format!("Bearer {}", token.expose()))
+            .as_ref()
+            .map(bearer)
+            .transpose()?
+            .map(|value| {
+                let mut value = MetadataValue::<Ascii>::try_from(value.as_bytes())
                     .map_err(|_| "the tool executor token has characters a header cannot carry")?;
-                // Keeps the token out of HPACK's dynamic table.
                 value.set_sensitive(true);
                 Ok::<_, String>(value)
             })
@@ -326,11 +324,15 @@ impl GrpcToolClient {
 
     /// The error clients see (`reason`), after logging the details they must not see.
     fn unavailable(&self, reason: String, detail: &str) -> ToolServiceError {
-        tracing::warn!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), %detail, "tool executor unavailable");
+        self.log_unavailable(detail);
         ToolServiceError::Unavailable {
             endpoint: self.endpoint.clone(),
             reason,
         }
+    }
+    /// Logs why the tool executor could not be used, with details clients must not see.
+    fn log_unavailable(&self, detail: &str) {
+        tracing::warn!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), %detail, "tool executor unavailable");
     }
 }
 
@@ -467,24 +469,21 @@ impl ToolRunner for GrpcToolClient {
             return timed_out();
         };
         match response {
-            Ok(response) => {
-                let response: v1::ExecuteToolResponse = response;
-                ToolResult {
-                    output: response.output,
-                    is_error: response.is_error,
-                    references: response
-                        .references
-                        .into_iter()
-                        .map(|r| Reference {
-                            title: r.title,
-                            url: r.url,
-                            snippet: r.snippet,
-                            score: r.score,
-                            source: r.source,
-                        })
-                        .collect(),
-                }
-            }
+            Ok(response) => ToolResult {
+                output: response.output,
+                is_error: response.is_error,
+                references: response
+                    .references
+                    .into_iter()
+                    .map(|r| Reference {
+                        title: r.title,
+                        url: r.url,
+                        snippet: r.snippet,
+                        score: r.score,
+                        source: r.source,
+                    })
+                    .collect(),
+            },
             Err(status) => match status.code() {
                 Code::InvalidArgument => ToolResult::error(format!(
                     "invalid arguments for tool {name:?}: {}",
@@ -496,23 +495,25 @@ impl ToolRunner for GrpcToolClient {
                 Code::DeadlineExceeded | Code::Cancelled => timed_out(),
                 // Its address and the error's details are for the operator, in the log;
                 // the model and the client read what happened.
-                _ if unsent(&status) == Some(Unsent::Unreachable) => {
-                    self.unavailable(String::new(), status.message());
-                    ToolResult::error(format!(
-                        "tool {name:?} failed: the tool executor cannot be reached"
-                    ))
-                }
-                _ if unsent(&status) == Some(Unsent::Lost) => {
-                    self.unavailable(String::new(), status.message());
-                    ToolResult::error(format!(
-                        "tool {name:?} failed: the connection to the tool executor broke \
-                         during the call, twice"
-                    ))
-                }
-                code => ToolResult::error(format!(
-                    "tool {name:?} failed: {code:?}: {}",
-                    status.message()
-                )),
+                code => match unsent(&status) {
+                    Some(Unsent::Unreachable) => {
+                        self.log_unavailable(status.message());
+                        ToolResult::error(format!(
+                            "tool {name:?} failed: the tool executor cannot be reached"
+                        ))
+                    }
+                    Some(Unsent::Lost) => {
+                        self.log_unavailable(status.message());
+                        ToolResult::error(format!(
+                            "tool {name:?} failed: the connection to the tool executor broke \
+                             during the call, twice"
+                        ))
+                    }
+                    _ => ToolResult::error(format!(
+                        "tool {name:?} failed: {code:?}: {}",
+                        status.message()
+                    )),
+                },
             },
         }
     }

@@ -102,7 +102,7 @@ impl ToolExecutor for ToolExecutorService {
         // Counted and logged however the call ends: a caller that goes away (or whose
         // deadline tonic enforces) drops this future with the guard in it.
         let mut ended = Ended {
-            tool: request.tool_name.clone(),
+            tool: &request.tool_name,
             started,
             outcome: "cancelled",
         };
@@ -142,13 +142,13 @@ impl ToolExecutor for ToolExecutorService {
 }
 
 /// A tool call as it ends: logged and counted by outcome when dropped.
-struct Ended {
-    tool: String,
+struct Ended<'a> {
+    tool: &'a str,
     started: Instant,
     outcome: &'static str,
 }
 
-impl Drop for Ended {
+impl Drop for Ended<'_> {
     fn drop(&mut self) {
         let duration = self.started.elapsed();
         match self.outcome {
@@ -159,7 +159,7 @@ impl Drop for Ended {
                 debug!(tool = %self.tool, ?duration, outcome, "tool call finished");
             }
         }
-        agentrt_metrics::Metrics::global().tool_call_ended(&self.tool, self.outcome, duration);
+        agentrt_metrics::Metrics::global().tool_call_ended(self.tool, self.outcome, duration);
     }
 }
 

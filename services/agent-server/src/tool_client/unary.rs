@@ -114,9 +114,7 @@ impl Unary {
         let (parts, mut body) = response.into_parts();
         // A trailers-only answer: the status is in the headers, and there is no message.
         if let Some(status) = status_of(&parts.headers) {
-            return Err(status.err().unwrap_or_else(|| {
-                Status::internal("the tool executor answered OK without a message")
-            }));
+            return Err(status.err().unwrap_or_else(no_message));
         }
         if parts.status != http::StatusCode::OK {
             return Err(Status::new(
@@ -137,27 +135,22 @@ impl Unary {
                 parts.headers.get(CONTENT_TYPE)
             )));
         }
-        let most = 5 + self.max_answer_bytes;
-        let mut data: Option<Bytes> = None;
+        // An answer in one chunk is kept as it came; one in more is joined.
+        let mut first = Bytes::new();
         let mut joined = BytesMut::new();
         while let Some(chunk) = body.next().await {
             let chunk = chunk.map_err(|e| stream_failure(&e))?;
-            let read = data.as_ref().map_or(0, Bytes::len) + joined.len() + chunk.len();
-            if read > most {
+            if first.len() + joined.len() + chunk.len() > 5 + self.max_answer_bytes {
                 return Err(Status::out_of_range(format!(
                     "the tool executor's answer is over the limit of {} bytes",
                     self.max_answer_bytes
                 )));
             }
-            match data.take() {
-                // One chunk is kept as it came; more are joined.
-                None if joined.is_empty() => data = Some(chunk),
-                first => {
-                    if let Some(first) = first {
-                        joined.extend_from_slice(&first);
-                    }
-                    joined.extend_from_slice(&chunk);
-                }
+            if first.is_empty() && joined.is_empty() {
+                first = chunk;
+            } else {
+                joined.extend_from_slice(&std::mem::take(&mut first));
+                joined.extend_from_slice(&chunk);
             }
         }
         let trailers = body.trailers().await.map_err(|e| stream_failure(&e))?;
@@ -166,11 +159,13 @@ impl Unary {
             .and_then(status_of)
             .ok_or_else(|| Status::internal("the tool executor's answer ended without a status"))?;
         status?;
-        let mut data = data.unwrap_or_else(|| joined.freeze());
+        let mut data = if joined.is_empty() {
+            first
+        } else {
+            joined.freeze()
+        };
         if data.len() < 5 {
-            return Err(Status::internal(
-                "the tool executor answered OK without a message",
-            ));
+            return Err(no_message());
         }
         let compressed = data.get_u8();
         let len = data.get_u32() as usize;
@@ -192,6 +187,10 @@ impl Unary {
         }
         R::decode(data).map_err(|e| Status::internal(format!("cannot decode the answer: {e}")))
     }
+}
+
+fn no_message() -> Status {
+    Status::internal("the tool executor answered OK without a message")
 }
 
 /// `grpc-timeout`: at most 8 digits, in the finest unit that holds them, and at least 1.
