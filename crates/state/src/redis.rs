@@ -57,8 +57,8 @@ use tracing::{debug, info, warn};
 use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
     runs::{
-        Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, Progress, Resumable,
-        RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
+        AgentIds, Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, Progress,
+        Resumable, RunStore, StopRequest, StopRequests, checkpoint_apart,
     },
 };
 
@@ -123,6 +123,7 @@ struct Shared {
     local: agentrt_events::InMemoryBus,
     /// Writes the events that publishers let wait.
     flusher: Arc<Flusher>,
+    agent_ids: AgentIds,
 }
 
 #[derive(Default)]
@@ -191,6 +192,7 @@ impl Redis {
                     retained_events: limits.retained_events,
                 }),
                 flusher: Arc::default(),
+                agent_ids: AgentIds::default(),
             }),
         })
     }
@@ -227,6 +229,7 @@ impl Redis {
             shared: self.shared.clone(),
             max_engines,
             max_per_principal,
+            parsed: Mutex::default(),
         })
     }
 
@@ -328,13 +331,6 @@ fn connection_config(response_timeout: Duration) -> ConnectionManagerConfig {
 }
 
 /// `prefix` followed by `n`: a field name, made for every write.
-fn numbered(prefix: &str, n: usize) -> String {
-    let mut name = String::with_capacity(prefix.len() + 8);
-    name.push_str(prefix);
-    name.push_str(&n.to_string());
-    name
-}
-
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
@@ -361,13 +357,16 @@ impl LeaseRenewer for RedisRenewer {
             return Ok(Vec::new());
         }
         let shared = &self.shared;
-        let mut script = renew_script().key(shared.key("leases", "all"));
-        script.arg(&shared.prefix).arg(millis(shared.limits.lease));
+        let mut script = ScriptCall::new(renew_script(), 1);
+        script
+            .key(shared.key("leases", "all"))
+            .arg(&shared.prefix)
+            .arg(millis(shared.limits.lease));
         for lease in leases {
             script.arg(&lease.run_id).arg(&lease.token);
         }
         script
-            .invoke_async(&mut self.connection.clone())
+            .invoke(&mut self.connection.clone())
             .await
             .map_err(|e| shared.unavailable(&e))
     }
@@ -380,6 +379,69 @@ struct RedisEngines {
     shared: Arc<Shared>,
     max_engines: usize,
     max_per_principal: usize,
+    /// Engines as last read or written here: the runs of an engine whose JSON is
+    /// unchanged take it without parsing it again (and share its config and tools).
+    parsed: Mutex<Parsed>,
+}
+
+/// Engines kept parsed, by id, with the JSON Redis holds for them: at most
+/// [`PARSED_BYTES`] of it.
+#[derive(Default)]
+struct Parsed {
+    engines: HashMap<String, (String, StoredEngine)>,
+    bytes: usize,
+}
+
+/// How much engine JSON [`Parsed`] holds at most.
+const PARSED_BYTES: usize = 8 << 20;
+
+impl Parsed {
+    fn remove(&mut self, id: &str) {
+        if let Some((json, _)) = self.engines.remove(id) {
+            self.bytes -= json.len();
+        }
+    }
+
+    fn keep(&mut self, json: String, engine: &StoredEngine) {
+        self.remove(&engine.id);
+        if json.len() > PARSED_BYTES / 4 {
+            return;
+        }
+        while self.bytes + json.len() > PARSED_BYTES {
+            // Any one makes room: a miss costs a parse, no more.
+            let Some(id) = self.engines.keys().next().cloned() else {
+                break;
+            };
+            self.remove(&id);
+        }
+        self.bytes += json.len();
+        self.engines
+            .insert(engine.id.clone(), (json, engine.clone()));
+    }
+}
+
+impl RedisEngines {
+    /// Engine `id`, read from `json`.
+    fn parse(&self, id: &str, json: String) -> StateResult<StoredEngine> {
+        if let Some((known, engine)) = self.parsed().engines.get(id)
+            && *known == json
+        {
+            return Ok(engine.clone());
+        }
+        let engine: StoredEngine =
+            serde_json::from_str(&json).map_err(|e| corrupt("engine", &e))?;
+        self.keep(json, &engine);
+        Ok(engine)
+    }
+
+    fn parsed(&self) -> MutexGuard<'_, Parsed> {
+        self.parsed.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `engine`, as Redis holds it (`json`), parsed.
+    fn keep(&self, json: String, engine: &StoredEngine) {
+        self.parsed().keep(json, engine);
+    }
 }
 
 /// The principal of an engine as stored (`{"id":...,"session_id":"PRINCIPAL/..."`), in
@@ -475,18 +537,18 @@ impl EngineStore for RedisEngines {
         } else {
             self.max_per_principal.max(1)
         };
-        let owned: i64 = engine_insert_script()
+        let owned: i64 = ScriptCall::new(engine_insert_script(), 3)
             .key(shared.key("engine", &engine.id))
             .key(shared.key("engines", "lru"))
             .key(shared.key("engines:of", principal))
             .arg(&engine.id)
-            .arg(json)
+            .arg(&json)
             .arg(millis(ttl))
             .arg(self.max_engines.max(1))
             .arg(most_owned)
             .arg(shared.key("engine", ""))
             .arg(shared.key("engines:of", ""))
-            .invoke_async(&mut shared.connection())
+            .invoke(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
         if owned >= 0 {
@@ -498,38 +560,42 @@ impl EngineStore for RedisEngines {
                 ),
             });
         }
+        self.keep(json, &engine);
         Ok(engine)
     }
 
     async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
         let shared = &self.shared;
         let ttl = shared.limits.engine_ttl;
-        let json: Option<String> = engine_get_script()
+        let json: Option<String> = ScriptCall::new(engine_get_script(), 2)
             .key(shared.key("engine", id))
             .key(shared.key("engines", "lru"))
             .arg(id)
             .arg(millis(ttl))
             .arg(shared.key("engines:of", ""))
-            .invoke_async(&mut shared.connection())
+            .invoke(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
-        let Some(json) = json else { return Ok(None) };
-        let mut engine: StoredEngine =
-            serde_json::from_str(&json).map_err(|e| corrupt("engine", &e))?;
+        let Some(json) = json else {
+            self.parsed().remove(id);
+            return Ok(None);
+        };
+        let mut engine = self.parse(id, json)?;
         engine.expire_time = SystemTime::now() + ttl;
         Ok(Some(engine))
     }
 
     async fn remove(&self, id: &str) -> StateResult<bool> {
         let shared = &self.shared;
-        let removed: u8 = engine_remove_script()
+        let removed: u8 = ScriptCall::new(engine_remove_script(), 2)
             .key(shared.key("engine", id))
             .key(shared.key("engines", "lru"))
             .arg(id)
             .arg(shared.key("engines:of", ""))
-            .invoke_async(&mut shared.connection())
+            .invoke(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
+        self.parsed().remove(id);
         Ok(removed == 1)
     }
 }
@@ -898,6 +964,213 @@ if of then redis.call('ZREM', of, ARGV[1]) end
 return 1
 ";
 
+/// A call of one of the scripts: its keys and arguments are written once, into the
+/// command that goes to Redis (redis-rs's `ScriptInvocation` copies each into a buffer of
+/// its own, then all into the command, for every call). Redis that lost the script
+/// (restarted, flushed) is given it again, and the call repeated.
+struct ScriptCall {
+    script: &'static redis::Script,
+    command: redis::Cmd,
+    /// Keys still to come before the arguments.
+    keys_left: usize,
+}
+
+impl ScriptCall {
+    /// A call of `script` with `keys` keys, given first by [`ScriptCall::key`].
+    fn new(script: &'static redis::Script, keys: usize) -> Self {
+        Self::with_room(script, keys, 0, 0)
+    }
+
+    /// [`ScriptCall::new`], with room made for `args` keys and arguments of `bytes` in
+    /// all.
+    fn with_room(script: &'static redis::Script, keys: usize, args: usize, bytes: usize) -> Self {
+        let mut command = redis::Cmd::with_capacity(args + 3, bytes + 64);
+        command.arg("EVALSHA").arg(script.get_hash()).arg(keys);
+        Self {
+            script,
+            command,
+            keys_left: keys,
+        }
+    }
+
+    fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
+        debug_assert!(self.keys_left > 0, "more keys than the script was told");
+        self.keys_left = self.keys_left.saturating_sub(1);
+        self.command.arg(key);
+        self
+    }
+
+    fn arg(&mut self, arg: impl redis::ToRedisArgs) -> &mut Self {
+        debug_assert_eq!(self.keys_left, 0, "an argument before the last key");
+        self.command.arg(arg);
+        self
+    }
+
+    /// The next argument, written as it is made.
+    fn next_arg(&mut self) -> impl std::io::Write + '_ {
+        debug_assert_eq!(self.keys_left, 0, "an argument before the last key");
+        redis::RedisWrite::writer_for_next_arg(&mut self.command)
+    }
+
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        connection: &mut ConnectionManager,
+    ) -> redis::RedisResult<T> {
+        debug_assert_eq!(self.keys_left, 0, "fewer keys than the script was told");
+        match self.command.query_async(connection).await {
+            Err(error)
+                if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
+            {
+                self.script.load_async(connection).await?;
+                self.command.query_async(connection).await
+            }
+            answer => answer,
+        }
+    }
+}
+
+/// The id of event `sequence` in its run's stream: `SEQUENCE-1`.
+struct StreamId(u64);
+
+impl redis::ToRedisArgs for StreamId {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        let mut id = Decimal::new(self.0);
+        id.append(b"-1");
+        out.write_arg(id.as_bytes());
+    }
+}
+
+/// A field name: `prefix` (`s:`, `m:`) followed by an index.
+struct Numbered(&'static str, usize);
+
+impl redis::ToRedisArgs for Numbered {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        let digits = Decimal::new(self.1 as u64);
+        let mut name = [0u8; 32];
+        let (prefix, digits) = (self.0.as_bytes(), digits.as_bytes());
+        let len = prefix.len() + digits.len();
+        if len > name.len() {
+            out.write_arg_fmt(format_args!("{}{}", self.0, self.1));
+            return;
+        }
+        name[..prefix.len()].copy_from_slice(prefix);
+        name[prefix.len()..len].copy_from_slice(digits);
+        out.write_arg(&name[..len]);
+    }
+}
+
+/// A number's decimal digits, made on the stack, with room for two bytes more.
+struct Decimal {
+    bytes: [u8; 22],
+    len: usize,
+}
+
+impl Decimal {
+    fn new(mut n: u64) -> Self {
+        // At most 20 digits, made from the last.
+        let mut digits = [0u8; 20];
+        let mut start = digits.len();
+        loop {
+            start -= 1;
+            digits[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        let len = digits.len() - start;
+        let mut bytes = [0u8; 22];
+        bytes[..len].copy_from_slice(&digits[start..]);
+        Self { bytes, len }
+    }
+
+    /// Appends `suffix` (at most 2 bytes).
+    fn append(&mut self, suffix: &[u8]) {
+        self.bytes[self.len..self.len + suffix.len()].copy_from_slice(suffix);
+        self.len += suffix.len();
+    }
+
+    fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+}
+
+/// The arguments of a script call, written into one buffer as they are made (rather than
+/// into a `String` each), then copied once into the command.
+#[derive(Default)]
+struct Args {
+    data: Vec<u8>,
+    /// Where each argument ends in `data`.
+    ends: Vec<usize>,
+}
+
+impl Args {
+    fn push(&mut self, arg: impl redis::ToRedisArgs) {
+        arg.write_redis_args(self);
+    }
+
+    /// Pushes `value` as JSON; on an error, nothing.
+    fn push_json(&mut self, value: &impl serde::Serialize) -> serde_json::Result<()> {
+        let start = self.data.len();
+        match serde_json::to_writer(&mut self.data, value) {
+            Ok(()) => {
+                self.ends.push(self.data.len());
+                Ok(())
+            }
+            Err(error) => {
+                self.data.truncate(start);
+                Err(error)
+            }
+        }
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let arg = &self.data[start..end];
+            start = end;
+            arg
+        })
+    }
+}
+
+impl redis::RedisWrite for Args {
+    fn write_arg(&mut self, arg: &[u8]) {
+        self.data.extend_from_slice(arg);
+        self.ends.push(self.data.len());
+    }
+
+    fn writer_for_next_arg(&mut self) -> impl std::io::Write + '_ {
+        /// Ends the argument when dropped.
+        struct Next<'a>(&'a mut Args);
+        impl Drop for Next<'_> {
+            fn drop(&mut self) {
+                self.0.ends.push(self.0.data.len());
+            }
+        }
+        impl std::io::Write for Next<'_> {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.data.extend_from_slice(buf);
+                Ok(buf.len())
+            }
+
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        Next(self)
+    }
+}
+
+impl redis::ToRedisArgs for Args {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        out.reserve_space_for_args(self.iter().map(<[u8]>::len));
+        for arg in self.iter() {
+            out.write_arg(arg);
+        }
+    }
+}
+
 /// A script made of the fence's functions and `parts`, hashed once.
 fn fenced_script(
     cell: &'static std::sync::OnceLock<redis::Script>,
@@ -944,26 +1217,7 @@ impl RedisRuns {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<SaveCall> {
-        let header = serde_json::to_string(record).map_err(|e| corrupt("run record", &e))?;
-        let mut fields = vec!["h".to_owned(), header];
-        for (index, step) in record.steps.iter().enumerate().skip(from_step) {
-            let json = serde_json::to_string(step).map_err(|e| corrupt("run step", &e))?;
-            fields.push(numbered("s:", index));
-            fields.push(json);
-        }
-        let count = fields.len() / 2;
-        if let Some(progress) = progress.filter(|_| !record.ended()) {
-            if let Some(spec) = &progress.spec {
-                fields.push("spec".to_owned());
-                fields.push(spec.clone());
-            }
-            fields.push("st".to_owned());
-            fields.push(progress.state.clone());
-            for (offset, message) in progress.messages.iter().enumerate() {
-                fields.push(numbered("m:", progress.first_message + offset));
-                fields.push(message.clone());
-            }
-        }
+        let progress = progress.filter(|_| !record.ended());
         // Times to live: set when the record is made (the run's other keys have theirs
         // already) and when it ends; a run cannot outlive the first.
         let mut flags = match (record.steps.is_empty(), record.ended()) {
@@ -983,12 +1237,10 @@ impl RedisRuns {
             flags.push('o');
         }
         let agent = progress
-            .filter(|_| !record.ended())
             .and_then(|p| p.agent.as_ref())
-            .map(|json| (agent_id(json), json));
-        if let Some((id, json)) = &agent {
+            .map(|json| (self.0.agent_ids.of(json), json));
+        if agent.is_some() {
             flags.push('a');
-            fields.extend(["a".to_owned(), id.clone(), (*json).clone()]);
         }
         let wait = progress
             .and_then(|p| p.wait)
@@ -1001,24 +1253,48 @@ impl RedisRuns {
             } else {
                 self.0.limits.max_waiting_per_principal.max(1)
             };
-        let mut args = Vec::with_capacity(9 + fields.len() + record.pending.len());
-        args.extend([
-            record.run_id.clone(),
-            record.owner.clone(),
-            millis(self.ttl(record, wait)).to_string(),
-            millis(self.0.limits.lease).to_string(),
-            flags,
-            count.to_string(),
-            wait.map_or_else(String::new, |w| millis(w).to_string()),
-            most_waiting.to_string(),
-        ]);
+        let mut args = Args::default();
+        args.push(&record.run_id);
+        args.push(&record.owner);
+        args.push(millis(self.ttl(record, wait)));
+        args.push(millis(self.0.limits.lease));
+        args.push(&flags);
+        // The fields written whole: the header, then each step from `from_step` on.
+        args.push(1 + record.steps.len().saturating_sub(from_step));
+        args.push(wait.map_or_else(String::new, |w| millis(w).to_string()));
+        args.push(most_waiting);
         if wait.is_some() {
-            args.push(record.pending.len().to_string());
-            args.extend(record.pending.iter().map(|p| p.id.clone()));
+            args.push(record.pending.len());
+            for pending in &record.pending {
+                args.push(&pending.id);
+            }
         } else {
-            args.push("0".to_owned());
+            args.push(0);
         }
-        args.extend(fields);
+        args.push("h");
+        args.push_json(record)
+            .map_err(|e| corrupt("run record", &e))?;
+        for (index, step) in record.steps.iter().enumerate().skip(from_step) {
+            args.push(Numbered("s:", index));
+            args.push_json(step).map_err(|e| corrupt("run step", &e))?;
+        }
+        if let Some(progress) = progress {
+            if let Some(spec) = &progress.spec {
+                args.push("spec");
+                args.push(spec);
+            }
+            args.push("st");
+            args.push(&progress.state);
+            for (offset, message) in progress.messages.iter().enumerate() {
+                args.push(Numbered("m:", progress.first_message + offset));
+                args.push(message);
+            }
+        }
+        if let Some((id, json)) = &agent {
+            args.push("a");
+            args.push(id);
+            args.push(json);
+        }
         Ok(SaveCall {
             keys: [
                 self.0.key("run", &record.run_id),
@@ -1054,12 +1330,12 @@ impl RunStore for RedisRuns {
         run_id: &str,
         replacing: Option<&str>,
     ) -> StateResult<Claim> {
-        let holder: String = claim_script()
+        let holder: String = ScriptCall::new(claim_script(), 1)
             .key(self.message_key(session_id, message_id))
             .arg(run_id)
             .arg(replacing.unwrap_or(""))
             .arg(millis(RUNNING_TTL + self.0.limits.run_retention))
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(if holder.is_empty() {
@@ -1146,13 +1422,16 @@ impl RunStore for RedisRuns {
     }
 
     async fn answer(&self, run_id: &str, answers: &[(String, String)]) -> StateResult<Answered> {
-        let mut script = answer_script().key(self.0.key("wait", run_id));
-        script.key(self.0.key("leases", "all")).arg(run_id);
+        let mut script = ScriptCall::new(answer_script(), 2);
+        script
+            .key(self.0.key("wait", run_id))
+            .key(self.0.key("leases", "all"))
+            .arg(run_id);
         for (id, answer) in answers {
             script.arg(id).arg(answer);
         }
         let reply: Vec<String> = script
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(match reply.as_slice() {
@@ -1167,11 +1446,11 @@ impl RunStore for RedisRuns {
     }
 
     async fn cancel_waiting(&self, run_id: &str) -> StateResult<bool> {
-        let cancelled: u8 = cancel_waiting_script()
+        let cancelled: u8 = ScriptCall::new(cancel_waiting_script(), 2)
             .key(self.0.key("wait", run_id))
             .key(self.0.key("leases", "all"))
             .arg(run_id)
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(cancelled == 1)
@@ -1192,29 +1471,29 @@ impl RunStore for RedisRuns {
         if leases.is_empty() {
             return Ok(());
         }
-        let mut script = release_script().key(self.0.key("leases", "all"));
-        script.arg(&self.0.prefix);
+        let mut script = ScriptCall::new(release_script(), 1);
+        script.key(self.0.key("leases", "all")).arg(&self.0.prefix);
         for lease in leases {
             script.arg(&lease.run_id).arg(&lease.token);
         }
         let _: i64 = script
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(())
     }
 
     async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>> {
-        lapsed_script()
+        ScriptCall::new(lapsed_script(), 1)
             .key(self.0.key("leases", "all"))
             .arg(limit)
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))
     }
 
     async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {
-        let taken: Vec<String> = take_over_script()
+        let taken: Vec<String> = ScriptCall::new(take_over_script(), 4)
             .key(self.0.key("leases", "all"))
             .key(self.0.key("owner", run_id))
             .key(self.0.key("resume", run_id))
@@ -1222,7 +1501,7 @@ impl RunStore for RedisRuns {
             .arg(run_id)
             .arg(token)
             .arg(millis(self.0.limits.lease))
-            .invoke_async(&mut self.0.connection())
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         let [previous_owner, handed_over, told @ ..] = taken.as_slice() else {
@@ -1449,48 +1728,77 @@ impl EventBus for RedisBus {
     }
 }
 
+/// A reader of this replica's copy of a run's log, then of the shared log from where the
+/// copy stopped (see [`RedisBus::then_shared`]).
+struct ThenShared {
+    bus: RedisBus,
+    run_id: String,
+    source: Source,
+}
+
+enum Source {
+    Local(EventStream),
+    /// The shared log being opened after the copy stopped.
+    Opening(std::pin::Pin<Box<dyn Future<Output = Result<EventStream, BusError>> + Send>>),
+    Shared(EventStream),
+    Done,
+}
+
+impl futures_util::Stream for ThenShared {
+    type Item = Result<Arc<RunEvent>, BusError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            match &mut this.source {
+                Source::Local(local) => match std::task::ready!(local.as_mut().poll_next(cx)) {
+                    Some(Err(BusError::Moved { after })) => {
+                        let bus = RedisBus(this.bus.0.clone());
+                        let run_id = this.run_id.clone();
+                        this.source = Source::Opening(Box::pin(async move {
+                            bus.shared_log(&run_id, after).await
+                        }));
+                    }
+                    None => {
+                        this.source = Source::Done;
+                        return Poll::Ready(None);
+                    }
+                    item => return Poll::Ready(item),
+                },
+                Source::Opening(opening) => match std::task::ready!(opening.as_mut().poll(cx)) {
+                    Ok(shared) => this.source = Source::Shared(shared),
+                    Err(error) => {
+                        this.source = Source::Done;
+                        return Poll::Ready(Some(Err(error)));
+                    }
+                },
+                Source::Shared(shared) => {
+                    let item = std::task::ready!(shared.as_mut().poll_next(cx));
+                    if item.is_none() {
+                        this.source = Source::Done;
+                    }
+                    return Poll::Ready(item);
+                }
+                Source::Done => return Poll::Ready(None),
+            }
+        }
+    }
+}
+
 impl RedisBus {
     /// Follows this replica's copy of a run's log, then, when the run goes on elsewhere
     /// (it waited and another replica continues it, or another replica took it over),
     /// the shared log from where the copy stopped: a reader here never misses the rest.
     fn then_shared(&self, run_id: &str, local: EventStream) -> EventStream {
-        use futures_util::StreamExt;
-        enum Source {
-            Local(EventStream),
-            Shared(EventStream),
-            Done,
-        }
-        let bus = RedisBus(self.0.clone());
-        let run_id = run_id.to_owned();
-        Box::pin(futures_util::stream::unfold(
-            Source::Local(local),
-            move |source| {
-                let bus = RedisBus(bus.0.clone());
-                let run_id = run_id.clone();
-                async move {
-                    match source {
-                        Source::Local(mut local) => match local.next().await {
-                            Some(Err(BusError::Moved { after })) => {
-                                match bus.shared_log(&run_id, after).await {
-                                    Ok(mut shared) => {
-                                        let next = shared.next().await?;
-                                        Some((next, Source::Shared(shared)))
-                                    }
-                                    Err(error) => Some((Err(error), Source::Done)),
-                                }
-                            }
-                            Some(item) => Some((item, Source::Local(local))),
-                            None => None,
-                        },
-                        Source::Shared(mut shared) => {
-                            let next = shared.next().await?;
-                            Some((next, Source::Shared(shared)))
-                        }
-                        Source::Done => None,
-                    }
-                }
-            },
-        ))
+        Box::pin(ThenShared {
+            bus: RedisBus(self.0.clone()),
+            run_id: run_id.to_owned(),
+            source: Source::Local(local),
+        })
     }
 
     /// Follows the shared log of `run_id` from `after_sequence`.
@@ -1580,19 +1888,19 @@ return save(save_keys, save_args)
 /// The keys and arguments of a [`SAVE`].
 struct SaveCall {
     keys: [String; 9],
-    args: Vec<String>,
+    args: Args,
 }
 
 impl SaveCall {
     /// Runs the save alone (with no events to go with it).
     async fn write(self, shared: &Shared, run_id: &str) -> StateResult<()> {
-        let mut script = save_script().prepare_invoke();
+        let mut script = ScriptCall::new(save_script(), self.keys.len());
         for key in &self.keys {
             script.key(key);
         }
         let written: u8 = script
-            .arg(self.args)
-            .invoke_async(&mut shared.connection())
+            .arg(&self.args)
+            .invoke(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
         if written == OVER_WAITING_BUDGET {
@@ -1817,11 +2125,17 @@ impl PublisherCore {
         ttl: u64,
         last: u64,
     ) -> Result<Result<u8, redis::RedisError>, CheckpointError> {
+        // Room for the keys and arguments, an event's taking about 400 bytes.
+        let (args, bytes) = (12 + 2 * events.len(), 400 * events.len() + 256);
         let mut script = match save {
-            Some(_) => checkpoint_script(),
-            None => publish_script(),
-        }
-        .prepare_invoke();
+            Some(save) => ScriptCall::with_room(
+                checkpoint_script(),
+                3 + save.keys.len(),
+                args + save.keys.len() + save.args.ends.len(),
+                bytes + save.keys.iter().map(String::len).sum::<usize>() + save.args.data.len(),
+            ),
+            None => ScriptCall::with_room(publish_script(), 3, args, bytes),
+        };
         script
             .key(&self.key)
             .key(self.shared.key("owner", &self.run_id))
@@ -1840,19 +2154,18 @@ impl PublisherCore {
             .arg(ttl)
             .arg(last);
         for (sequence, event) in events {
-            let json = serde_json::to_vec(event).map_err(|e| {
+            script.arg(StreamId(*sequence));
+            // Encoded into the command itself.
+            serde_json::to_writer(script.next_arg(), event).map_err(|e| {
                 CheckpointError::Events(BusError::Unavailable(format!(
                     "cannot encode an event: {e}"
                 )))
             })?;
-            let mut id = sequence.to_string();
-            id.push_str("-1");
-            script.arg(id).arg(json);
         }
         if let Some(save) = save {
             script.arg(&save.args);
         }
-        Ok(script.invoke_async(&mut self.shared.connection()).await)
+        Ok(script.invoke(&mut self.shared.connection()).await)
     }
 
     async fn write_with(&self, save: Option<SaveCall>) -> Result<(), CheckpointError> {
@@ -2289,5 +2602,79 @@ impl RedisReader {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::ToRedisArgs;
+
+    use super::{Args, Numbered, PARSED_BYTES, Parsed, StoredEngine, StreamId};
+
+    #[test]
+    fn stream_ids_are_the_sequence_then_one() {
+        for (sequence, id) in [
+            (0, "0-1"),
+            (7, "7-1"),
+            (10, "10-1"),
+            (u64::MAX, "18446744073709551615-1"),
+        ] {
+            assert_eq!(
+                StreamId(sequence).to_redis_args(),
+                vec![id.as_bytes().to_vec()]
+            );
+        }
+    }
+
+    #[test]
+    fn engines_kept_parsed_stay_within_their_bytes() {
+        let mut parsed = Parsed::default();
+        let engine = |id: &str| StoredEngine {
+            id: id.into(),
+            session_id: "s".into(),
+            config: std::sync::Arc::new(agentrt_test_support::conformance::sample_config()),
+            tools: std::sync::Arc::new([]),
+            create_time: std::time::SystemTime::UNIX_EPOCH,
+            expire_time: std::time::SystemTime::UNIX_EPOCH,
+        };
+        let json = "x".repeat(PARSED_BYTES / 8);
+        for n in 0..20 {
+            parsed.keep(json.clone(), &engine(&n.to_string()));
+            assert!(parsed.bytes <= PARSED_BYTES);
+            assert_eq!(
+                parsed.bytes,
+                parsed
+                    .engines
+                    .values()
+                    .map(|(json, _)| json.len())
+                    .sum::<usize>()
+            );
+        }
+        assert_eq!(parsed.engines.len(), 8);
+        // Kept again, an engine replaces its JSON; too big, it is not kept.
+        parsed.keep("y".repeat(PARSED_BYTES / 2), &engine("19"));
+        assert!(!parsed.engines.contains_key("19"));
+        assert_eq!(parsed.engines.len(), 7);
+        for n in 0..20 {
+            parsed.remove(&n.to_string());
+        }
+        assert_eq!((parsed.engines.len(), parsed.bytes), (0, 0));
+    }
+
+    #[test]
+    fn arguments_made_in_one_buffer_read_back_one_by_one() {
+        let mut args = Args::default();
+        args.push("h");
+        args.push(Numbered("s:", 0));
+        args.push(Numbered("m:", 1234));
+        args.push(7_u64);
+        args.push("");
+        args.push_json(&serde_json::json!({"a": [1, "two"]}))
+            .unwrap();
+        let expected: Vec<Vec<u8>> = ["h", "s:0", "m:1234", "7", "", r#"{"a":[1,"two"]}"#]
+            .iter()
+            .map(|arg| arg.as_bytes().to_vec())
+            .collect();
+        assert_eq!(args.to_redis_args(), expected);
     }
 }

@@ -139,6 +139,31 @@ pub fn agent_id(agent: &str) -> String {
         })
 }
 
+/// The ids ([`agent_id`]) of the agents saved last, so that the runs of one agent hash
+/// its text once rather than at every run's first save.
+#[derive(Default)]
+pub(crate) struct AgentIds(Mutex<VecDeque<(String, String)>>);
+
+/// How many agents [`AgentIds`] remembers.
+const AGENT_IDS_KEPT: usize = 16;
+
+impl AgentIds {
+    /// [`agent_id`] of `agent`.
+    pub(crate) fn of(&self, agent: &str) -> String {
+        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(at) = known.iter().position(|(text, _)| text == agent) {
+            let entry = known.remove(at).unwrap_or_default();
+            let id = entry.1.clone();
+            known.push_front(entry);
+            return id;
+        }
+        let id = agent_id(agent);
+        known.truncate(AGENT_IDS_KEPT - 1);
+        known.push_front((agent.to_owned(), id.clone()));
+        id
+    }
+}
+
 /// Why a checkpoint ([`RunStore::checkpoint`]) failed.
 #[derive(Debug, Clone)]
 pub enum CheckpointError {

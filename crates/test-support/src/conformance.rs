@@ -267,7 +267,7 @@ fn agentrt_models_message(n: u32) -> agentrt_models::ChatMessage {
 }
 
 /// The config of the engines the suites store.
-fn sample_config() -> agentrt_core::AgentConfig {
+pub fn sample_config() -> agentrt_core::AgentConfig {
     agentrt_core::AgentConfig {
         name: "a".into(),
         system_prompt: "be brief".into(),
@@ -328,6 +328,18 @@ where
         "read back as written"
     );
     assert!(other.get("nope").await.unwrap().is_none());
+    // A replica that read an engine reads it as it is now: replaced on another replica
+    // by one of the same id that runs something else, it is the new one.
+    let mut replaced = engine.clone();
+    Arc::make_mut(&mut replaced.config).system_prompt = "something else".into();
+    assert!(store.remove("e1").await.unwrap());
+    store.insert(replaced.clone()).await.unwrap();
+    let read = other.get("e1").await.unwrap().expect("replaced");
+    assert_eq!(read.config, replaced.config, "read as replaced");
+    assert_eq!(
+        other.get("e1").await.unwrap().expect("read again").config,
+        replaced.config
+    );
     assert!(other.remove("e1").await.unwrap());
     assert!(!store.remove("e1").await.unwrap());
     assert!(store.get("e1").await.unwrap().is_none());
