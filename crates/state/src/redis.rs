@@ -330,7 +330,7 @@ fn connection_config(response_timeout: Duration) -> ConnectionManagerConfig {
         .set_max_delay(Duration::from_secs(1))
 }
 
-/// `prefix` followed by `n`: a field name, made for every write.
+/// `duration` in whole milliseconds, at least 1 (Redis refuses a time to live of 0).
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis())
         .unwrap_or(u64::MAX)
@@ -384,37 +384,44 @@ struct RedisEngines {
     parsed: Mutex<Parsed>,
 }
 
-/// Engines kept parsed, by id, with the JSON Redis holds for them: at most
-/// [`PARSED_BYTES`] of it.
+/// Engines kept parsed, by id, with the JSON Redis holds for them: at most about
+/// [`PARSED_BYTES`] in all, an engine counting as its JSON twice (the JSON, and the engine
+/// parsed from it) and its id.
 #[derive(Default)]
 struct Parsed {
     engines: HashMap<String, (String, StoredEngine)>,
     bytes: usize,
 }
 
-/// How much engine JSON [`Parsed`] holds at most.
+/// How much [`Parsed`] holds at most.
 const PARSED_BYTES: usize = 8 << 20;
 
 impl Parsed {
+    /// What an engine of `id` read from `json` counts for.
+    fn size(id: &str, json: &str) -> usize {
+        2 * json.len() + id.len()
+    }
+
     fn remove(&mut self, id: &str) {
         if let Some((json, _)) = self.engines.remove(id) {
-            self.bytes -= json.len();
+            self.bytes -= Self::size(id, &json);
         }
     }
 
     fn keep(&mut self, json: String, engine: &StoredEngine) {
         self.remove(&engine.id);
-        if json.len() > PARSED_BYTES / 4 {
+        let size = Self::size(&engine.id, &json);
+        if size > PARSED_BYTES / 4 {
             return;
         }
-        while self.bytes + json.len() > PARSED_BYTES {
+        while self.bytes + size > PARSED_BYTES {
             // Any one makes room: a miss costs a parse, no more.
             let Some(id) = self.engines.keys().next().cloned() else {
                 break;
             };
             self.remove(&id);
         }
-        self.bytes += json.len();
+        self.bytes += size;
         self.engines
             .insert(engine.id.clone(), (json, engine.clone()));
     }
@@ -973,6 +980,8 @@ struct ScriptCall {
     command: redis::Cmd,
     /// Keys still to come before the arguments.
     keys_left: usize,
+    /// Whether more keys came than the script was told.
+    overflow: bool,
 }
 
 impl ScriptCall {
@@ -990,11 +999,13 @@ impl ScriptCall {
             script,
             command,
             keys_left: keys,
+            overflow: false,
         }
     }
 
     fn key(&mut self, key: impl redis::ToRedisArgs) -> &mut Self {
         debug_assert!(self.keys_left > 0, "more keys than the script was told");
+        self.overflow |= self.keys_left == 0;
         self.keys_left = self.keys_left.saturating_sub(1);
         self.command.arg(key);
         self
@@ -1016,7 +1027,12 @@ impl ScriptCall {
         &self,
         connection: &mut ConnectionManager,
     ) -> redis::RedisResult<T> {
-        debug_assert_eq!(self.keys_left, 0, "fewer keys than the script was told");
+        if self.keys_left != 0 || self.overflow {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::Client,
+                "a script call with other keys than it was told (a bug)",
+            )));
+        }
         match self.command.query_async(connection).await {
             Err(error)
                 if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) =>
@@ -2637,25 +2653,27 @@ mod tests {
             create_time: std::time::SystemTime::UNIX_EPOCH,
             expire_time: std::time::SystemTime::UNIX_EPOCH,
         };
-        let json = "x".repeat(PARSED_BYTES / 8);
-        for n in 0..20 {
-            parsed.keep(json.clone(), &engine(&n.to_string()));
+        // Each counts for an eighth of the bound (its JSON twice, and its id).
+        let json = |id: &str| "x".repeat((PARSED_BYTES / 8 - id.len()) / 2);
+        for n in 10..30 {
+            let id = n.to_string();
+            parsed.keep(json(&id), &engine(&id));
             assert!(parsed.bytes <= PARSED_BYTES);
             assert_eq!(
                 parsed.bytes,
                 parsed
                     .engines
-                    .values()
-                    .map(|(json, _)| json.len())
+                    .iter()
+                    .map(|(id, (json, _))| Parsed::size(id, json))
                     .sum::<usize>()
             );
         }
         assert_eq!(parsed.engines.len(), 8);
         // Kept again, an engine replaces its JSON; too big, it is not kept.
-        parsed.keep("y".repeat(PARSED_BYTES / 2), &engine("19"));
-        assert!(!parsed.engines.contains_key("19"));
+        parsed.keep("y".repeat(PARSED_BYTES / 8), &engine("29"));
+        assert!(!parsed.engines.contains_key("29"));
         assert_eq!(parsed.engines.len(), 7);
-        for n in 0..20 {
+        for n in 10..30 {
             parsed.remove(&n.to_string());
         }
         assert_eq!((parsed.engines.len(), parsed.bytes), (0, 0));

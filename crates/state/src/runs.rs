@@ -150,17 +150,27 @@ const AGENT_IDS_KEPT: usize = 16;
 impl AgentIds {
     /// [`agent_id`] of `agent`.
     pub(crate) fn of(&self, agent: &str) -> String {
-        let mut known = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(at) = known.iter().position(|(text, _)| text == agent) {
-            let entry = known.remove(at).unwrap_or_default();
-            let id = entry.1.clone();
-            known.push_front(entry);
-            return id;
+        {
+            let mut known = self.known();
+            if let Some(at) = known.iter().position(|(text, _)| text == agent) {
+                let entry = known.remove(at).unwrap_or_default();
+                let id = entry.1.clone();
+                known.push_front(entry);
+                return id;
+            }
         }
+        // Hashed without the lock, which other runs' saves take.
         let id = agent_id(agent);
-        known.truncate(AGENT_IDS_KEPT - 1);
-        known.push_front((agent.to_owned(), id.clone()));
+        let mut known = self.known();
+        if !known.iter().any(|(text, _)| text == agent) {
+            known.truncate(AGENT_IDS_KEPT - 1);
+            known.push_front((agent.to_owned(), id.clone()));
+        }
         id
+    }
+
+    fn known(&self) -> MutexGuard<'_, VecDeque<(String, String)>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -1268,6 +1278,23 @@ impl RunStore for MemoryRunStore {
 mod tests {
     use super::*;
     use crate::RunStatus;
+
+    #[test]
+    fn agent_ids_kept_are_the_digests_and_stay_bounded() {
+        let ids = AgentIds::default();
+        let agents: Vec<String> = (0..AGENT_IDS_KEPT + 4)
+            .map(|n| format!(r#"{{"config":{{"name":"agent {n}"}}}}"#))
+            .collect();
+        for _ in 0..2 {
+            for agent in &agents {
+                assert_eq!(ids.of(agent), agent_id(agent));
+                assert!(ids.known().len() <= AGENT_IDS_KEPT);
+            }
+        }
+        // The last used are the ones kept.
+        assert_eq!(ids.known()[0].0, agents[agents.len() - 1]);
+        assert_eq!(ids.of(&agents[3]), agent_id(&agents[3]));
+    }
 
     #[tokio::test]
     async fn a_waiting_run_is_kept_packed_until_it_goes_on() {
