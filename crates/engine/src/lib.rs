@@ -305,6 +305,17 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// A run's answered calls, as [`Engine::answered`] goes on with them.
+struct Answered {
+    calls: Vec<ModelToolCall>,
+    results: Vec<Option<CallResult>>,
+    pending: Vec<PendingCall>,
+    /// Results the previous owner published, by call id.
+    known: HashMap<String, (ToolResult, Duration)>,
+    /// What the run was told while it waited; `None` when it was answered already.
+    told: Option<Answers>,
+}
+
 /// Where a run taken over from another replica goes on from.
 struct Resume {
     /// Its state at its last checkpoint.
@@ -690,37 +701,45 @@ impl StartedRun {
                 },
             }
         };
-        let RunParts {
-            mut emitter,
-            control,
-            ..
-        } = *parts;
-        if control.is_let_go() {
-            debug!(parent: &span, "run let go to another replica");
+        // The end is a future of its own, made when the run ends: what it takes apart and
+        // awaits, held across more than one await here, would be laid out beside every
+        // other await of this future, and so take room in every run in flight.
+        Box::pin(end(parts, outcome, span, metrics)).await;
+    }
+}
+
+/// Ends the run with `outcome`: publishes its end (or lets it go) and saves its record.
+async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metrics: &Metrics) {
+    let RunParts {
+        mut emitter,
+        control,
+        ..
+    } = *parts;
+    if control.is_let_go() {
+        debug!(parent: &span, "run let go to another replica");
+        emitter.release().await;
+        return;
+    }
+    if control.abandoned.load(Ordering::Acquire) {
+        emitter.abandoned();
+    }
+    debug!(parent: &span, ?outcome, "run ended");
+    match outcome {
+        Outcome::Answered(reason) => {
+            metrics.run_finished(reason.as_str());
+            emitter.finish_answered(reason).instrument(span).await;
+        }
+        Outcome::Failed(reason, error) => {
+            metrics.run_finished(reason.as_str());
+            emitter.finish_failed(reason, error).instrument(span).await;
+        }
+        Outcome::Moved => {
+            debug!(parent: &span, "run taken over by another replica");
             emitter.release().await;
-            return;
         }
-        if control.abandoned.load(Ordering::Acquire) {
-            emitter.abandoned();
-        }
-        debug!(parent: &span, ?outcome, "run ended");
-        match outcome {
-            Outcome::Answered(reason) => {
-                metrics.run_finished(reason.as_str());
-                Box::pin(emitter.finish_answered(reason).instrument(span)).await;
-            }
-            Outcome::Failed(reason, error) => {
-                metrics.run_finished(reason.as_str());
-                Box::pin(emitter.finish_failed(reason, error).instrument(span)).await;
-            }
-            Outcome::Moved => {
-                debug!(parent: &span, "run taken over by another replica");
-                emitter.release().await;
-            }
-            Outcome::Waiting => {
-                debug!(parent: &span, "run waits for tool outputs or approvals");
-                emitter.park().await;
-            }
+        Outcome::Waiting => {
+            debug!(parent: &span, "run waits for tool outputs or approvals");
+            emitter.park().await;
         }
     }
 }
@@ -909,35 +928,18 @@ impl Engine {
                     results,
                     pending,
                 } => {
-                    let calls = calls.to_vec();
-                    let mut results = results.to_vec();
-                    let pending = pending.to_vec();
-                    let known = recovered.take().unwrap_or_default();
-                    let to_run = match waited.take() {
-                        Some(told) => {
-                            let to_run = self.take_answers(
-                                spec,
-                                &calls,
-                                &mut results,
-                                &pending,
-                                (&told, &known),
-                                em,
-                            )?;
-                            state.decided(results.clone(), &to_run);
-                            if em.durable() {
-                                let progress = progress(&mut state, &mut saved_messages, None)?;
-                                em.checkpoint(Some(progress)).await?;
-                            }
-                            to_run
-                        }
-                        // Answered already, and taken over while the approved calls ran.
-                        None => state.approved().to_vec(),
+                    let answered = Answered {
+                        calls: calls.to_vec(),
+                        results: results.to_vec(),
+                        pending: pending.to_vec(),
+                        known: recovered.take().unwrap_or_default(),
+                        told: waited.take(),
                     };
-                    let results = Box::pin(
-                        self.run_approved(spec, &calls, results, &to_run, known, em, cancel),
-                    )
-                    .await?;
-                    state.answered(results, now_ms(), strategy, counter);
+                    // A future of its own, made when the run is answered: what it holds
+                    // across its awaits would otherwise be laid out beside every await of
+                    // this one, and so take room in every run in flight.
+                    let run = (spec, &mut *em, cancel);
+                    Box::pin(self.answered(run, &mut state, &mut saved_messages, answered)).await?;
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
                     let reason = *reason;
@@ -1288,6 +1290,45 @@ impl Engine {
                 .collect(),
             pending: waiting,
         })
+    }
+
+    /// Goes on with a run that was answered (or taken over while its approved calls
+    /// ran): takes the answers, saves what was decided, runs the approved calls, and gives
+    /// the step machine every call's result.
+    async fn answered(
+        &self,
+        (spec, em, cancel): (&RunSpec, &mut Emitter, &CancellationToken),
+        state: &mut RunState,
+        saved_messages: &mut usize,
+        answered: Answered,
+    ) -> Result<(), Outcome> {
+        let Answered {
+            calls,
+            mut results,
+            pending,
+            known,
+            told,
+        } = answered;
+        let to_run = match told {
+            Some(told) => {
+                let to_run =
+                    self.take_answers(spec, &calls, &mut results, &pending, (&told, &known), em)?;
+                state.decided(results.clone(), &to_run);
+                if em.durable() {
+                    let progress = progress(state, saved_messages, None)?;
+                    em.checkpoint(Some(progress)).await?;
+                }
+                to_run
+            }
+            // Answered already, and taken over while the approved calls ran.
+            None => state.approved().to_vec(),
+        };
+        let results = self
+            .run_approved(spec, &calls, results, &to_run, known, em, cancel)
+            .await?;
+        let strategy = strategy::of(spec.config.strategy);
+        state.answered(results, now_ms(), strategy, TokenCounter::shared());
+        Ok(())
     }
 
     /// Reads the answers a waiting run was told: the outputs of client tools and the
