@@ -1043,7 +1043,7 @@ impl Engine {
             // its usage counts it, estimated, unless the provider refused or was never
             // reached.
             em.model_answering(prompt_tokens);
-            let mut stream = match model.stream(request, cancel.child_token()).await {
+            let stream = match model.stream(request, cancel.child_token()).await {
                 Ok(stream) => stream,
                 Err(error) => {
                     if error.never_processed() {
@@ -1052,63 +1052,22 @@ impl Engine {
                     return Err(model_failure(error));
                 }
             };
-            let mut parser = strategy.reply_parser();
-            let mut stop_cut = react::StopCut::default();
-            let mut pieces = Vec::new();
-            let mut content = String::new();
-            let mut reasoning = String::new();
-            let mut calls = Vec::new();
-            let mut finish = FinishReason::Unknown;
-            let mut usage = None;
-            let mut refusal = None;
-            let mut finished = false;
-            loop {
-                // Deltas that are already here are published as one batch; readers are
-                // woken only when the model makes us wait.
-                let next = match stream.next().now_or_never() {
-                    Some(next) => next,
-                    None => {
-                        em.flush().await?;
-                        stream.next().await
-                    }
-                };
-                let Some(delta) = next else { break };
-                first_delta.get_or_insert_with(Instant::now);
-                match delta.map_err(model_failure)? {
-                    ChatDelta::Reasoning(text) => {
-                        reasoning.push_str(&text);
-                        em.thought(text);
-                    }
-                    ChatDelta::Content(text) => match parser.as_mut() {
-                        Some(parser) => {
-                            // The server may not honour the stop sequence: cut there.
-                            let text = stop_cut.push(&text);
-                            content.push_str(&text);
-                            parser.push(&text, &mut pieces);
-                            em.pieces(pieces.drain(..));
-                            if stop_cut.stopped() {
-                                finish = FinishReason::Stop;
-                                break;
-                            }
-                        }
-                        None => {
-                            content.push_str(&text);
-                            em.answer(text);
-                        }
-                    },
-                    ChatDelta::ToolCall(call) => add_call(&mut calls, call),
-                    ChatDelta::Refusal(text) => refusal = Some(text),
-                    ChatDelta::Finish {
-                        reason,
-                        usage: reported,
-                    } => {
-                        finish = reason;
-                        usage = reported;
-                        finished = true;
-                        break;
-                    }
-                }
-            }
+            // The reply is read by a future of its own, made once the model answers:
+            // what it holds while it reads would otherwise take room while the run waits
+            // for the answer to begin, which is where most runs in flight are.
+            let Streamed {
+                mut stream,
+                parser,
+                mut stop_cut,
+                mut pieces,
+                mut content,
+                reasoning,
+                calls,
+                finish,
+                usage,
+                refusal,
+                finished,
+            } = Box::pin(read_reply(stream, strategy, em, &mut first_delta)).await?;
             // After the finish, the answer is whole: the end of the body, which a server
             // may keep open a while after `[DONE]` (the client reads it, up to a grace,
             // rather than resetting the stream), is read without holding the run.
@@ -1871,6 +1830,102 @@ fn answer_or_error(text: String, cut_short: bool) -> Result<Reply, Outcome> {
             retryable: !cut_short,
         },
     ))
+}
+
+/// What a model's reply streamed (see [`read_reply`]).
+struct Streamed {
+    stream: agentrt_models::ChatStream,
+    parser: Option<react::Parser>,
+    stop_cut: react::StopCut,
+    pieces: Vec<react::Segment>,
+    content: String,
+    reasoning: String,
+    calls: Vec<ModelToolCall>,
+    finish: FinishReason,
+    usage: Option<Usage>,
+    refusal: Option<String>,
+    /// Whether the model said it finished.
+    finished: bool,
+}
+
+/// Reads a model's reply from `stream` into events, up to its finish (or its end); when
+/// its first delta came, into `first_delta`.
+async fn read_reply(
+    mut stream: agentrt_models::ChatStream,
+    strategy: &dyn strategy::Strategy,
+    em: &mut Emitter,
+    first_delta: &mut Option<Instant>,
+) -> Result<Streamed, Outcome> {
+    let mut parser = strategy.reply_parser();
+    let mut stop_cut = react::StopCut::default();
+    let mut pieces = Vec::new();
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut calls = Vec::new();
+    let mut finish = FinishReason::Unknown;
+    let mut usage = None;
+    let mut refusal = None;
+    let mut finished = false;
+    loop {
+        // Deltas that are already here are published as one batch; readers are
+        // woken only when the model makes us wait.
+        let next = match stream.next().now_or_never() {
+            Some(next) => next,
+            None => {
+                em.flush().await?;
+                stream.next().await
+            }
+        };
+        let Some(delta) = next else { break };
+        first_delta.get_or_insert_with(Instant::now);
+        match delta.map_err(model_failure)? {
+            ChatDelta::Reasoning(text) => {
+                reasoning.push_str(&text);
+                em.thought(text);
+            }
+            ChatDelta::Content(text) => match parser.as_mut() {
+                Some(parser) => {
+                    // The server may not honour the stop sequence: cut there.
+                    let text = stop_cut.push(&text);
+                    content.push_str(&text);
+                    parser.push(&text, &mut pieces);
+                    em.pieces(pieces.drain(..));
+                    if stop_cut.stopped() {
+                        finish = FinishReason::Stop;
+                        break;
+                    }
+                }
+                None => {
+                    content.push_str(&text);
+                    em.answer(text);
+                }
+            },
+            ChatDelta::ToolCall(call) => add_call(&mut calls, call),
+            ChatDelta::Refusal(text) => refusal = Some(text),
+            ChatDelta::Finish {
+                reason,
+                usage: reported,
+            } => {
+                finish = reason;
+                usage = reported;
+                finished = true;
+                break;
+            }
+        }
+    }
+    Ok(Streamed {
+        stream,
+        parser,
+        stop_cut,
+        pieces,
+        content,
+        reasoning,
+        calls,
+        finish,
+        usage,
+        refusal,
+        finished,
+    })
 }
 
 /// Adds a call of a round, under an id no other call of the round has: a model (or server)
