@@ -305,6 +305,19 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// What a run taken over brings to its step loop, until it is used up. Boxed: most runs
+/// have none, and inline it would take room in every run's future.
+struct Carried {
+    /// Results the previous owner published, by call id, until a model round runs here.
+    recovered: Option<HashMap<String, (ToolResult, Duration)>>,
+    /// Model rounds the previous owner had begun: they run again.
+    interrupted: Vec<u32>,
+    /// `takeover` or `handover`.
+    reason: &'static str,
+    /// For a run that waited: what it was told meanwhile.
+    waited: Option<Answers>,
+}
+
 /// A run's answered calls, as [`Engine::answered`] goes on with them.
 struct Answered {
     calls: Vec<ModelToolCall>,
@@ -808,38 +821,41 @@ impl Engine {
                     + counter.text(&d.parameters.text())
             })
             .sum();
-        let (mut state, mut saved_messages, mut recovered, mut interrupted, reason, mut waited) =
-            match resume.map(|resume| *resume) {
-                Some(resume) => (
-                    resume.state,
-                    resume.saved_messages,
-                    Some(resume.results),
-                    resume.interrupted,
-                    resume.reason,
-                    resume.waited,
-                ),
-                None => {
-                    // Saved as it is when the run started.
-                    let state = RunState::new(&spec.query, config.max_iterations, counter);
-                    let saved = state.messages.len();
-                    (state, saved, None, Vec::new(), "", None)
-                }
-            };
+        let (mut state, mut saved_messages, mut carried) = match resume.map(|resume| *resume) {
+            Some(resume) => (
+                resume.state,
+                resume.saved_messages,
+                Some(Box::new(Carried {
+                    recovered: Some(resume.results),
+                    interrupted: resume.interrupted,
+                    reason: resume.reason,
+                    waited: resume.waited,
+                })),
+            ),
+            None => {
+                // Saved as it is when the run started.
+                let state = RunState::new(&spec.query, config.max_iterations, counter);
+                let saved = state.messages.len();
+                (state, saved, None)
+            }
+        };
         loop {
             match state.next() {
                 Step::Model {
                     iteration,
                     with_tools,
                 } => {
-                    if let Some(at) = interrupted.iter().position(|i| *i == iteration) {
-                        interrupted.swap_remove(at);
-                        em.round_restarted(iteration, reason);
+                    if let Some(carried) = carried.as_mut() {
+                        if let Some(at) = carried.interrupted.iter().position(|i| *i == iteration) {
+                            carried.interrupted.swap_remove(at);
+                            em.round_restarted(iteration, carried.reason);
+                        }
+                        // What the previous owner published belongs to the step it saved:
+                        // once a model round runs here, the calls it asks for are new,
+                        // announced and checkpointed as any (a run taken over in a model
+                        // round used to run them unannounced).
+                        carried.recovered = None;
                     }
-                    // What the previous owner published belongs to the step it saved: once
-                    // a model round runs here, the calls it asks for are new, announced
-                    // and checkpointed as any (a run taken over in a model round used to
-                    // run them unannounced).
-                    recovered = None;
                     em.begin_round(iteration);
                     // The final request is asked once and not kept in the turn.
                     let asked = !with_tools;
@@ -891,7 +907,7 @@ impl Engine {
                     // they run; the results are published as they come (a replica that
                     // takes the run over reads them from the log). A run taken over in
                     // this step has saved that already, and some results are known.
-                    let known = recovered.take();
+                    let known = carried.as_mut().and_then(|c| c.recovered.take());
                     let checkpoint = match known {
                         Some(_) => None,
                         None if em.durable() => {
@@ -932,8 +948,11 @@ impl Engine {
                         calls: calls.to_vec(),
                         results: results.to_vec(),
                         pending: pending.to_vec(),
-                        known: recovered.take().unwrap_or_default(),
-                        told: waited.take(),
+                        known: carried
+                            .as_mut()
+                            .and_then(|c| c.recovered.take())
+                            .unwrap_or_default(),
+                        told: carried.as_mut().and_then(|c| c.waited.take()),
                     };
                     // A future of its own, made when the run is answered: what it holds
                     // across its awaits would otherwise be laid out beside every await of
