@@ -308,9 +308,10 @@ fn now_ms() -> u64 {
 /// What a run taken over brings to its step loop, until it is used up. Boxed: most runs
 /// have none, and inline it would take room in every run's future.
 struct Carried {
-    /// Results the previous owner published, by call id, until a model round runs here.
+    /// Results of the pending calls that the previous owner published, by call id, until
+    /// a model round runs here.
     recovered: Option<HashMap<String, (ToolResult, Duration)>>,
-    /// Model rounds the previous owner had begun: they run again.
+    /// Model rounds the previous owner had begun to publish: they run again.
     interrupted: Vec<u32>,
     /// `takeover` or `handover`.
     reason: &'static str,
@@ -335,14 +336,8 @@ struct Resume {
     state: RunState,
     /// The turn's messages saved so far.
     saved_messages: usize,
-    /// Results of the pending calls that the previous owner published, by call id.
-    results: HashMap<String, (ToolResult, Duration)>,
-    /// Model rounds the previous owner had begun to publish: they run again.
-    interrupted: Vec<u32>,
-    /// `takeover` or `handover`.
-    reason: &'static str,
-    /// For a run that waited: what it was told meanwhile.
-    waited: Option<Answers>,
+    /// What it brings to the step loop.
+    carried: Box<Carried>,
     /// When the run started, in milliseconds since the Unix epoch: the session's turns
     /// kept since are not its history.
     started_ms: u64,
@@ -618,10 +613,12 @@ impl Engine {
             resume: Some(Box::new(Resume {
                 state,
                 saved_messages,
-                results,
-                interrupted,
-                reason: if handover { "handover" } else { "takeover" },
-                waited: taken.waited,
+                carried: Box::new(Carried {
+                    recovered: Some(results),
+                    interrupted,
+                    reason: if handover { "handover" } else { "takeover" },
+                    waited: taken.waited,
+                }),
                 started_ms,
             })),
         })))
@@ -822,16 +819,7 @@ impl Engine {
             })
             .sum();
         let (mut state, mut saved_messages, mut carried) = match resume.map(|resume| *resume) {
-            Some(resume) => (
-                resume.state,
-                resume.saved_messages,
-                Some(Box::new(Carried {
-                    recovered: Some(resume.results),
-                    interrupted: resume.interrupted,
-                    reason: resume.reason,
-                    waited: resume.waited,
-                })),
-            ),
+            Some(resume) => (resume.state, resume.saved_messages, Some(resume.carried)),
             None => {
                 // Saved as it is when the run started.
                 let state = RunState::new(&spec.query, config.max_iterations, counter);
@@ -957,8 +945,15 @@ impl Engine {
                     // A future of its own, made when the run is answered: what it holds
                     // across its awaits would otherwise be laid out beside every await of
                     // this one, and so take room in every run in flight.
-                    let run = (spec, &mut *em, cancel);
-                    Box::pin(self.answered(run, &mut state, &mut saved_messages, answered)).await?;
+                    Box::pin(self.answered(
+                        spec,
+                        em,
+                        cancel,
+                        &mut state,
+                        &mut saved_messages,
+                        answered,
+                    ))
+                    .await?;
                 }
                 Step::End(Ending::Answered { answer, reason }) => {
                     let reason = *reason;
@@ -1275,7 +1270,9 @@ impl Engine {
     /// the step machine every call's result.
     async fn answered(
         &self,
-        (spec, em, cancel): (&RunSpec, &mut Emitter, &CancellationToken),
+        spec: &RunSpec,
+        em: &mut Emitter,
+        cancel: &CancellationToken,
         state: &mut RunState,
         saved_messages: &mut usize,
         answered: Answered,
