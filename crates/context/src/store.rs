@@ -19,6 +19,12 @@ pub trait SessionStore: Send + Sync {
     /// session's life. Appends of one session land in the order they are made, also when
     /// several replicas append at once; the oldest exchanges beyond the bound go.
     async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()>;
+    /// This store as `Any`: a run store kept in the same backend may keep a run's turn
+    /// with the run's end, in one write (see the state crate's `RunStore::end`). `None`
+    /// when it cannot.
+    fn as_any(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        None
+    }
 }
 
 /// Bounds of the in-memory store.

@@ -9,7 +9,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use agentrt_context::TokenCounter;
+use agentrt_context::{Exchange, SessionStore, TokenCounter};
 use agentrt_core::ToolResult;
 use agentrt_events::BusError;
 use agentrt_events::{
@@ -44,6 +44,9 @@ pub(crate) struct Emitter {
     /// yet: a run that ends before the call finishes estimates it (see
     /// [`Emitter::settle_unreported`]).
     unreported: Option<u64>,
+    /// The run's turn, kept in its session's history with its end (see
+    /// [`Emitter::keep_turn`]) until it is.
+    turn: Option<Exchange>,
 }
 
 /// How long the end of a run keeps trying to reach the store when it cannot.
@@ -120,6 +123,7 @@ impl Emitter {
             saved_steps: 0,
             iteration: 0,
             unreported: None,
+            turn: None,
         }
     }
 
@@ -141,6 +145,7 @@ impl Emitter {
             published,
             iteration,
             unreported: None,
+            turn: None,
         }
     }
 
@@ -202,7 +207,9 @@ impl Emitter {
             Err(CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error)) => {
                 return Err(unpublished(&error));
             }
-            Err(CheckpointError::Record(error)) => return Err(unsaved(&error)),
+            Err(CheckpointError::Record(error) | CheckpointError::Turn(error)) => {
+                return Err(unsaved(&error));
+            }
         }
         // The current round may still change; the ones before it no longer do.
         self.saved_steps = self.record.steps.len().saturating_sub(1);
@@ -536,7 +543,15 @@ impl Emitter {
         }
     }
 
-    pub(crate) async fn finish_answered(mut self, reason: StopReason) {
+    /// Keeps `turn` in the run's session's history when the run ends as answered, with
+    /// its end (see [`RunStore::end`]).
+    pub(crate) fn keep_turn(&mut self, turn: Exchange) {
+        self.turn = Some(turn);
+    }
+
+    /// Ends the run with its answer, and keeps its turn (if [`Emitter::keep_turn`] was
+    /// told one) in `sessions`.
+    pub(crate) async fn finish_answered(mut self, reason: StopReason, sessions: &dyn SessionStore) {
         self.settle_unreported();
         let record = &mut self.record;
         record.status = reason.status();
@@ -567,7 +582,7 @@ impl Emitter {
                 Some(EventData::End(data)),
             )
         };
-        self.finish(event).await;
+        self.finish(event, Some(sessions)).await;
     }
 
     pub(crate) async fn finish_failed(mut self, reason: StopReason, error: RunError) {
@@ -597,14 +612,46 @@ impl Emitter {
             )
         };
         self.record.error = Some(error);
-        self.finish(event).await;
+        self.finish(event, None).await;
     }
 
     /// Writes the ended record and the `done` event as one checkpoint (a store apart
     /// from the bus saves the record first, so that a client that sees `done` and asks
     /// `GetRun` sees the end too). When the store cannot be reached, keeps trying for a
     /// while, each part until it is written: a run must end where its readers look.
-    async fn finish(mut self, done: RunEvent) {
+    /// Writes the end: with the run's turn, if it has one still to keep in `sessions`.
+    async fn write_end(
+        &mut self,
+        events: Vec<RunEvent>,
+        sessions: Option<&dyn SessionStore>,
+    ) -> Result<(), CheckpointError> {
+        match sessions.filter(|_| self.turn.is_some()) {
+            Some(sessions) => {
+                self.store
+                    .end(
+                        self.publisher.as_ref(),
+                        events,
+                        &self.record,
+                        self.saved_steps,
+                        (sessions, &mut self.turn),
+                    )
+                    .await
+            }
+            None => {
+                self.store
+                    .checkpoint(
+                        self.publisher.as_ref(),
+                        events,
+                        &self.record,
+                        self.saved_steps,
+                        None,
+                    )
+                    .await
+            }
+        }
+    }
+
+    async fn finish(mut self, done: RunEvent, sessions: Option<&dyn SessionStore>) {
         // Calls the run ends without say so (a cancelled call read as an empty success).
         let reason = self.record.stop_reason.map_or("", StopReason::as_str);
         if let Some(changed) = self.record.end_unfinished_calls(reason) {
@@ -615,18 +662,11 @@ impl Emitter {
         self.pending.push(done);
         let started = tokio::time::Instant::now();
         let mut wait = Duration::from_millis(100);
-        let first = self
-            .store
-            .checkpoint(
-                self.publisher.as_ref(),
-                std::mem::take(&mut self.pending),
-                &self.record,
-                self.saved_steps,
-                None,
-            )
-            .await;
+        let events = std::mem::take(&mut self.pending);
+        let first = self.write_end(events, sessions).await;
         let (mut saved, mut published, mut failure) = match first {
             Ok(()) => return,
+            Err(CheckpointError::Turn(error)) => (false, false, Some(unsaved(&error))),
             Err(CheckpointError::Record(error)) => (false, true, Some(unsaved(&error))),
             Err(CheckpointError::EventsAfterRecord(error)) => {
                 (true, false, Some(unpublished(&error)))
@@ -660,18 +700,9 @@ impl Emitter {
             // a replica that takes the run over meanwhile goes on from one consistent
             // point, and this one's late end is fenced off.
             if !saved && !published {
-                match self
-                    .store
-                    .checkpoint(
-                        self.publisher.as_ref(),
-                        Vec::new(),
-                        &self.record,
-                        self.saved_steps,
-                        None,
-                    )
-                    .await
-                {
+                match self.write_end(Vec::new(), sessions).await {
                     Ok(()) => (saved, published) = (true, true),
+                    Err(CheckpointError::Turn(error)) => failure = Some(unsaved(&error)),
                     Err(CheckpointError::Record(error)) => {
                         published = true;
                         failure = Some(unsaved(&error));
@@ -683,6 +714,16 @@ impl Emitter {
                     Err(CheckpointError::Events(error)) => failure = Some(unpublished(&error)),
                 }
                 continue;
+            }
+            // The turn, if it is still to keep, before the record that ends the run.
+            if !saved && let (Some(sessions), Some(turn)) = (sessions, &self.turn) {
+                match sessions.append(&self.record.session_id, turn.clone()).await {
+                    Ok(()) => self.turn = None,
+                    Err(error) => {
+                        failure = Some(unsaved(&error));
+                        continue;
+                    }
+                }
             }
             if !saved {
                 match self.store.save(&self.record, self.saved_steps, None).await {

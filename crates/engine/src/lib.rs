@@ -386,6 +386,25 @@ fn progress(
     })
 }
 
+/// The turn a run that answered keeps in its session's history: its messages, then the
+/// answer.
+fn turn(current: &[(ChatMessage, u32)], answer: &str, counter: &TokenCounter) -> Exchange {
+    // The turn's messages were counted as they were added; only the answer is new.
+    let answer = ChatMessage::Assistant {
+        content: answer.to_owned(),
+        tool_calls: Vec::new(),
+    };
+    let tokens = current.iter().map(|(_, t)| t).sum::<u32>() + counter.message(&answer);
+    let mut messages = Vec::with_capacity(current.len() + 1);
+    messages.extend(current.iter().map(|(m, _)| m.clone()));
+    messages.push(answer);
+    Exchange {
+        messages,
+        tokens,
+        kept_ms: now_ms(),
+    }
+}
+
 /// What every model round of a run shares.
 #[derive(Clone, Copy)]
 struct RoundSetup<'a> {
@@ -721,6 +740,7 @@ impl StartedRun {
 /// Ends the run with `outcome`: publishes its end (or lets it go) and saves its record.
 async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metrics: &Metrics) {
     let RunParts {
+        engine,
         mut emitter,
         control,
         ..
@@ -737,7 +757,10 @@ async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metric
     match outcome {
         Outcome::Answered(reason) => {
             metrics.run_finished(reason.as_str());
-            emitter.finish_answered(reason).instrument(span).await;
+            emitter
+                .finish_answered(reason, &*engine.sessions)
+                .instrument(span)
+                .await;
         }
         Outcome::Failed(reason, error) => {
             metrics.run_finished(reason.as_str());
@@ -959,8 +982,8 @@ impl Engine {
                     let reason = *reason;
                     // Readers see the answer before the session is written.
                     em.flush().await?;
-                    self.remember(spec, &state.messages, answer, counter)
-                        .await?;
+                    // Kept with the run's end, in one write where the stores allow it.
+                    em.keep_turn(turn(&state.messages, answer, counter));
                     return Ok(Outcome::Answered(reason));
                 }
                 Step::End(Ending::Failed { reason, error }) => {
@@ -987,36 +1010,6 @@ impl Engine {
             stop: strategy.stop(),
             deadline: None,
         }
-    }
-
-    /// Keeps the turn in the session's history.
-    async fn remember(
-        &self,
-        spec: &RunSpec,
-        current: &[(ChatMessage, u32)],
-        answer: &str,
-        counter: &TokenCounter,
-    ) -> Result<(), Outcome> {
-        // The turn's messages were counted as they were added; only the answer is new.
-        let answer = ChatMessage::Assistant {
-            content: answer.to_owned(),
-            tool_calls: Vec::new(),
-        };
-        let tokens = current.iter().map(|(_, t)| t).sum::<u32>() + counter.message(&answer);
-        let mut messages = Vec::with_capacity(current.len() + 1);
-        messages.extend(current.iter().map(|(m, _)| m.clone()));
-        messages.push(answer);
-        self.sessions
-            .append(
-                &spec.session_id,
-                Exchange {
-                    messages,
-                    tokens,
-                    kept_ms: now_ms(),
-                },
-            )
-            .await
-            .map_err(|e| state_failure("session history", &e))
     }
 
     /// One model call, streamed into events. `prompt_tokens` is what the prompt counts,

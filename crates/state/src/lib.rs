@@ -22,4 +22,5 @@ pub use record::{
 pub use runs::{
     Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, MemoryRunStore, Progress,
     Resumable, RunRetention, RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
+    end_apart,
 };

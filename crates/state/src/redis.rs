@@ -58,7 +58,7 @@ use crate::{
     EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
     runs::{
         AgentIds, Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, Progress,
-        Resumable, RunStore, StopRequest, StopRequests, checkpoint_apart,
+        Resumable, RunStore, StopRequest, StopRequests, checkpoint_apart, end_apart,
     },
 };
 
@@ -650,6 +650,10 @@ impl SessionStore for RedisSessions {
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(())
     }
+
+    fn as_any(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        Some(self)
+    }
 }
 
 struct RedisRuns(Arc<Shared>);
@@ -720,10 +724,13 @@ if allowed ~= 1 then return allowed end
 /// progress fields (`KEYS[6]`), times to live, and the lease taken with the first record
 /// (`KEYS[3]`, scored by when it lapses, by Redis's clock) or dropped with the last.
 /// `ARGV`: run, owner, time to live, lease (ms), flags (`f` first, `e` ended, `o` a save
-/// of the whole run, `a` with the agent), record field count, wait (ms, or empty when the run
-/// does not wait), most runs of its principal waiting at once (`0`: no bound; its waiting
-/// runs are `KEYS[9]`), the number of pending call ids, the ids, then record fields and
-/// progress fields, and with flag `a` last the agent of the run's engine. A run that waits
+/// of the whole run, `a` with the agent, `t` with the run's turn), record field count, wait
+/// (ms, or empty when the run does not wait), most runs of its principal waiting at once
+/// (`0`: no bound; its waiting runs are `KEYS[9]`), the number of pending call ids, the
+/// ids, then record fields and progress fields, with flag `a` the agent of the run's
+/// engine, and with flag `t` last the turn kept in the session's history (`KEYS[10]`,
+/// as `RedisSessions::append` keeps it): the exchange, how many the session keeps, its
+/// time to live (ms). A run that waits
 /// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
 /// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
 /// and `!taken` marks). The agent is one key for all its runs (`KEYS[8]`, given with it;
@@ -736,11 +743,17 @@ local base = 9 + waits
 local first = string.find(ARGV[5], 'f', 1, true)
 local ended = string.find(ARGV[5], 'e', 1, true)
 local last = #ARGV
+if string.find(ARGV[5], 't', 1, true) then
+  last = last - 3
+  redis.call('RPUSH', KEYS[10], ARGV[last + 1])
+  redis.call('LTRIM', KEYS[10], -tonumber(ARGV[last + 2]), -1)
+  redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
+end
 local agent = nil
 if string.find(ARGV[5], 'a', 1, true) then
   last = last - 1
   agent = KEYS[8]
-  redis.call('SET', agent, ARGV[#ARGV], 'NX', 'PX', ARGV[3])
+  redis.call('SET', agent, ARGV[last + 1], 'NX', 'PX', ARGV[3])
 end
 local record = {}
 for i = base + 1, base + 2 * fields do record[#record + 1] = ARGV[i] end
@@ -1232,6 +1245,7 @@ impl RedisRuns {
         record: &RunRecord,
         from_step: usize,
         progress: Option<&Progress>,
+        turn: Option<&Exchange>,
     ) -> StateResult<SaveCall> {
         let progress = progress.filter(|_| !record.ended());
         // Times to live: set when the record is made (the run's other keys have theirs
@@ -1257,6 +1271,9 @@ impl RedisRuns {
             .map(|json| (self.0.agent_ids.of(json), json));
         if agent.is_some() {
             flags.push('a');
+        }
+        if turn.is_some() {
+            flags.push('t');
         }
         let wait = progress
             .and_then(|p| p.wait)
@@ -1311,6 +1328,16 @@ impl RedisRuns {
             args.push(id);
             args.push(json);
         }
+        let session = match turn {
+            Some(exchange) => {
+                args.push_json(exchange)
+                    .map_err(|e| corrupt("exchange", &e))?;
+                args.push(self.0.limits.max_exchanges.max(1));
+                args.push(millis(self.0.limits.session_ttl));
+                Some(self.0.key("session", &record.session_id))
+            }
+            None => None,
+        };
         Ok(SaveCall {
             keys: [
                 self.0.key("run", &record.run_id),
@@ -1323,6 +1350,7 @@ impl RedisRuns {
                 self.0.key("agent", agent.as_ref().map_or("", |(id, _)| id)),
                 self.0.key("waiting:of", principal),
             ],
+            session,
             args,
         })
     }
@@ -1367,7 +1395,7 @@ impl RunStore for RedisRuns {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> StateResult<()> {
-        self.save_call(record, from_step, progress)?
+        self.save_call(record, from_step, progress, None)?
             .write(&self.0, &record.run_id)
             .await
     }
@@ -1387,7 +1415,7 @@ impl RunStore for RedisRuns {
         let Some(publisher) = ours else {
             return checkpoint_apart(self, publisher, events, record, from_step, progress).await;
         };
-        match self.save_call(record, from_step, progress) {
+        match self.save_call(record, from_step, progress, None) {
             Ok(save) => publisher.checkpoint(events, save).await,
             // A record that cannot be encoded does not keep its events from the log.
             Err(error) => {
@@ -1397,6 +1425,37 @@ impl RunStore for RedisRuns {
                     .map_err(CheckpointError::Events)?;
                 Err(CheckpointError::Record(error))
             }
+        }
+    }
+
+    async fn end(
+        &self,
+        publisher: &dyn RunPublisher,
+        events: Vec<RunEvent>,
+        record: &RunRecord,
+        from_step: usize,
+        (sessions, turn): (&dyn SessionStore, &mut Option<Exchange>),
+    ) -> Result<(), CheckpointError> {
+        let ours = publisher
+            .as_any()
+            .and_then(|any| any.downcast_ref::<RedisPublisher>())
+            .filter(|p| Arc::ptr_eq(&p.core.shared, &self.0));
+        let same_sessions = sessions
+            .as_any()
+            .and_then(|any| any.downcast_ref::<RedisSessions>())
+            .is_some_and(|s| Arc::ptr_eq(&s.0, &self.0));
+        let (Some(publisher), true, Some(exchange)) = (ours, same_sessions, turn.as_ref()) else {
+            return end_apart(self, publisher, events, record, from_step, (sessions, turn)).await;
+        };
+        match self.save_call(record, from_step, None, Some(exchange)) {
+            Ok(save) => {
+                publisher.checkpoint(events, save).await?;
+                *turn = None;
+                Ok(())
+            }
+            // Nothing can be written with the turn: the end goes as any, and the turn is
+            // kept apart.
+            Err(_) => end_apart(self, publisher, events, record, from_step, (sessions, turn)).await,
         }
     }
 
@@ -1680,17 +1739,12 @@ fn decode(entries: Entries) -> Result<Vec<Arc<RunEvent>>, BusError> {
 
 #[async_trait]
 impl EventBus for RedisBus {
+    /// Opens a run's log without asking Redis: an id this replica holds is refused here
+    /// (its copy of the log); one another replica holds, by the new run's first write
+    /// when both have owners, as every run of replicas sharing Redis has (the fence finds
+    /// the run another's, [`FENCE`]). Run ids are the server's, a new one for each run it
+    /// claims: a round trip per run to look for a clash would cost every run for none.
     async fn open(&self, run_id: &str, owner: &str) -> Result<Box<dyn RunPublisher>, BusError> {
-        let key = self.0.key("events", run_id);
-        let exists: bool = self
-            .0
-            .connection()
-            .exists(&key)
-            .await
-            .map_err(|e| bus_error(&self.0, &e))?;
-        if exists {
-            return Err(BusError::DuplicateRun(run_id.to_owned()));
-        }
         let local = self.0.local.open(run_id, owner).await?;
         Ok(Box::new(RedisPublisher::new(
             self.0.clone(),
@@ -1904,14 +1958,22 @@ return save(save_keys, save_args)
 /// The keys and arguments of a [`SAVE`].
 struct SaveCall {
     keys: [String; 9],
+    /// The session's history, with a turn to keep.
+    session: Option<String>,
     args: Args,
+}
+
+impl SaveCall {
+    fn keys(&self) -> impl Iterator<Item = &String> {
+        self.keys.iter().chain(&self.session)
+    }
 }
 
 impl SaveCall {
     /// Runs the save alone (with no events to go with it).
     async fn write(self, shared: &Shared, run_id: &str) -> StateResult<()> {
-        let mut script = ScriptCall::new(save_script(), self.keys.len());
-        for key in &self.keys {
+        let mut script = ScriptCall::new(save_script(), self.keys().count());
+        for key in self.keys() {
             script.key(key);
         }
         let written: u8 = script
@@ -2125,7 +2187,7 @@ impl PublisherCore {
     async fn write(&self) -> Result<(), BusError> {
         self.write_with(None).await.map_err(|error| match error {
             CheckpointError::Events(error) | CheckpointError::EventsAfterRecord(error) => error,
-            CheckpointError::Record(error) => error.into(),
+            CheckpointError::Record(error) | CheckpointError::Turn(error) => error.into(),
         })
     }
 
@@ -2146,9 +2208,9 @@ impl PublisherCore {
         let mut script = match save {
             Some(save) => ScriptCall::with_room(
                 checkpoint_script(),
-                3 + save.keys.len(),
-                args + save.keys.len() + save.args.ends.len(),
-                bytes + save.keys.iter().map(String::len).sum::<usize>() + save.args.data.len(),
+                3 + save.keys().count(),
+                args + save.keys().count() + save.args.ends.len(),
+                bytes + save.keys().map(String::len).sum::<usize>() + save.args.data.len(),
             ),
             None => ScriptCall::with_room(publish_script(), 3, args, bytes),
         };
@@ -2157,7 +2219,7 @@ impl PublisherCore {
             .key(self.shared.key("owner", &self.run_id))
             .key(self.shared.key("run", &self.run_id));
         if let Some(save) = save {
-            for key in &save.keys {
+            for key in save.keys() {
                 script.key(key);
             }
             // The publish's arguments: 5, then 2 per event.

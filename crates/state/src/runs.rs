@@ -7,6 +7,7 @@ use std::{
     time::Duration,
 };
 
+use agentrt_context::{Exchange, SessionStore};
 use agentrt_core::{StateError, StateResult, packed::Packer};
 use agentrt_events::{BusError, RunEvent, RunPublisher};
 use futures_util::Stream;
@@ -183,6 +184,9 @@ pub enum CheckpointError {
     EventsAfterRecord(BusError),
     /// The events were written, the record was not.
     Record(StateError),
+    /// Nothing was written: the run's turn could not be kept in its session's history
+    /// ([`RunStore::end`]).
+    Turn(StateError),
 }
 
 /// A checkpoint written as two calls (with a remote store they share the wait): the
@@ -220,6 +224,29 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
         (Err(error), Ok(())) => Err(CheckpointError::EventsAfterRecord(error)),
         (Err(error), Err(_)) => Err(CheckpointError::Events(error)),
     }
+}
+
+/// A run's end written as two calls (see [`RunStore::end`]): the turn kept in the
+/// session's history first, so that a client that sees `done` finds it there, then the
+/// end as [`checkpoint_apart`] writes it. `turn` is taken once it is kept.
+pub async fn end_apart<S: RunStore + ?Sized>(
+    store: &S,
+    publisher: &dyn RunPublisher,
+    events: Vec<RunEvent>,
+    record: &RunRecord,
+    from_step: usize,
+    (sessions, turn): (&dyn SessionStore, &mut Option<Exchange>),
+) -> Result<(), CheckpointError> {
+    if let Some(exchange) = turn {
+        sessions
+            .append(&record.session_id, exchange.clone())
+            .await
+            .map_err(CheckpointError::Turn)?;
+        *turn = None;
+    }
+    store
+        .checkpoint(publisher, events, record, from_step, None)
+        .await
 }
 
 /// Renews leases, apart from a store's other calls (see [`RunStore::lease_renewer`]).
@@ -277,6 +304,25 @@ pub trait RunStore: Send + Sync {
         progress: Option<&Progress>,
     ) -> Result<(), CheckpointError> {
         checkpoint_apart(self, publisher, events, record, from_step, progress).await
+    }
+
+    /// The end of a run that answered: keeps its turn (`turn`) in `sessions`, in the
+    /// history of the record's session, and writes the run's last `events` and its ended
+    /// `record` as [`RunStore::checkpoint`] does; `turn` is taken once it is kept. A store
+    /// kept in the same backend as `sessions` and the bus writes all of it in one call,
+    /// whole or not at all: a replica that dies on the way leaves the run to be continued
+    /// with no turn kept (its successor keeps its own), never a turn kept twice, nor a
+    /// history whose answer is not the run's. Otherwise the turn is kept first (see
+    /// [`end_apart`]).
+    async fn end(
+        &self,
+        publisher: &dyn RunPublisher,
+        events: Vec<RunEvent>,
+        record: &RunRecord,
+        from_step: usize,
+        turn: (&dyn SessionStore, &mut Option<Exchange>),
+    ) -> Result<(), CheckpointError> {
+        end_apart(self, publisher, events, record, from_step, turn).await
     }
 
     /// What renews leases ([`LeaseRenewer::renew`]), on a connection of its own, made on

@@ -471,3 +471,134 @@ async fn memory_checkpoint_saves_a_run_end_before_its_done_event() {
     assert_eq!(*publisher.seen.lock().unwrap(), [false, true]);
     assert!(runs.load("end").await.unwrap().unwrap().ended());
 }
+
+/// A run that answered ends with its turn kept in its session's history: the end and the
+/// turn are both written (`RunStore::end`), and the turn is taken once kept.
+async fn end_keeps_the_turn(
+    runs: Arc<dyn RunStore>,
+    bus: Arc<dyn EventBus>,
+    sessions: Arc<dyn SessionStore>,
+) {
+    let publisher = bus.open("turn", "a.1").await.unwrap();
+    let mut record = RunRecord::new("turn", "e", "s-turn", "m", "q");
+    record.owner = "a.1".into();
+    record.last_sequence = 1;
+    runs.checkpoint(publisher.as_ref(), vec![started()], &record, 0, None)
+        .await
+        .unwrap();
+    let reason = agentrt_state::StopReason::FinalAnswer;
+    record.status = reason.status();
+    record.stop_reason = Some(reason);
+    record.final_answer = "4".into();
+    record.last_sequence = 2;
+    let done = RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+    };
+    let exchange = agentrt_state::Exchange {
+        messages: vec![agentrt_models::ChatMessage::User("What is 2 + 2?".into())],
+        tokens: 7,
+        kept_ms: 1,
+    };
+    let mut turn = Some(exchange.clone());
+    runs.end(
+        publisher.as_ref(),
+        vec![done],
+        &record,
+        0,
+        (&*sessions, &mut turn),
+    )
+    .await
+    .unwrap();
+    assert_eq!(turn, None, "the turn is taken once kept");
+    let history = sessions.history("s-turn").await.unwrap();
+    assert_eq!(
+        history.iter().map(|e| (**e).clone()).collect::<Vec<_>>(),
+        [exchange]
+    );
+    assert!(runs.load("turn").await.unwrap().unwrap().ended());
+    let mut reader = bus.subscribe("turn", 0).await.unwrap();
+    let mut read = Vec::new();
+    while let Some(event) = reader.next().await {
+        read.push(event.unwrap().sequence);
+    }
+    assert_eq!(read, [1, 2]);
+}
+
+#[tokio::test]
+async fn memory_end_keeps_the_turn() {
+    let bus: Arc<dyn EventBus> = Arc::new(InMemoryBus::new(BusLimits::default()));
+    let sessions: Arc<dyn SessionStore> =
+        Arc::new(InMemorySessionStore::new(SessionLimits::default()));
+    end_keeps_the_turn(memory_runs(), bus, sessions).await;
+}
+
+#[tokio::test]
+async fn redis_end_keeps_the_turn() {
+    let (a, _) = redis_pair("end-turn", 100).await;
+    end_keeps_the_turn(a.runs(), a.bus(), a.sessions()).await;
+}
+
+/// With Redis, a run's end and its turn are one write: a replica that lost the run keeps
+/// no turn (the replica that took it over keeps its own), and one that cannot reach Redis
+/// keeps neither, to write both later.
+#[tokio::test]
+async fn redis_end_writes_the_turn_with_the_end_or_neither() {
+    let (a, b) = redis_pair("end-fenced", 100).await;
+    let publisher = a.bus().open("tf", "a.1").await.unwrap();
+    let mut record = RunRecord::new("tf", "e", "s-tf", "m", "q");
+    record.owner = "a.1".into();
+    record.last_sequence = 1;
+    let progress = Progress {
+        spec: Some("{}".into()),
+        state: "{}".into(),
+        ..Progress::default()
+    };
+    a.runs()
+        .checkpoint(
+            publisher.as_ref(),
+            vec![started()],
+            &record,
+            0,
+            Some(&progress),
+        )
+        .await
+        .unwrap();
+    // Replica B takes the run over while A still answers.
+    tokio::time::sleep(conformance::TEST_LEASE + Duration::from_millis(100)).await;
+    b.runs().take_over("tf", "b.1").await.unwrap().unwrap();
+    let reason = agentrt_state::StopReason::FinalAnswer;
+    record.status = reason.status();
+    record.stop_reason = Some(reason);
+    record.last_sequence = 2;
+    let done = RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+    };
+    let mut turn = Some(agentrt_state::Exchange {
+        messages: vec![agentrt_models::ChatMessage::User("stale".into())],
+        tokens: 1,
+        kept_ms: 1,
+    });
+    let sessions = a.sessions();
+    let written = a
+        .runs()
+        .end(
+            publisher.as_ref(),
+            vec![done],
+            &record,
+            0,
+            (&*sessions, &mut turn),
+        )
+        .await;
+    assert!(
+        matches!(
+            written,
+            Err(agentrt_state::CheckpointError::Events(BusError::Fenced(_)))
+        ),
+        "{written:?}"
+    );
+    assert!(turn.is_some(), "a turn not kept stays to keep");
+    assert!(sessions.history("s-tf").await.unwrap().is_empty());
+    assert!(!b.runs().load("tf").await.unwrap().unwrap().ended());
+}
