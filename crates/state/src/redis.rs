@@ -11,7 +11,9 @@
 //! - `P:engine:ID`: the engine (JSON), for the engine TTL after its last use;
 //! - `P:session:ID`: the session's exchanges (a list of JSON), for the session TTL after
 //!   its last turn, the oldest beyond the bound trimmed;
-//! - `P:run:ID`: the run's record (a hash: `h` the record, `s:N` each round), and
+//! - `P:run:ID`: the run's record (a hash: `i` what never changes, its ids, query and
+//!   start, written with the saves of the whole record; `h` the rest, written with every
+//!   save; `s:N` each round), and
 //!   `P:msg:LEN:SESSION:MESSAGE` the run a message id names; while the run runs and for the
 //!   retention after;
 //! - `P:events:ID`: the run's event log (a stream whose entry ids are the sequence
@@ -55,7 +57,7 @@ use tokio::sync::{broadcast, watch};
 use tracing::{debug, info, warn};
 
 use crate::{
-    EngineStore, RunRecord, StepRecord, StopReason, StoredEngine,
+    EngineStore, RunError, RunRecord, RunStatus, StepRecord, StopReason, StoredEngine, TokenUsage,
     runs::{
         AgentIds, Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, Progress,
         Resumable, RunStore, StopRequest, StopRequests, checkpoint_apart, end_apart,
@@ -1292,8 +1294,11 @@ impl RedisRuns {
         args.push(millis(self.ttl(record, wait)));
         args.push(millis(self.0.limits.lease));
         args.push(&flags);
-        // The fields written whole: the header, then each step from `from_step` on.
-        args.push(1 + record.steps.len().saturating_sub(from_step));
+        let (identity, head) = split(record);
+        // The fields written whole: the record's identity with a save of the whole record
+        // (what never changes), its head, then each step from `from_step` on.
+        let whole = from_step == 0;
+        args.push(usize::from(whole) + 1 + record.steps.len().saturating_sub(from_step));
         args.push(wait.map_or_else(String::new, |w| millis(w).to_string()));
         args.push(most_waiting);
         if wait.is_some() {
@@ -1304,8 +1309,13 @@ impl RedisRuns {
         } else {
             args.push(0);
         }
+        if whole {
+            args.push("i");
+            args.push_json(&identity)
+                .map_err(|e| corrupt("run record", &e))?;
+        }
         args.push("h");
-        args.push_json(record)
+        args.push_json(&head)
             .map_err(|e| corrupt("run record", &e))?;
         for (index, step) in record.steps.iter().enumerate().skip(from_step) {
             args.push(Numbered("s:", index));
@@ -1466,11 +1476,11 @@ impl RunStore for RedisRuns {
             .hgetall(self.0.key("run", run_id))
             .await
             .map_err(|e| self.0.unavailable(&e))?;
-        let Some(header) = fields.get("h") else {
+        let Some(head) = fields.get("h") else {
             return Ok(None);
         };
-        let mut record: RunRecord =
-            serde_json::from_str(header).map_err(|e| corrupt("run record", &e))?;
+        let mut record = joined(fields.get("i").map(String::as_str), head)
+            .map_err(|e| corrupt("run record", &e))?;
         let mut steps: Vec<(usize, StepRecord)> = Vec::with_capacity(fields.len());
         for (name, json) in &fields {
             if let Some(index) = name.strip_prefix("s:").and_then(|i| i.parse().ok()) {
@@ -1953,6 +1963,91 @@ return save(save_keys, save_args)
 "
         ))
     })
+}
+
+/// What of a run's record never changes once the run is made (field `i` of its hash,
+/// written with the saves of the whole record).
+#[derive(serde::Serialize)]
+struct RecordIdentity<'a> {
+    run_id: &'a str,
+    engine_id: &'a str,
+    session_id: &'a str,
+    message_id: &'a str,
+    query: &'a str,
+    create_time: SystemTime,
+}
+
+/// The rest of a run's record but its steps (field `h`, written with every save).
+#[derive(serde::Serialize)]
+struct RecordHead<'a> {
+    status: RunStatus,
+    stop_reason: Option<StopReason>,
+    final_answer: &'a str,
+    usage: TokenUsage,
+    error: Option<&'a RunError>,
+    last_sequence: u64,
+    update_time: SystemTime,
+    abandoned: bool,
+    owner: &'a str,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pending: &'a [agentrt_events::PendingCall],
+}
+
+/// A record's identity and head: each of its fields is in one of them (or is its steps,
+/// kept apart), which the compiler checks.
+fn split(record: &RunRecord) -> (RecordIdentity<'_>, RecordHead<'_>) {
+    let RunRecord {
+        run_id,
+        engine_id,
+        session_id,
+        message_id,
+        query,
+        status,
+        stop_reason,
+        steps: _,
+        final_answer,
+        usage,
+        error,
+        last_sequence,
+        create_time,
+        update_time,
+        abandoned,
+        owner,
+        pending,
+    } = record;
+    (
+        RecordIdentity {
+            run_id,
+            engine_id,
+            session_id,
+            message_id,
+            query,
+            create_time: *create_time,
+        },
+        RecordHead {
+            status: *status,
+            stop_reason: *stop_reason,
+            final_answer,
+            usage: *usage,
+            error: error.as_ref(),
+            last_sequence: *last_sequence,
+            update_time: *update_time,
+            abandoned: *abandoned,
+            owner,
+            pending,
+        },
+    )
+}
+
+/// A record (without its steps) from its identity and head as [`split`] wrote them (or
+/// from a head that holds the whole record, as records were once kept).
+fn joined(identity: Option<&str>, head: &str) -> serde_json::Result<RunRecord> {
+    let mut fields: serde_json::Map<String, serde_json::Value> = serde_json::from_str(head)?;
+    if let Some(identity) = identity {
+        let identity: serde_json::Map<String, serde_json::Value> = serde_json::from_str(identity)?;
+        fields.extend(identity);
+    }
+    serde_json::from_value(serde_json::Value::Object(fields))
 }
 
 /// The keys and arguments of a [`SAVE`].
@@ -2687,7 +2782,52 @@ impl RedisReader {
 mod tests {
     use redis::ToRedisArgs;
 
-    use super::{Args, Numbered, PARSED_BYTES, Parsed, StoredEngine, StreamId};
+    use super::{Args, Numbered, PARSED_BYTES, Parsed, StoredEngine, StreamId, joined, split};
+    use crate::{RunError, RunRecord, RunStatus, StopReason, TokenUsage};
+
+    /// A record kept as its identity and head reads back whole, every field set; and a
+    /// record kept whole in its head (as records once were) reads back too.
+    #[test]
+    fn a_record_kept_in_two_parts_reads_back_whole() {
+        let mut record = RunRecord::new("r", "e", "s", "m", "q");
+        record.status = RunStatus::Failed;
+        record.stop_reason = Some(StopReason::ModelError);
+        record.final_answer = "a".into();
+        record.usage = TokenUsage {
+            prompt_tokens: 1,
+            completion_tokens: 2,
+            estimated: true,
+        };
+        record.error = Some(RunError {
+            code: "C".into(),
+            message: "m".into(),
+            category: "model",
+            retryable: true,
+        });
+        record.last_sequence = 9;
+        record.update_time = record.create_time + std::time::Duration::from_secs(3);
+        record.abandoned = true;
+        record.owner = "o.1".into();
+        record.pending = vec![agentrt_events::PendingCall {
+            id: "c".into(),
+            name: "n".into(),
+            arguments: agentrt_events::JsonText::new(&serde_json::json!({"x": 1})),
+            action: agentrt_events::Action::Approve,
+            answered: false,
+        }];
+        let (identity, head) = split(&record);
+        let (identity, head) = (
+            serde_json::to_string(&identity).unwrap(),
+            serde_json::to_string(&head).unwrap(),
+        );
+        assert!(
+            !head.contains("\"q\""),
+            "the head leaves the query out: {head}"
+        );
+        assert_eq!(joined(Some(&identity), &head).unwrap(), record);
+        let whole = serde_json::to_string(&record).unwrap();
+        assert_eq!(joined(None, &whole).unwrap(), record);
+    }
 
     #[test]
     fn stream_ids_are_the_sequence_then_one() {
