@@ -1365,6 +1365,15 @@ impl RedisRuns {
         })
     }
 
+    /// `publisher`, when it writes to this store's Redis (then a checkpoint writes its
+    /// events and the record in one script).
+    fn ours<'a>(&self, publisher: &'a dyn RunPublisher) -> Option<&'a RedisPublisher> {
+        publisher
+            .as_any()
+            .and_then(|any| any.downcast_ref::<RedisPublisher>())
+            .filter(|p| Arc::ptr_eq(&p.core.shared, &self.0))
+    }
+
     fn ttl(&self, record: &RunRecord, wait: Option<Duration>) -> Duration {
         if record.ended() {
             self.0.limits.run_retention
@@ -1418,11 +1427,7 @@ impl RunStore for RedisRuns {
         from_step: usize,
         progress: Option<&Progress>,
     ) -> Result<(), CheckpointError> {
-        let ours = publisher
-            .as_any()
-            .and_then(|any| any.downcast_ref::<RedisPublisher>())
-            .filter(|p| Arc::ptr_eq(&p.core.shared, &self.0));
-        let Some(publisher) = ours else {
+        let Some(publisher) = self.ours(publisher) else {
             return checkpoint_apart(self, publisher, events, record, from_step, progress).await;
         };
         match self.save_call(record, from_step, progress, None) {
@@ -1446,10 +1451,7 @@ impl RunStore for RedisRuns {
         from_step: usize,
         (sessions, turn): (&dyn SessionStore, &mut Option<Exchange>),
     ) -> Result<(), CheckpointError> {
-        let ours = publisher
-            .as_any()
-            .and_then(|any| any.downcast_ref::<RedisPublisher>())
-            .filter(|p| Arc::ptr_eq(&p.core.shared, &self.0));
+        let ours = self.ours(publisher);
         let same_sessions = sessions
             .as_any()
             .and_then(|any| any.downcast_ref::<RedisSessions>())

@@ -342,14 +342,7 @@ async fn redis_events_written_by_a_write_that_timed_out_are_not_written_again() 
 async fn redis_checkpoint_writes_events_and_record_together_or_neither() {
     let (a, b) = redis_pair("checkpoint", 100).await;
     let publisher = a.bus().open("cp", "a.1").await.unwrap();
-    let mut record = RunRecord::new("cp", "e", "s", "m", "q");
-    record.owner = "a.1".into();
-    record.last_sequence = 1;
-    let progress = Progress {
-        spec: Some("{}".into()),
-        state: "{}".into(),
-        ..Progress::default()
-    };
+    let (mut record, progress) = owned_run("cp", "s");
     // A checkpoint of replica A with one more event.
     let runs = a.runs();
     let checkpoint = |record: &RunRecord| {
@@ -472,6 +465,53 @@ async fn memory_checkpoint_saves_a_run_end_before_its_done_event() {
     assert!(runs.load("end").await.unwrap().unwrap().ended());
 }
 
+/// Run `run_id` of session `session_id`, owned by `a.1`, with its first event published,
+/// and what continuing it needs.
+fn owned_run(run_id: &str, session_id: &str) -> (RunRecord, Progress) {
+    let mut record = RunRecord::new(run_id, "e", session_id, "m", "q");
+    record.owner = "a.1".into();
+    record.last_sequence = 1;
+    let progress = Progress {
+        spec: Some("{}".into()),
+        state: "{}".into(),
+        ..Progress::default()
+    };
+    (record, progress)
+}
+
+/// [`owned_run`], opened on `bus` and saved in `runs` with its first event.
+async fn started_run(
+    runs: &dyn RunStore,
+    bus: &dyn EventBus,
+    run_id: &str,
+    session_id: &str,
+) -> (Box<dyn agentrt_events::RunPublisher>, RunRecord) {
+    let publisher = bus.open(run_id, "a.1").await.unwrap();
+    let (record, progress) = owned_run(run_id, session_id);
+    runs.checkpoint(
+        publisher.as_ref(),
+        vec![started()],
+        &record,
+        0,
+        Some(&progress),
+    )
+    .await
+    .unwrap();
+    (publisher, record)
+}
+
+/// Ends `record` with an answer; its `done` event.
+fn answered(record: &mut RunRecord) -> RunEvent {
+    let reason = agentrt_state::StopReason::FinalAnswer;
+    record.status = reason.status();
+    record.stop_reason = Some(reason);
+    record.last_sequence = 2;
+    RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+    }
+}
+
 /// A run that answered ends with its turn kept in its session's history: the end and the
 /// turn are both written (`RunStore::end`), and the turn is taken once kept.
 async fn end_keeps_the_turn(
@@ -479,22 +519,8 @@ async fn end_keeps_the_turn(
     bus: Arc<dyn EventBus>,
     sessions: Arc<dyn SessionStore>,
 ) {
-    let publisher = bus.open("turn", "a.1").await.unwrap();
-    let mut record = RunRecord::new("turn", "e", "s-turn", "m", "q");
-    record.owner = "a.1".into();
-    record.last_sequence = 1;
-    runs.checkpoint(publisher.as_ref(), vec![started()], &record, 0, None)
-        .await
-        .unwrap();
-    let reason = agentrt_state::StopReason::FinalAnswer;
-    record.status = reason.status();
-    record.stop_reason = Some(reason);
-    record.final_answer = "4".into();
-    record.last_sequence = 2;
-    let done = RunEvent {
-        done: true,
-        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
-    };
+    let (publisher, mut record) = started_run(&*runs, &*bus, "turn", "s-turn").await;
+    let done = answered(&mut record);
     let exchange = agentrt_state::Exchange {
         messages: vec![agentrt_models::ChatMessage::User("What is 2 + 2?".into())],
         tokens: 7,
@@ -540,41 +566,15 @@ async fn redis_end_keeps_the_turn() {
 }
 
 /// With Redis, a run's end and its turn are one write: a replica that lost the run keeps
-/// no turn (the replica that took it over keeps its own), and one that cannot reach Redis
-/// keeps neither, to write both later.
+/// no turn (the replica that took it over keeps its own).
 #[tokio::test]
 async fn redis_end_writes_the_turn_with_the_end_or_neither() {
     let (a, b) = redis_pair("end-fenced", 100).await;
-    let publisher = a.bus().open("tf", "a.1").await.unwrap();
-    let mut record = RunRecord::new("tf", "e", "s-tf", "m", "q");
-    record.owner = "a.1".into();
-    record.last_sequence = 1;
-    let progress = Progress {
-        spec: Some("{}".into()),
-        state: "{}".into(),
-        ..Progress::default()
-    };
-    a.runs()
-        .checkpoint(
-            publisher.as_ref(),
-            vec![started()],
-            &record,
-            0,
-            Some(&progress),
-        )
-        .await
-        .unwrap();
+    let (publisher, mut record) = started_run(&*a.runs(), &*a.bus(), "tf", "s-tf").await;
     // Replica B takes the run over while A still answers.
     tokio::time::sleep(conformance::TEST_LEASE + Duration::from_millis(100)).await;
     b.runs().take_over("tf", "b.1").await.unwrap().unwrap();
-    let reason = agentrt_state::StopReason::FinalAnswer;
-    record.status = reason.status();
-    record.stop_reason = Some(reason);
-    record.last_sequence = 2;
-    let done = RunEvent {
-        done: true,
-        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
-    };
+    let done = answered(&mut record);
     let mut turn = Some(agentrt_state::Exchange {
         messages: vec![agentrt_models::ChatMessage::User("stale".into())],
         tokens: 1,
