@@ -18,7 +18,8 @@ pub trait SessionStore: Send + Sync {
     /// Appends an exchange to the session, creating it if needed, and extends the
     /// session's life. Appends of one session land in the order they are made, also when
     /// several replicas append at once; the oldest exchanges beyond the bound go.
-    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()>;
+    /// Shared: a caller that may have to append it again keeps its own reference.
+    async fn append(&self, session_id: &str, exchange: Arc<Exchange>) -> StateResult<()>;
     /// This store as `Any`: a run store kept in the same backend may keep a run's turn
     /// with the run's end, in one write (see the state crate's `RunStore::end`). `None`
     /// when it cannot.
@@ -155,7 +156,7 @@ impl SessionStore for InMemorySessionStore {
             .unwrap_or_default())
     }
 
-    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()> {
+    async fn append(&self, session_id: &str, exchange: Arc<Exchange>) -> StateResult<()> {
         let now = Instant::now();
         let expires_at = now + self.limits.ttl;
         let mut inner = self.lock();
@@ -198,7 +199,7 @@ impl SessionStore for InMemorySessionStore {
                 expires_at,
             });
         session.expires_at = expires_at;
-        session.exchanges.push_back((Arc::new(exchange), bytes));
+        session.exchanges.push_back((exchange, bytes));
         *total += bytes;
         // Then its own oldest exchanges, beyond the count or the bytes (the newest stays).
         while session.exchanges.len() > self.limits.max_exchanges.max(1)
@@ -233,7 +234,7 @@ mod tests {
             max_bytes: usize::MAX,
         });
         for n in 0..5 {
-            store.append("a", exchange(n)).await.unwrap();
+            store.append("a", exchange(n).into()).await.unwrap();
         }
         let tokens: Vec<u32> = store
             .history("a")
@@ -245,9 +246,9 @@ mod tests {
         assert_eq!(tokens, [2, 3, 4], "oldest exchanges go first");
 
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.append("b", exchange(0)).await.unwrap();
+        store.append("b", exchange(0).into()).await.unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.append("c", exchange(0)).await.unwrap();
+        store.append("c", exchange(0).into()).await.unwrap();
         assert!(
             store.history("a").await.unwrap().is_empty(),
             "the least recently used session made room"
@@ -275,13 +276,16 @@ mod tests {
         });
         for session in ["a", "b", "c"] {
             store
-                .append(session, said(&"x".repeat(1000)))
+                .append(session, said(&"x".repeat(1000)).into())
                 .await
                 .unwrap();
             tokio::time::advance(Duration::from_secs(1)).await;
         }
         store.history("a").await.unwrap();
-        store.append("d", said(&"x".repeat(1000))).await.unwrap();
+        store
+            .append("d", said(&"x".repeat(1000)).into())
+            .await
+            .unwrap();
         assert!(
             store.history("a").await.unwrap().is_empty(),
             "the least recently written session made room"
@@ -291,11 +295,17 @@ mod tests {
         }
         // One session past the budget alone keeps its newest exchanges that fit.
         for _ in 0..5 {
-            store.append("d", said(&"x".repeat(1000))).await.unwrap();
+            store
+                .append("d", said(&"x".repeat(1000)).into())
+                .await
+                .unwrap();
         }
         assert_eq!(store.history("d").await.unwrap().len(), 3);
         assert_eq!(store.sessions(), 1);
-        store.append("e", said(&"y".repeat(5000))).await.unwrap();
+        store
+            .append("e", said(&"y".repeat(5000)).into())
+            .await
+            .unwrap();
         assert_eq!(
             store.history("e").await.unwrap().len(),
             1,

@@ -46,7 +46,7 @@ pub(crate) struct Emitter {
     unreported: Option<u64>,
     /// The run's turn, kept in its session's history with its end (see
     /// [`Emitter::keep_turn`]) until it is.
-    turn: Option<Exchange>,
+    turn: Option<Arc<Exchange>>,
 }
 
 /// How long the end of a run keeps trying to reach the store when it cannot.
@@ -546,7 +546,7 @@ impl Emitter {
     /// Keeps `turn` in the run's session's history when the run ends as answered, with
     /// its end (see [`RunStore::end`]).
     pub(crate) fn keep_turn(&mut self, turn: Exchange) {
-        self.turn = Some(turn);
+        self.turn = Some(Arc::new(turn));
     }
 
     /// Ends the run with its answer, and keeps its turn (if [`Emitter::keep_turn`] was

@@ -630,7 +630,7 @@ impl SessionStore for RedisSessions {
             .collect()
     }
 
-    async fn append(&self, session_id: &str, exchange: Exchange) -> StateResult<()> {
+    async fn append(&self, session_id: &str, exchange: Arc<Exchange>) -> StateResult<()> {
         let key = self.0.key("session", session_id);
         let json = serde_json::to_string(&exchange).map_err(|e| corrupt("exchange", &e))?;
         let keep = isize::try_from(self.0.limits.max_exchanges.max(1)).unwrap_or(isize::MAX);
@@ -1449,7 +1449,7 @@ impl RunStore for RedisRuns {
         events: Vec<RunEvent>,
         record: &RunRecord,
         from_step: usize,
-        (sessions, turn): (&dyn SessionStore, &mut Option<Exchange>),
+        (sessions, turn): (&dyn SessionStore, &mut Option<Arc<Exchange>>),
     ) -> Result<(), CheckpointError> {
         let ours = self.ours(publisher);
         let same_sessions = sessions

@@ -235,7 +235,7 @@ pub async fn end_apart<S: RunStore + ?Sized>(
     events: Vec<RunEvent>,
     record: &RunRecord,
     from_step: usize,
-    (sessions, turn): (&dyn SessionStore, &mut Option<Exchange>),
+    (sessions, turn): (&dyn SessionStore, &mut Option<Arc<Exchange>>),
 ) -> Result<(), CheckpointError> {
     if let Some(exchange) = turn {
         sessions
@@ -320,7 +320,7 @@ pub trait RunStore: Send + Sync {
         events: Vec<RunEvent>,
         record: &RunRecord,
         from_step: usize,
-        turn: (&dyn SessionStore, &mut Option<Exchange>),
+        turn: (&dyn SessionStore, &mut Option<Arc<Exchange>>),
     ) -> Result<(), CheckpointError> {
         end_apart(self, publisher, events, record, from_step, turn).await
     }

@@ -526,7 +526,7 @@ async fn end_keeps_the_turn(
         tokens: 7,
         kept_ms: 1,
     };
-    let mut turn = Some(exchange.clone());
+    let mut turn = Some(Arc::new(exchange.clone()));
     runs.end(
         publisher.as_ref(),
         vec![done],
@@ -575,11 +575,11 @@ async fn redis_end_writes_the_turn_with_the_end_or_neither() {
     tokio::time::sleep(conformance::TEST_LEASE + Duration::from_millis(100)).await;
     b.runs().take_over("tf", "b.1").await.unwrap().unwrap();
     let done = answered(&mut record);
-    let mut turn = Some(agentrt_state::Exchange {
+    let mut turn = Some(Arc::new(agentrt_state::Exchange {
         messages: vec![agentrt_models::ChatMessage::User("stale".into())],
         tokens: 1,
         kept_ms: 1,
-    });
+    }));
     let sessions = a.sessions();
     let written = a
         .runs()

@@ -222,8 +222,8 @@ where
         kept_ms: 0,
     };
     assert!(store.history("s").await.unwrap().is_empty(), "unknown");
-    store.append("s", exchange(1)).await.unwrap();
-    other.append("s", exchange(2)).await.unwrap();
+    store.append("s", exchange(1).into()).await.unwrap();
+    other.append("s", exchange(2).into()).await.unwrap();
     let history = other.history("s").await.unwrap();
     assert_eq!(
         history.iter().map(|e| e.tokens).collect::<Vec<_>>(),
@@ -232,7 +232,7 @@ where
     );
     assert_eq!(*history[0], exchange(1), "kept as appended");
     for n in 3..=5 {
-        store.append("s", exchange(n)).await.unwrap();
+        store.append("s", exchange(n).into()).await.unwrap();
     }
     let tokens: Vec<u32> = store
         .history("s")
@@ -247,12 +247,12 @@ where
     let (a, b) = (store.clone(), other.clone());
     let left = tokio::spawn(async move {
         for n in 0..20 {
-            a.append("busy", exchange(100 + n)).await.unwrap();
+            a.append("busy", exchange(100 + n).into()).await.unwrap();
         }
     });
     let right = tokio::spawn(async move {
         for n in 0..20 {
-            b.append("busy", exchange(200 + n)).await.unwrap();
+            b.append("busy", exchange(200 + n).into()).await.unwrap();
         }
     });
     left.await.unwrap();
