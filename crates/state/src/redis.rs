@@ -13,7 +13,7 @@
 //!   its last turn, the oldest beyond the bound trimmed;
 //! - `P:run:ID`: the run's record (a hash: `i` what never changes, its ids, query and
 //!   start, written with the saves of the whole record; `h` the rest, written with every
-//!   save; `s:N` each round), and
+//!   save; `s:N` each round; `!turn` once the run's turn is in its session's history), and
 //!   `P:msg:LEN:SESSION:MESSAGE` the run a message id names; while the run runs and for the
 //!   retention after;
 //! - `P:events:ID`: the run's event log (a stream whose entry ids are the sequence
@@ -731,8 +731,8 @@ if allowed ~= 1 then return allowed end
 /// (`0`: no bound; its waiting runs are `KEYS[9]`), the number of pending call ids, the
 /// ids, then record fields and progress fields, with flag `a` the agent of the run's
 /// engine, and with flag `t` last the turn kept in the session's history (`KEYS[10]`,
-/// as `RedisSessions::append` keeps it): the exchange, how many the session keeps, its
-/// time to live (ms). A run that waits
+/// as `RedisSessions::append` keeps it, once per run: the record's `!turn` field marks
+/// it kept): the exchange, how many the session keeps, its time to live (ms). A run that waits
 /// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
 /// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
 /// and `!taken` marks). The agent is one key for all its runs (`KEYS[8]`, given with it;
@@ -747,9 +747,13 @@ local ended = string.find(ARGV[5], 'e', 1, true)
 local last = #ARGV
 if string.find(ARGV[5], 't', 1, true) then
   last = last - 3
-  redis.call('RPUSH', KEYS[10], ARGV[last + 1])
-  redis.call('LTRIM', KEYS[10], -tonumber(ARGV[last + 2]), -1)
-  redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
+  -- Once per run: a write that timed out after Redis ran it, sent again, keeps no
+  -- second turn.
+  if redis.call('HSETNX', KEYS[1], '!turn', '1') == 1 then
+    redis.call('RPUSH', KEYS[10], ARGV[last + 1])
+    redis.call('LTRIM', KEYS[10], -tonumber(ARGV[last + 2]), -1)
+    redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
+  end
 end
 local agent = nil
 if string.find(ARGV[5], 'a', 1, true) then

@@ -563,6 +563,28 @@ async fn memory_end_keeps_the_turn() {
 async fn redis_end_keeps_the_turn() {
     let (a, _) = redis_pair("end-turn", 100).await;
     end_keeps_the_turn(a.runs(), a.bus(), a.sessions()).await;
+    // The end written again (as after a write that timed out once Redis had run it)
+    // keeps no second turn.
+    let publisher = a.bus().resume("turn", "a.1", 2).await.unwrap().publisher;
+    let mut record = a.runs().load("turn").await.unwrap().unwrap();
+    record.owner = "a.1".into();
+    let sessions = a.sessions();
+    let mut turn = Some(Arc::new(agentrt_state::Exchange {
+        messages: vec![agentrt_models::ChatMessage::User("What is 2 + 2?".into())],
+        tokens: 7,
+        kept_ms: 1,
+    }));
+    a.runs()
+        .end(
+            publisher.as_ref(),
+            Vec::new(),
+            &record,
+            0,
+            (&*sessions, &mut turn),
+        )
+        .await
+        .unwrap();
+    assert_eq!(sessions.history("s-turn").await.unwrap().len(), 1);
 }
 
 /// With Redis, a run's end and its turn are one write: a replica that lost the run keeps
