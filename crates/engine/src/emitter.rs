@@ -615,10 +615,6 @@ impl Emitter {
         self.finish(event, None).await;
     }
 
-    /// Writes the ended record and the `done` event as one checkpoint (a store apart
-    /// from the bus saves the record first, so that a client that sees `done` and asks
-    /// `GetRun` sees the end too). When the store cannot be reached, keeps trying for a
-    /// while, each part until it is written: a run must end where its readers look.
     /// Writes the end: with the run's turn, if it has one still to keep in `sessions`.
     async fn write_end(
         &mut self,
@@ -651,6 +647,11 @@ impl Emitter {
         }
     }
 
+    /// Writes the ended record and the `done` event as one checkpoint, with the run's turn
+    /// when `sessions` is given and it has one (a store apart from the bus saves the
+    /// record first, so that a client that sees `done` and asks `GetRun` sees the end
+    /// too). When the store cannot be reached, keeps trying for a while, each part until
+    /// it is written: a run must end where its readers look.
     async fn finish(mut self, done: RunEvent, sessions: Option<&dyn SessionStore>) {
         // Calls the run ends without say so (a cancelled call read as an empty success).
         let reason = self.record.stop_reason.map_or("", StopReason::as_str);
