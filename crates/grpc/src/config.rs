@@ -92,7 +92,9 @@ pub fn to_toml<T: Serialize>(settings: &T) -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ServerSettings {
-    /// Address to listen on; port 0 picks a free port (the bound address is logged).
+    /// Address to listen on, HOST:PORT (a host name is resolved at start); port 0 picks a
+    /// free port (the bound address is logged).
+    #[serde(deserialize_with = "listen::deserialize")]
     pub listen: SocketAddr,
     /// How long running calls may take to finish after a shutdown signal.
     #[serde(with = "duration")]
@@ -119,11 +121,19 @@ pub struct ServerSettings {
     pub max_connection_age: Duration,
     /// Address of the admin HTTP endpoint serving Prometheus metrics at `/metrics`; none
     /// by default (port 0 picks a free port, logged as `metrics_addr`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "listen::option::deserialize"
+    )]
     pub metrics_listen: Option<SocketAddr>,
     /// Address of a plaintext listener serving only `grpc.health.v1`, for probes that
     /// cannot speak TLS (Kubernetes' gRPC probes); none by default.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "listen::option::deserialize"
+    )]
     pub health_listen: Option<SocketAddr>,
     /// TLS; plaintext (h2c) when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -257,7 +267,7 @@ impl CommonArgs {
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServerArgs {
     /// Address to listen on, HOST:PORT (port 0 picks a free port).
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     pub listen: Option<SocketAddr>,
     /// Grace period for running calls after SIGTERM, e.g. `10s`.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
@@ -284,10 +294,10 @@ pub struct ServerArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub max_connection_age: Option<Duration>,
     /// Serve Prometheus metrics over HTTP at HOST:PORT/metrics.
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     pub metrics_listen: Option<SocketAddr>,
     /// Serve only gRPC health, in plaintext, at HOST:PORT (for probes when TLS is on).
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse_listen)]
     pub health_listen: Option<SocketAddr>,
     /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
     #[arg(long, value_name = "FILE")]
@@ -383,12 +393,97 @@ pub fn override_with<T>(slot: &mut T, value: Option<T>) {
 
 pub use agentrt_core::duration::{format as format_duration, parse as parse_duration};
 
+/// Parses a listening address, `HOST:PORT`: HOST is an IP address (IPv6 in brackets,
+/// `[::1]:50051`) or a host name, resolved once here (`localhost:0`); of a name's
+/// addresses the first IPv4 one is taken, else the first. Port 0 picks a free port.
+pub fn parse_listen(text: &str) -> Result<SocketAddr, String> {
+    if let Ok(address) = text.parse::<SocketAddr>() {
+        return Ok(address);
+    }
+    let expected = || format!("`{text}` is not HOST:PORT (e.g. 127.0.0.1:50051, localhost:0)");
+    let (host, port) = text.rsplit_once(':').ok_or_else(expected)?;
+    let port: u16 = port.parse().map_err(|_| expected())?;
+    if host.is_empty() || host.contains(|c: char| c == ':' || c.is_whitespace()) {
+        return Err(expected());
+    }
+    let addresses: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map_err(|e| format!("cannot resolve the host of `{text}`: {e}"))?
+        .collect();
+    addresses
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addresses.first())
+        .copied()
+        .ok_or_else(|| format!("the host of `{text}` has no address"))
+}
+
+/// Serde helpers for listening addresses in config files, read as [`parse_listen`] reads
+/// them and written as addresses.
+pub mod listen {
+    use std::net::SocketAddr;
+
+    use serde::{Deserialize, Deserializer};
+
+    /// `HOST:PORT`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+        let text = String::deserialize(d)?;
+        super::parse_listen(&text).map_err(serde::de::Error::custom)
+    }
+
+    /// An optional `HOST:PORT`.
+    pub mod option {
+        use std::net::SocketAddr;
+
+        use serde::{Deserialize, Deserializer};
+
+        /// An optional `HOST:PORT`.
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<SocketAddr>, D::Error> {
+            Option::<String>::deserialize(d)?
+                .map(|text| super::super::parse_listen(&text).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
+}
+
 /// Serde helpers for durations written as `10s`, `500ms`, ... in config files.
 pub use agentrt_core::duration;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listening_addresses_take_host_names() {
+        let v4 = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        assert_eq!(parse_listen("127.0.0.1:50051"), Ok(v4(50051)));
+        assert_eq!(parse_listen("localhost:0"), Ok(v4(0)));
+        assert_eq!(
+            parse_listen("[::1]:7"),
+            Ok(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, 7)))
+        );
+        for bad in [
+            "",
+            "localhost",
+            ":80",
+            "localhost:http",
+            "localhost:70000",
+            "a b:1",
+        ] {
+            let error = parse_listen(bad).unwrap_err();
+            assert!(error.contains("HOST:PORT"), "{bad:?}: {error}");
+        }
+        // A config file reads them as the flag does.
+        let settings: ServerSettings =
+            toml::from_str("listen = \"localhost:9000\"\nhealth_listen = \"localhost:0\"\n")
+                .unwrap();
+        assert_eq!(settings.listen, v4(9000));
+        assert_eq!(settings.health_listen, Some(v4(0)));
+        assert_eq!(settings.metrics_listen, None);
+        let bad = toml::from_str::<ServerSettings>("listen = \"nowhere\"\n").unwrap_err();
+        assert!(bad.to_string().contains("HOST:PORT"), "{bad}");
+    }
 
     #[test]
     fn durations_parse_and_format() {

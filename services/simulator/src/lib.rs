@@ -91,7 +91,7 @@ impl Default for Settings {
 )]
 pub struct Cli {
     /// Address to listen on, HOST:PORT (port 0 picks a free port).
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = agentrt_grpc::config::parse_listen)]
     pub listen: Option<SocketAddr>,
     /// Latency added before every answer, e.g. `1s`.
     #[arg(long, value_name = "DURATION", value_parser = agentrt_grpc::config::parse_duration)]

@@ -3,6 +3,7 @@
 
 use std::{net::SocketAddr, path::PathBuf};
 
+use agentrt_grpc::config::parse_listen;
 use anyhow::Context;
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -12,13 +13,19 @@ use tokio_util::sync::CancellationToken;
 #[command(name = "agent-stack", version, about)]
 struct Cli {
     /// Address of the agent server (AgentService, AgentEngine).
-    #[arg(long, env = "AGENT_STACK_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(
+        long,
+        env = "AGENT_STACK_LISTEN",
+        default_value = "127.0.0.1:50051",
+        value_parser = parse_listen
+    )]
     listen: SocketAddr,
     /// Address of the tool executor.
     #[arg(
         long,
         env = "AGENT_STACK_TOOL_EXECUTOR_LISTEN",
-        default_value = "127.0.0.1:50052"
+        default_value = "127.0.0.1:50052",
+        value_parser = parse_listen
     )]
     tool_executor_listen: SocketAddr,
     /// Address of the model simulator, started when neither OPENAI_BASE_URL nor OPENAI_API_KEY
@@ -26,7 +33,8 @@ struct Cli {
     #[arg(
         long,
         env = "AGENT_STACK_SIMULATOR_LISTEN",
-        default_value = "127.0.0.1:50053"
+        default_value = "127.0.0.1:50053",
+        value_parser = parse_listen
     )]
     simulator_listen: SocketAddr,
     /// A tool-executor config file (TOML) whose tool sources (`mcp_servers`, `openapi`)
