@@ -945,7 +945,8 @@ impl Engine {
                             progress.wait = Some(config.timeouts.action);
                             // From the ACTION_REQUIRED event on, the client may go away.
                             control.waiting.store(true, Ordering::Release);
-                            em.wait(pending, progress).await?;
+                            // Boxed: a wait happens once, and its future would enlarge every run.
+                            Box::pin(em.wait(pending, progress)).await?;
                             return Ok(Outcome::Waiting);
                         }
                     }
@@ -1014,14 +1015,18 @@ impl Engine {
 
     /// One model call, streamed into events. `prompt_tokens` is what the prompt counts,
     /// for the usage of a provider that reports none.
-    async fn model_round(
+    ///
+    /// Not an `async fn`: runs in flight wait in this future for the model, and an `async
+    /// fn` would keep room for the request (as its argument and as its local) though the
+    /// model took it when the call was made.
+    fn model_round(
         &self,
         setup: &RoundSetup<'_>,
         mut request: ChatRequest,
         prompt_tokens: u32,
         em: &mut Emitter,
         iteration: u32,
-    ) -> Result<Reply, Outcome> {
+    ) -> impl Future<Output = Result<Reply, Outcome>> {
         let RoundSetup {
             model,
             provider,
@@ -1043,156 +1048,162 @@ impl Engine {
         let started = Instant::now();
         // A retry that could not finish in time is not waited for.
         request.deadline = Some(started + timeout);
-        let mut first_delta = None;
-        let work = async {
-            em.flush_soon().await?;
-            // From here the prompt is on its way: a run that ends before the call reports
-            // its usage counts it, estimated, unless the provider refused or was never
-            // reached.
-            em.model_answering(prompt_tokens);
-            let stream = match model.stream(request, cancel.child_token()).await {
-                Ok(stream) => stream,
-                Err(error) => {
-                    if error.never_processed() {
-                        em.model_not_answering();
+        // The call is made now and polled once what waits is published.
+        let call = model.stream(request, cancel.child_token());
+        async move {
+            let mut first_delta = None;
+            let work = async {
+                em.flush_soon().await?;
+                // From here the prompt is on its way: a run that ends before the call reports
+                // its usage counts it, estimated, unless the provider refused or was never
+                // reached.
+                em.model_answering(prompt_tokens);
+                let stream = match call.await {
+                    Ok(stream) => stream,
+                    Err(error) => {
+                        if error.never_processed() {
+                            em.model_not_answering();
+                        }
+                        return Err(model_failure(error));
                     }
-                    return Err(model_failure(error));
+                };
+                // The reply is read by a future of its own, made once the model answers:
+                // what it holds while it reads would otherwise take room while the run waits
+                // for the answer to begin, which is where most runs in flight are.
+                let Streamed {
+                    mut stream,
+                    parser,
+                    mut stop_cut,
+                    mut pieces,
+                    mut content,
+                    reasoning,
+                    calls,
+                    finish,
+                    usage,
+                    refusal,
+                    finished,
+                } = Box::pin(read_reply(stream, strategy, em, &mut first_delta)).await?;
+                // After the finish, the answer is whole: the end of the body, which a server
+                // may keep open a while after `[DONE]` (the client reads it, up to a grace,
+                // rather than resetting the stream), is read without holding the run.
+                if finished && stream.next().now_or_never().is_none() {
+                    tokio::spawn(async move { while stream.next().await.is_some() {} });
+                } else {
+                    drop(stream);
                 }
-            };
-            // The reply is read by a future of its own, made once the model answers:
-            // what it holds while it reads would otherwise take room while the run waits
-            // for the answer to begin, which is where most runs in flight are.
-            let Streamed {
-                mut stream,
-                parser,
-                mut stop_cut,
-                mut pieces,
-                mut content,
-                reasoning,
-                calls,
-                finish,
-                usage,
-                refusal,
-                finished,
-            } = Box::pin(read_reply(stream, strategy, em, &mut first_delta)).await?;
-            // After the finish, the answer is whole: the end of the body, which a server
-            // may keep open a while after `[DONE]` (the client reads it, up to a grace,
-            // rather than resetting the stream), is read without holding the run.
-            if finished && stream.next().now_or_never().is_none() {
-                tokio::spawn(async move { while stream.next().await.is_some() {} });
-            } else {
-                drop(stream);
-            }
-            let estimated = usage.is_none();
-            let usage = usage.unwrap_or_else(|| Usage {
-                prompt_tokens: u64::from(prompt_tokens),
-                completion_tokens: estimate_completion(&reasoning, &content, &calls),
-            });
-            tracing::Span::current().record("gen_ai.usage.input_tokens", usage.prompt_tokens);
-            tracing::Span::current().record("gen_ai.usage.output_tokens", usage.completion_tokens);
-            Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
-            // What follows is published at the next wait: the tools' checkpoint, the next
-            // round or the end.
-            em.usage(usage, estimated);
-            debug!(
-                ?finish,
-                calls = calls.len(),
-                estimated,
-                "model round finished"
-            );
-            if finish == FinishReason::ContentFilter {
-                // The provider withheld the rest: what streamed is not an answer.
-                return Err(Outcome::Failed(
-                    StopReason::ModelError,
-                    RunError {
-                        code: "MODEL_CONTENT_FILTERED".into(),
-                        message: "the provider's content filter stopped the model's response \
+                let estimated = usage.is_none();
+                let usage = usage.unwrap_or_else(|| Usage {
+                    prompt_tokens: u64::from(prompt_tokens),
+                    completion_tokens: estimate_completion(&reasoning, &content, &calls),
+                });
+                tracing::Span::current().record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+                tracing::Span::current()
+                    .record("gen_ai.usage.output_tokens", usage.completion_tokens);
+                Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
+                // What follows is published at the next wait: the tools' checkpoint, the next
+                // round or the end.
+                em.usage(usage, estimated);
+                debug!(
+                    ?finish,
+                    calls = calls.len(),
+                    estimated,
+                    "model round finished"
+                );
+                if finish == FinishReason::ContentFilter {
+                    // The provider withheld the rest: what streamed is not an answer.
+                    return Err(Outcome::Failed(
+                        StopReason::ModelError,
+                        RunError {
+                            code: "MODEL_CONTENT_FILTERED".into(),
+                            message: "the provider's content filter stopped the model's response \
                                   (finish_reason: content_filter)"
-                            .into(),
-                        category: "model",
-                        retryable: false,
-                    },
-                ));
-            }
-            if let Some(refusal) = refusal.filter(|_| content.trim().is_empty() && calls.is_empty())
-            {
-                // A refusal is the model's, not an empty answer: asking again gets it again.
-                return Err(Outcome::Failed(
-                    StopReason::ModelError,
-                    RunError {
-                        code: "MODEL_REFUSED".into(),
-                        message: format!("the model refused to answer: {refusal}"),
-                        category: "model",
-                        retryable: false,
-                    },
-                ));
-            }
-            let cut_short = finish == FinishReason::Length;
-            let Some(mut parser) = parser else {
-                if !calls.is_empty() {
+                                .into(),
+                            category: "model",
+                            retryable: false,
+                        },
+                    ));
+                }
+                if let Some(refusal) =
+                    refusal.filter(|_| content.trim().is_empty() && calls.is_empty())
+                {
+                    // A refusal is the model's, not an empty answer: asking again gets it again.
+                    return Err(Outcome::Failed(
+                        StopReason::ModelError,
+                        RunError {
+                            code: "MODEL_REFUSED".into(),
+                            message: format!("the model refused to answer: {refusal}"),
+                            category: "model",
+                            retryable: false,
+                        },
+                    ));
+                }
+                let cut_short = finish == FinishReason::Length;
+                let Some(mut parser) = parser else {
+                    if !calls.is_empty() {
+                        return Ok(Reply::Tools {
+                            content,
+                            calls,
+                            cut_short,
+                        });
+                    }
+                    return answer_or_error(content, cut_short);
+                };
+                let held = stop_cut.finish();
+                content.push_str(&held);
+                parser.push(&held, &mut pieces);
+                parser.finish(&mut pieces);
+                em.pieces(pieces.drain(..));
+                if parser.answered() {
+                    return answer_or_error(parser.answer().to_owned(), cut_short);
+                }
+                if let Some((name, input)) = parser.action() {
+                    // The conversation keeps the reply up to its action: its observation then
+                    // follows the action it answers, not a later one that does not run.
+                    if let Some(end) = parser.action_end() {
+                        content.truncate(end);
+                    }
+                    let call = ModelToolCall {
+                        id: format!("react_{iteration}"),
+                        name,
+                        arguments: input,
+                    };
                     return Ok(Reply::Tools {
                         content,
-                        calls,
+                        calls: vec![call],
                         cut_short,
                     });
                 }
-                return answer_or_error(content, cut_short);
-            };
-            let held = stop_cut.finish();
-            content.push_str(&held);
-            parser.push(&held, &mut pieces);
-            parser.finish(&mut pieces);
-            em.pieces(pieces.drain(..));
-            if parser.answered() {
-                return answer_or_error(parser.answer().to_owned(), cut_short);
-            }
-            if let Some((name, input)) = parser.action() {
-                // The conversation keeps the reply up to its action: its observation then
-                // follows the action it answers, not a later one that does not run.
-                if let Some(end) = parser.action_end() {
-                    content.truncate(end);
+                if let Some(text) = parser.unmarked() {
+                    // No protocol at all: the reply is the answer, streamed once, as such.
+                    let text = text.to_owned();
+                    em.answer(text.clone());
+                    return answer_or_error(text, cut_short);
                 }
-                let call = ModelToolCall {
-                    id: format!("react_{iteration}"),
-                    name,
-                    arguments: input,
-                };
-                return Ok(Reply::Tools {
-                    content,
-                    calls: vec![call],
-                    cut_short,
-                });
+                if cut_short {
+                    return answer_or_error(String::new(), cut_short);
+                }
+                Ok(Reply::Unreadable { content })
             }
-            if let Some(text) = parser.unmarked() {
-                // No protocol at all: the reply is the answer, streamed once, as such.
-                let text = text.to_owned();
-                em.answer(text.clone());
-                return answer_or_error(text, cut_short);
+            .instrument(span);
+            let result = tokio::time::timeout(timeout, work).await;
+            Metrics::global().model_call(
+                &model_name,
+                matches!(result, Ok(Ok(_))),
+                started.into_std(),
+                first_delta.map(Instant::into_std),
+            );
+            match result {
+                Ok(result) => result,
+                Err(_) => Err(Outcome::Failed(
+                    StopReason::Timeout,
+                    RunError {
+                        code: "MODEL_TIMEOUT".into(),
+                        message: format!("the model call did not finish within {timeout:?}"),
+                        category: "timeout",
+                        retryable: true,
+                    },
+                )),
             }
-            if cut_short {
-                return answer_or_error(String::new(), cut_short);
-            }
-            Ok(Reply::Unreadable { content })
-        }
-        .instrument(span);
-        let result = tokio::time::timeout(timeout, work).await;
-        Metrics::global().model_call(
-            &model_name,
-            matches!(result, Ok(Ok(_))),
-            started.into_std(),
-            first_delta.map(Instant::into_std),
-        );
-        match result {
-            Ok(result) => result,
-            Err(_) => Err(Outcome::Failed(
-                StopReason::Timeout,
-                RunError {
-                    code: "MODEL_TIMEOUT".into(),
-                    message: format!("the model call did not finish within {timeout:?}"),
-                    category: "timeout",
-                    retryable: true,
-                },
-            )),
         }
     }
 

@@ -495,28 +495,40 @@ impl H2cClient {
     /// POSTs `body` with `headers`; the response, its body still to read. A call the
     /// server did not process is sent again on another connection, up to
     /// [`MAX_UNPROCESSED_RESENDS`] times.
-    pub async fn post(
+    ///
+    /// Runs in flight spend most of their time in this future, waiting for the answer:
+    /// it is an `async` block rather than an `async fn` (which keeps a second copy of its
+    /// arguments), and what an attempt builds to send is gone before it awaits the answer.
+    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    pub fn post(
         &self,
         body: Bytes,
         headers: HeaderMap,
-    ) -> Result<Response<H2Body>, PostError> {
-        let mut resent = 0;
-        loop {
-            match self.post_once(body.clone(), headers.clone()).await {
-                Ok(response) => return Ok(response),
-                Err(Attempt::Unprocessed(error)) if resent < MAX_UNPROCESSED_RESENDS => {
-                    resent += 1;
-                    debug!(address = %self.address, %error, resent, "the server did not process the call; sent again");
+    ) -> impl Future<Output = Result<Response<H2Body>, PostError>> + Send + '_ {
+        async move {
+            let mut resent = 0;
+            loop {
+                match self.post_once(&body, &headers).await {
+                    Ok(response) => return Ok(response),
+                    Err(Attempt::Unprocessed(error)) if resent < MAX_UNPROCESSED_RESENDS => {
+                        resent += 1;
+                        debug!(
+                            address = %self.address,
+                            %error,
+                            resent,
+                            "the server did not process the call; sent again"
+                        );
+                    }
+                    Err(Attempt::Unprocessed(error) | Attempt::Failed(error)) => return Err(error),
                 }
-                Err(Attempt::Unprocessed(error) | Attempt::Failed(error)) => return Err(error),
             }
         }
     }
 
     async fn post_once(
         &self,
-        body: Bytes,
-        mut headers: HeaderMap,
+        body: &Bytes,
+        headers: &HeaderMap,
     ) -> Result<Response<H2Body>, Attempt> {
         let (connection, call) = self.connection().await.map_err(Attempt::Failed)?;
         // Not usable for new calls: the next call opens another connection.
@@ -531,20 +543,10 @@ impl H2cClient {
             unusable(&e);
             Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
         };
-        let mut sender = connection.sender.clone().ready().await.map_err(unsent)?;
-        headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
-        let mut request = Request::post(self.uri.clone()).body(()).map_err(|e| {
-            Attempt::Failed(PostError::new(
-                Failure::Other,
-                format!("invalid request: {e}"),
-            ))
-        })?;
-        *request.headers_mut() = headers;
-        let (response, mut stream) = sender.send_request(request, false).map_err(unsent)?;
-        let id = u32::from(response.stream_id());
+        let sender = connection.sender.clone().ready().await.map_err(unsent)?;
         // After the stream opened, the server saw the call unless it refused the stream or
         // its GOAWAY's last stream id is below it.
-        let sent = |e: h2::Error| {
+        let sent = |id: u32, e: h2::Error| {
             unusable(&e);
             let refused = e.is_remote()
                 && ((e.is_reset() && e.reason() == Some(h2::Reason::REFUSED_STREAM))
@@ -560,9 +562,29 @@ impl H2cClient {
                 Attempt::Failed(PostError::of_h2(failure, &e))
             }
         };
-        // The whole body is queued at once; h2 sends it as the stream's window allows.
-        stream.send_data(body, true).map_err(sent)?;
-        let response = response.await.map_err(sent)?;
+        // Sent in a block of its own: the request, the sender and the sending half of the
+        // stream are dropped before the answer is awaited, and take no room while it is.
+        let response = {
+            let mut sender = sender;
+            let mut request = Request::post(self.uri.clone()).body(()).map_err(|e| {
+                Attempt::Failed(PostError::new(
+                    Failure::Other,
+                    format!("invalid request: {e}"),
+                ))
+            })?;
+            let request_headers = request.headers_mut();
+            request_headers.clone_from(headers);
+            request_headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
+            let (response, mut stream) = sender.send_request(request, false).map_err(unsent)?;
+            let id = u32::from(response.stream_id());
+            // The whole body is queued at once; h2 sends it as the stream's window allows.
+            stream
+                .send_data(body.clone(), true)
+                .map_err(|e| sent(id, e))?;
+            response
+        };
+        let id = u32::from(response.stream_id());
+        let response = response.await.map_err(|e| sent(id, e))?;
         Ok(response.map(|body| H2Body {
             body,
             unreleased: 0,

@@ -1,6 +1,8 @@
 //! OpenAI-compatible chat completions, streamed over SSE.
 
-use std::{borrow::Cow, collections::BTreeMap, collections::VecDeque, time::Duration};
+use std::{
+    borrow::Cow, collections::BTreeMap, collections::VecDeque, pin::Pin, sync::Arc, time::Duration,
+};
 
 use agentrt_h2c::{Failure, H2cClient};
 use futures_util::{Stream, StreamExt};
@@ -232,19 +234,24 @@ impl OpenAiChat {
         self
     }
 
-    async fn send_once(&self, body: &bytes::Bytes) -> Result<ResponseBody, ModelError> {
+    /// The headers of a call.
+    fn call_headers(&self) -> HeaderMap {
         let mut headers = self.headers.clone();
         if agentrt_telemetry::tracing_enabled() {
             // The model call joins the caller's trace: `traceparent` of the `chat` span.
             agentrt_telemetry::inject(&mut headers);
         }
+        headers
+    }
+
+    async fn send_once(&self, body: &bytes::Bytes) -> Result<ResponseBody, ModelError> {
         match &*self.transport {
             Transport::General { http, url } => {
                 // Boxed, so that the general client's large request future does not
                 // enlarge every h2c call's future too.
                 let mut response = Box::pin(
                     http.post(url.clone())
-                        .headers(headers)
+                        .headers(self.call_headers())
                         .body(body.clone())
                         .send(),
                 )
@@ -265,7 +272,7 @@ impl OpenAiChat {
             }
             Transport::H2c(client) => {
                 let (parts, body) = client
-                    .post(body.clone(), headers)
+                    .post(body.clone(), self.call_headers())
                     .await
                     .map_err(|e| match e.failure {
                         Failure::NotHttp2 => {
@@ -403,60 +410,83 @@ impl Stream for ResponseBody {
     }
 }
 
-#[async_trait::async_trait]
 impl ChatModel for OpenAiChat {
-    async fn stream(
-        &self,
+    // Not an `async fn`: a run in flight holds this future while it waits for the model,
+    // and an `async fn` would keep the request in it (twice: the argument and its local)
+    // though only its encoded body is sent.
+    fn stream<'a, 'f>(
+        &'a self,
         request: ChatRequest,
         cancel: CancellationToken,
-    ) -> Result<ChatStream, ModelError> {
+    ) -> Pin<Box<dyn Future<Output = Result<ChatStream, ModelError>> + Send + 'f>>
+    where
+        'a: 'f,
+    {
         let body = bytes::Bytes::from(request_body(&request));
         let deadline = request.deadline;
         let offered = request.tools.clone();
         // The body is all that is sent; the messages need not wait with it for the reply.
         drop(request);
-        let mut attempt = 0;
-        loop {
-            let outcome = tokio::select! {
-                outcome = self.send_once(&body) => outcome,
-                () = cancel.cancelled() => return Err(ModelError::Cancelled),
-            };
-            let error = match outcome {
-                Ok(body) => {
-                    // Nothing has streamed before the first delta: a connection lost
-                    // until then is as transient as one lost before the answer began.
-                    let mut deltas = decode(body, self.limits, offered.clone());
-                    let first = tokio::select! {
-                        first = std::future::poll_fn(|cx| deltas.poll_first(cx)) => first,
-                        () = cancel.cancelled() => return Err(ModelError::Cancelled),
-                    };
-                    match first {
-                        Ok(()) => return Ok(Box::pin(deltas)),
-                        Err(lost) => ModelError::Connect(format!(
-                            "{}: the connection was lost before the answer began: {lost}",
-                            self.site.who()
-                        )),
+        Box::pin(self.call(body, deadline, offered, cancel))
+    }
+}
+
+impl OpenAiChat {
+    /// [`ChatModel::stream`] of an encoded request (an `async` block: an `async fn` would
+    /// keep its arguments twice).
+    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    fn call(
+        &self,
+        body: bytes::Bytes,
+        deadline: Option<tokio::time::Instant>,
+        offered: Arc<[ToolDefinition]>,
+        cancel: CancellationToken,
+    ) -> impl Future<Output = Result<ChatStream, ModelError>> + Send + '_ {
+        async move {
+            let mut attempt = 0;
+            loop {
+                let outcome = tokio::select! {
+                    outcome = self.send_once(&body) => outcome,
+                    () = cancel.cancelled() => return Err(ModelError::Cancelled),
+                };
+                let error = match outcome {
+                    Ok(body) => {
+                        // Nothing has streamed before the first delta: a connection lost
+                        // until then is as transient as one lost before the answer began.
+                        let mut deltas = decode(body, self.limits, offered.clone());
+                        let first = tokio::select! {
+                            first = std::future::poll_fn(|cx| deltas.poll_first(cx)) => first,
+                            () = cancel.cancelled() => return Err(ModelError::Cancelled),
+                        };
+                        match first {
+                            Ok(()) => return Ok(Box::pin(deltas) as ChatStream),
+                            Err(lost) => ModelError::Connect(format!(
+                                "{}: the connection was lost before the answer began: {lost}",
+                                self.site.who()
+                            )),
+                        }
                     }
+                    Err(error) => error,
+                };
+                if !error.is_retryable() || attempt >= self.retry.max_retries {
+                    return Err(error);
                 }
-                Err(error) => error,
-            };
-            if !error.is_retryable() || attempt >= self.retry.max_retries {
-                return Err(error);
+                let retry_after = match &error {
+                    ModelError::Http { retry_after, .. } => *retry_after,
+                    _ => None,
+                };
+                let delay = self.retry.delay(attempt, retry_after);
+                if deadline.is_some_and(|deadline| tokio::time::Instant::now() + delay >= deadline)
+                {
+                    return Err(past_deadline(error, delay));
+                }
+                warn!(error = %error, attempt = attempt + 1, ?delay, "model call failed, retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = cancel.cancelled() => return Err(ModelError::Cancelled),
+                }
+                attempt += 1;
             }
-            let retry_after = match &error {
-                ModelError::Http { retry_after, .. } => *retry_after,
-                _ => None,
-            };
-            let delay = self.retry.delay(attempt, retry_after);
-            if deadline.is_some_and(|deadline| tokio::time::Instant::now() + delay >= deadline) {
-                return Err(past_deadline(error, delay));
-            }
-            warn!(error = %error, attempt = attempt + 1, ?delay, "model call failed, retrying");
-            tokio::select! {
-                () = tokio::time::sleep(delay) => {}
-                () = cancel.cancelled() => return Err(ModelError::Cancelled),
-            }
-            attempt += 1;
         }
     }
 }

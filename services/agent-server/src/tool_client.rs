@@ -1,6 +1,7 @@
 //! The tool executor as seen from the agent server: a gRPC client behind [`ToolCatalog`].
 
 use std::{
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicUsize, Ordering},
@@ -422,9 +423,18 @@ impl ToolCatalog for GrpcToolClient {
     }
 }
 
-#[async_trait]
 impl ToolRunner for GrpcToolClient {
-    async fn run(&self, call: ToolInvocation, timeout: Duration) -> ToolResult {
+    // Not an `async fn`: calls in flight wait in this future, and an `async fn` would keep
+    // room for the call as its argument and its local, though the message made of it is
+    // all that is sent.
+    fn run<'a, 'f>(
+        &'a self,
+        call: ToolInvocation,
+        timeout: Duration,
+    ) -> Pin<Box<dyn Future<Output = ToolResult> + Send + 'f>>
+    where
+        'a: 'f,
+    {
         let name = call.name.clone();
         // The deadline travels to the tool executor, which stops the work when it passes;
         // the local timer covers an executor that does not answer at all.
@@ -443,79 +453,95 @@ impl ToolRunner for GrpcToolClient {
             run_id: call.run_id,
             session_id: call.session_id,
         };
-        let timed_out =
-            || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
-        let deadline = Instant::now() + timeout;
-        let response = match &self.execute {
-            Some(execute) => {
-                let message = &message;
-                self.send(deadline, |left| {
-                    execute
-                        .unary
-                        .call(message, left, execute.authorization.as_ref())
-                })
-                .await
-            }
-            // Boxed: tonic's call future is about a kilobyte larger than the lean one, and
-            // inline it would take that room in every call in flight, on either path.
-            None => Box::pin(self.send(deadline, |left| {
-                let mut client = self.client();
-                let request = self.request(message.clone(), left);
-                async move { client.execute_tool(request).await }
-            }))
-            .await
-            .map(|outcome| outcome.map(tonic::Response::into_inner)),
-        };
-        let Ok(response) = response else {
-            return timed_out();
-        };
-        match response {
-            Ok(response) => ToolResult {
-                output: response.output,
-                is_error: response.is_error,
-                references: response
-                    .references
-                    .into_iter()
-                    .map(|r| Reference {
-                        title: r.title,
-                        url: r.url,
-                        snippet: r.snippet,
-                        score: r.score,
-                        source: r.source,
+        Box::pin(self.execute(name, message, timeout))
+    }
+}
+
+impl GrpcToolClient {
+    /// [`ToolRunner::run`] of a call's message (an `async` block: an `async fn` would keep
+    /// its arguments twice).
+    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    fn execute(
+        &self,
+        name: String,
+        message: v1::ExecuteToolRequest,
+        timeout: Duration,
+    ) -> impl Future<Output = ToolResult> + Send + '_ {
+        async move {
+            let timed_out =
+                || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
+            let deadline = Instant::now() + timeout;
+            let response = match &self.execute {
+                Some(execute) => {
+                    let message = &message;
+                    self.send(deadline, |left| {
+                        execute
+                            .unary
+                            .call(message, left, execute.authorization.as_ref())
                     })
-                    .collect(),
-            },
-            Err(status) => match status.code() {
-                Code::InvalidArgument => ToolResult::error(format!(
-                    "invalid arguments for tool {name:?}: {}",
-                    status.message()
-                )),
-                Code::NotFound => {
-                    ToolResult::error(format!("tool {name:?} does not exist on the tool executor"))
+                    .await
                 }
-                Code::DeadlineExceeded | Code::Cancelled => timed_out(),
-                // Its address and the error's details are for the operator, in the log;
-                // the model and the client read what happened.
-                code => match unsent(&status) {
-                    Some(Unsent::Unreachable) => {
-                        self.log_unavailable(status.message());
-                        ToolResult::error(format!(
-                            "tool {name:?} failed: the tool executor cannot be reached"
-                        ))
-                    }
-                    Some(Unsent::Lost) => {
-                        self.log_unavailable(status.message());
-                        ToolResult::error(format!(
-                            "tool {name:?} failed: the connection to the tool executor broke \
-                             during the call, twice"
-                        ))
-                    }
-                    _ => ToolResult::error(format!(
-                        "tool {name:?} failed: {code:?}: {}",
+                // Boxed: tonic's call future is about a kilobyte larger than the lean one, and
+                // inline it would take that room in every call in flight, on either path.
+                None => Box::pin(self.send(deadline, |left| {
+                    let mut client = self.client();
+                    let request = self.request(message.clone(), left);
+                    async move { client.execute_tool(request).await }
+                }))
+                .await
+                .map(|outcome| outcome.map(tonic::Response::into_inner)),
+            };
+            let Ok(response) = response else {
+                return timed_out();
+            };
+            match response {
+                Ok(response) => ToolResult {
+                    output: response.output,
+                    is_error: response.is_error,
+                    references: response
+                        .references
+                        .into_iter()
+                        .map(|r| Reference {
+                            title: r.title,
+                            url: r.url,
+                            snippet: r.snippet,
+                            score: r.score,
+                            source: r.source,
+                        })
+                        .collect(),
+                },
+                Err(status) => match status.code() {
+                    Code::InvalidArgument => ToolResult::error(format!(
+                        "invalid arguments for tool {name:?}: {}",
                         status.message()
                     )),
+                    Code::NotFound => ToolResult::error(format!(
+                        "tool {name:?} does not exist on the tool executor"
+                    )),
+                    Code::DeadlineExceeded | Code::Cancelled => timed_out(),
+                    // Its address and the error's details are for the operator, in the log;
+                    // the model and the client read what happened.
+                    code => match unsent(&status) {
+                        Some(Unsent::Unreachable) => {
+                            self.log_unavailable(status.message());
+                            ToolResult::error(format!(
+                                "tool {name:?} failed: the tool executor cannot be reached"
+                            ))
+                        }
+                        Some(Unsent::Lost) => {
+                            self.log_unavailable(status.message());
+                            ToolResult::error(format!(
+                                "tool {name:?} failed: the connection to the tool executor broke \
+                                 during the call, twice"
+                            ))
+                        }
+                        _ => ToolResult::error(format!(
+                            "tool {name:?} failed: {code:?}: {}",
+                            status.message()
+                        )),
+                    },
                 },
-            },
+            }
         }
     }
 }

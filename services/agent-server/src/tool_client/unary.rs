@@ -84,33 +84,35 @@ impl Unary {
         timeout: Duration,
         authorization: Option<&HeaderValue>,
     ) -> Result<R, Status> {
-        let len = message.encoded_len();
-        if len > self.max_send_bytes {
-            return Err(Status::out_of_range(format!(
-                "the call is {len} bytes, over the limit of {} bytes (server.max_message_bytes)",
-                self.max_send_bytes
-            )));
-        }
-        let mut body = BytesMut::with_capacity(5 + len);
-        body.put_u8(0);
-        body.put_u32(u32::try_from(len).map_err(|_| Status::out_of_range("call too large"))?);
-        message
-            .encode(&mut body)
-            .map_err(|e| Status::internal(format!("cannot encode the call: {e}")))?;
-        let mut headers = HeaderMap::with_capacity(8);
-        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(TE, HeaderValue::from_static("trailers"));
-        headers.insert("grpc-timeout", grpc_timeout(timeout));
-        if let Some(value) = authorization {
-            headers.insert(AUTHORIZATION, value.clone());
-        }
-        // The tool executor's span joins this trace, under the current `execute_tool` span.
-        agentrt_telemetry::inject(&mut headers);
-        let response = self
-            .client
-            .post(body.freeze(), headers)
-            .await
-            .map_err(not_sent)?;
+        // Made in a block of its own: the call's body and headers, moved into the post,
+        // take no room in this future while it waits for the answer.
+        let posting = {
+            let len = message.encoded_len();
+            if len > self.max_send_bytes {
+                return Err(Status::out_of_range(format!(
+                    "the call is {len} bytes, over the limit of {} bytes \
+                     (server.max_message_bytes)",
+                    self.max_send_bytes
+                )));
+            }
+            let mut body = BytesMut::with_capacity(5 + len);
+            body.put_u8(0);
+            body.put_u32(u32::try_from(len).map_err(|_| Status::out_of_range("call too large"))?);
+            message
+                .encode(&mut body)
+                .map_err(|e| Status::internal(format!("cannot encode the call: {e}")))?;
+            let mut headers = HeaderMap::with_capacity(8);
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+            headers.insert(TE, HeaderValue::from_static("trailers"));
+            headers.insert("grpc-timeout", grpc_timeout(timeout));
+            if let Some(value) = authorization {
+                headers.insert(AUTHORIZATION, value.clone());
+            }
+            // The tool executor's span joins this trace, under the current `execute_tool` span.
+            agentrt_telemetry::inject(&mut headers);
+            self.client.post(body.freeze(), headers)
+        };
+        let response = posting.await.map_err(not_sent)?;
         let (parts, mut body) = response.into_parts();
         // A trailers-only answer: the status is in the headers, and there is no message.
         if let Some(status) = status_of(&parts.headers) {
