@@ -422,7 +422,7 @@ impl ChatModel for OpenAiChat {
     where
         'a: 'f,
     {
-        let body = bytes::Bytes::from(request_body(&request));
+        let body = held(request_body(&request));
         let deadline = request.deadline;
         let offered = request.tools.clone();
         // The body is all that is sent; the messages need not wait with it for the reply.
@@ -434,7 +434,10 @@ impl ChatModel for OpenAiChat {
 impl OpenAiChat {
     /// [`ChatModel::stream`] of an encoded request (an `async` block: an `async fn` would
     /// keep its arguments twice).
-    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice"
+    )]
     fn call(
         &self,
         body: bytes::Bytes,
@@ -595,6 +598,17 @@ fn retry_after_delay(value: &str) -> Option<Duration> {
 
 /// The JSON body of a streaming chat completions request, serialized straight from the
 /// request (no intermediate JSON tree: this runs on every model call).
+/// `body` as it is kept until the call is answered (for a retry): in a buffer of its own
+/// size when growing it left much room spare (it doubled as it was written), for that
+/// room would be held by every call in flight.
+fn held(body: Vec<u8>) -> bytes::Bytes {
+    if body.capacity() - body.len() > body.len() / 8 {
+        bytes::Bytes::copy_from_slice(&body)
+    } else {
+        bytes::Bytes::from(body)
+    }
+}
+
 pub(crate) fn request_body(request: &ChatRequest) -> Vec<u8> {
     let body = Body {
         model: &request.model,
