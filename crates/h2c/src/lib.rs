@@ -499,7 +499,10 @@ impl H2cClient {
     /// Runs in flight spend most of their time in this future, waiting for the answer:
     /// it is an `async` block rather than an `async fn` (which keeps a second copy of its
     /// arguments), and what an attempt builds to send is gone before it awaits the answer.
-    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice"
+    )]
     pub fn post(
         &self,
         body: Bytes,

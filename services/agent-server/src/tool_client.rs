@@ -460,7 +460,10 @@ impl ToolRunner for GrpcToolClient {
 impl GrpcToolClient {
     /// [`ToolRunner::run`] of a call's message (an `async` block: an `async fn` would keep
     /// its arguments twice).
-    #[allow(clippy::manual_async_fn, reason = "an async fn keeps its arguments twice")]
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an async fn keeps its arguments twice"
+    )]
     fn execute(
         &self,
         name: String,
