@@ -280,27 +280,45 @@ impl RunRecord {
         }
     }
 
-    /// A copy of the record without its rounds.
-    pub fn without_steps(&self) -> Self {
-        Self {
-            run_id: self.run_id.clone(),
-            engine_id: self.engine_id.clone(),
-            session_id: self.session_id.clone(),
-            message_id: self.message_id.clone(),
-            query: self.query.clone(),
-            status: self.status,
-            stop_reason: self.stop_reason,
-            steps: Vec::new(),
-            final_answer: self.final_answer.clone(),
-            usage: self.usage,
-            error: self.error.clone(),
-            last_sequence: self.last_sequence,
-            create_time: self.create_time,
-            update_time: self.update_time,
-            abandoned: self.abandoned,
-            owner: self.owner.clone(),
-            pending: self.pending.clone(),
-        }
+    /// Makes this record `source` but for its rounds, which it keeps: in place, reusing
+    /// the strings it holds (a store's copy of a running record changes at every round).
+    pub fn copy_head_from(&mut self, source: &Self) {
+        // Every field named: one added to the record is not forgotten here.
+        let Self {
+            run_id,
+            engine_id,
+            session_id,
+            message_id,
+            query,
+            status,
+            stop_reason,
+            steps: _,
+            final_answer,
+            usage,
+            error,
+            last_sequence,
+            create_time,
+            update_time,
+            abandoned,
+            owner,
+            pending,
+        } = source;
+        self.run_id.clone_from(run_id);
+        self.engine_id.clone_from(engine_id);
+        self.session_id.clone_from(session_id);
+        self.message_id.clone_from(message_id);
+        self.query.clone_from(query);
+        self.status = *status;
+        self.stop_reason = *stop_reason;
+        self.final_answer.clone_from(final_answer);
+        self.usage = *usage;
+        self.error.clone_from(error);
+        self.last_sequence = *last_sequence;
+        self.create_time = *create_time;
+        self.update_time = *update_time;
+        self.abandoned = *abandoned;
+        self.owner.clone_from(owner);
+        self.pending.clone_from(pending);
     }
 
     /// Marks the calls the run ends without (see [`ToolCallRecord::end_unfinished`]);
@@ -330,6 +348,30 @@ impl RunRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_of_the_head_is_the_record_but_for_its_steps() {
+        let step = |iteration| StepRecord {
+            iteration,
+            thought: String::new(),
+            tool_calls: Vec::new(),
+            answer: String::new(),
+        };
+        let mut copy = RunRecord::new("r", "e", "s", "m", "old query");
+        copy.steps = vec![step(1)];
+        let mut source = RunRecord::new("r", "e2", "s2", "m2", "a query");
+        source.status = RunStatus::Succeeded;
+        source.stop_reason = Some(StopReason::FinalAnswer);
+        source.final_answer = "42".into();
+        source.last_sequence = 9;
+        source.owner = "o".into();
+        source.abandoned = true;
+        source.steps = vec![step(1), step(2)];
+        copy.copy_head_from(&source);
+        assert_eq!(copy.steps, vec![step(1)], "its own steps are kept");
+        copy.steps.clone_from(&source.steps);
+        assert_eq!(copy, source);
+    }
 
     /// A stop reason read back from a store (a `done` event on the Redis bus) keeps its
     /// name: every one is among the names the events crate knows (`budget_exceeded` read

@@ -1078,21 +1078,21 @@ impl RunStore for MemoryRunStore {
                     .records
                     .get(&record.run_id)
                     .is_none_or(|stored| !stored.ended());
-            let steps: Vec<StepRecord> = match inner.records.remove(&record.run_id) {
-                Some(mut stored) => {
+            // A running record is saved at every round: its copy is updated in place.
+            match inner.records.get_mut(&record.run_id) {
+                Some(stored) => {
+                    stored.copy_head_from(record);
                     stored.steps.truncate(from_step);
                     stored
                         .steps
                         .extend(record.steps.iter().skip(from_step).cloned());
-                    stored.steps
                 }
-                None => record.steps.clone(),
-            };
-            let mut stored = record.without_steps();
-            stored.steps = steps;
-            inner
-                .records
-                .insert(record.run_id.clone(), Box::new(stored));
+                None => {
+                    inner
+                        .records
+                        .insert(record.run_id.clone(), Box::new(record.clone()));
+                }
+            }
             if newly_ended {
                 let bytes = inner.records.get(&record.run_id).map_or(0, |r| weight(r));
                 inner.ended_bytes += bytes;
