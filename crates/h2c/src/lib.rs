@@ -567,7 +567,7 @@ impl H2cClient {
         };
         // Sent in a block of its own: the request, the sender and the sending half of the
         // stream are dropped before the answer is awaited, and take no room while it is.
-        let response = {
+        let (response, id) = {
             let mut sender = sender;
             let mut request = Request::post(self.uri.clone()).body(()).map_err(|e| {
                 Attempt::Failed(PostError::new(
@@ -584,9 +584,8 @@ impl H2cClient {
             stream
                 .send_data(body.clone(), true)
                 .map_err(|e| sent(id, e))?;
-            response
+            (response, id)
         };
-        let id = u32::from(response.stream_id());
         let response = response.await.map_err(|e| sent(id, e))?;
         Ok(response.map(|body| H2Body {
             body,
