@@ -1008,11 +1008,13 @@ async fn scale(
             )
         };
         let row = format!(
-            "| {} | {} | {:.1} s | {:.0} us | {:.1} KB | {:.1} s | {:.1} s | {} | {} ({} failed or over 1 s) |",
+            "| {} | {} | {:.1} s | {:.0} us ({:.0} + {:.0}) | {:.1} KB | {:.1} s | {:.1} s | {} | {} ({} failed or over 1 s) |",
             load.concurrent,
             load.failed,
             load.wall.as_secs_f64(),
             load.cpu_per_run().as_secs_f64() * 1e6,
+            load.agents_cpu.as_secs_f64() * 1e6 / load.concurrent as f64,
+            load.tools_cpu.as_secs_f64() * 1e6 / load.concurrent as f64,
             load.memory_per_run_kb(),
             load.model_cpu.as_secs_f64(),
             load.bench_cpu.as_secs_f64(),
@@ -1028,7 +1030,7 @@ async fn scale(
     }
     println!();
     println!(
-        "| concurrent runs | failed runs | wall | agent-server + tool-executor CPU per run | agent-server memory per in-flight run | simulator CPU | bench client CPU | agent-server descriptors (peak) | health check p99 |"
+        "| concurrent runs | failed runs | wall | agent-server + tool-executor CPU per run (each) | agent-server memory per in-flight run | simulator CPU | bench client CPU | agent-server descriptors (peak) | health check p99 |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for row in rows {
