@@ -1148,6 +1148,11 @@ impl Engine {
                     }
                     return answer_or_error(content, cut_short);
                 };
+                if content.trim().is_empty() && !calls.is_empty() {
+                    // Not an empty reply: calls the ReAct protocol does not read (it offers no
+                    // tools natively), which the client should hear named as such.
+                    return Err(native_calls_under_react(&calls));
+                }
                 let held = stop_cut.finish();
                 content.push_str(&held);
                 parser.push(&held, &mut pieces);
@@ -1820,6 +1825,27 @@ fn truncate_output(output: &mut String, max: usize) {
             None => format!("\n[tool output truncated: {omitted} of {total} bytes omitted]"),
         });
     }
+}
+
+/// The failure of a ReAct round whose reply was only native tool calls: the protocol asks
+/// for actions in text and offers no tools natively, so the calls are not run.
+fn native_calls_under_react(calls: &[ModelToolCall]) -> Outcome {
+    let names: Vec<&str> = calls.iter().map(|c| c.name.as_str()).collect();
+    Outcome::Failed(
+        StopReason::ModelError,
+        RunError {
+            code: "MODEL_EMPTY_RESPONSE".into(),
+            message: format!(
+                "the model replied with no text, only native tool calls ({}), which the \
+                 ReAct strategy does not read: it asks for actions in text. Use the \
+                 function-calling strategy with a model that calls tools natively",
+                names.join(", ")
+            ),
+            category: "model",
+            // The same agent asking the same model again gets the same kind of reply.
+            retryable: false,
+        },
+    )
 }
 
 /// An answer, unless there is none: an empty reply is a model failure, never a success.

@@ -885,6 +885,37 @@ async fn an_empty_response_is_a_model_error_not_an_answer() {
 }
 
 #[tokio::test]
+async fn a_react_reply_of_native_tool_calls_only_is_named_as_such() {
+    let mut round = vec![call("c1", "calc", r#"{"expression":"6*7"}"#)];
+    round.extend(deltas_then(FinishReason::ToolCalls, None, &[]));
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([Ok(round)])),
+        ..Default::default()
+    });
+    let (events, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    assert_well_formed(&events);
+    // The calls do not run: no TOOL_CALL, no TOOL_RESULT.
+    assert!(
+        events
+            .iter()
+            .all(|e| !matches!(e.kind, EventKind::ToolCall | EventKind::ToolResult))
+    );
+    let done = events.last().unwrap();
+    assert_eq!(done.kind, EventKind::Error);
+    let data = done.data.as_ref().unwrap().to_json();
+    assert_eq!(data["stop_reason"], "model_error");
+    assert_eq!(data["code"], "MODEL_EMPTY_RESPONSE");
+    let message = data["message"].as_str().unwrap();
+    assert!(
+        message.contains("only native tool calls (calc)") && message.contains("ReAct"),
+        "{message}"
+    );
+    assert_eq!(record.status, RunStatus::Failed);
+}
+
+#[tokio::test]
 async fn a_token_limit_ends_with_the_partial_answer_and_says_so() {
     let h = harness(Scripted {
         rounds: Mutex::new(VecDeque::from([Ok(deltas_then(
