@@ -10,6 +10,9 @@ use agentrt::v1;
 use agentrt_core::{ToolCatalog, ToolServiceError, ToolSpec, Violation, limits};
 use agentrt_models::ProviderRegistry;
 
+/// The shortest time limit a config may set: timers count whole milliseconds.
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
+
 /// The outcome of a check.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checked {
@@ -542,8 +545,8 @@ impl Check {
         }
     }
 
-    /// Fills in `default` when unset; reports a set duration that is malformed or not
-    /// positive. Returns the effective duration when it is usable.
+    /// Fills in `default` when unset; reports a set duration that is malformed, not
+    /// positive or under [`MIN_TIMEOUT`]. Returns the effective duration when it is usable.
     fn timeout(
         &mut self,
         field: &str,
@@ -554,7 +557,15 @@ impl Check {
             .get_or_insert_with(|| prost_types::Duration::try_from(default).unwrap_or_default());
         let valid_nanos = (0..1_000_000_000).contains(&wire.nanos);
         match Duration::try_from(*wire) {
-            Ok(d) if valid_nanos && !d.is_zero() => Some(d),
+            Ok(d) if valid_nanos && d >= MIN_TIMEOUT => Some(d),
+            // Timers count whole milliseconds: a shorter limit would not be kept.
+            Ok(d) if valid_nanos && !d.is_zero() => {
+                self.violation(
+                    field,
+                    format!("must be at least 1ms (timers count whole milliseconds), got {d:?}"),
+                );
+                None
+            }
             _ => {
                 let malformed = !(-999_999_999..=999_999_999).contains(&wire.nanos)
                     || (wire.seconds > 0 && wire.nanos < 0)
@@ -757,6 +768,29 @@ mod tests {
 
         // A run over its limit holds its calls to the limit, not to itself.
         let duration = |seconds, nanos| Some(prost_types::Duration { seconds, nanos });
+
+        // Under a millisecond is refused (timers count whole milliseconds); 1ms is kept.
+        let mut short = minimal();
+        short.timeouts = Some(v1::Timeouts {
+            run: duration(0, 1),
+            tool_call: duration(0, 999_999),
+            model_call: duration(0, 1_000_000),
+            ..Default::default()
+        });
+        let checked = validator(Ok(vec![])).check(Some(&short)).await.unwrap();
+        assert_eq!(
+            checked.violations,
+            vec![
+                Violation::new(
+                    "timeouts.run",
+                    "must be at least 1ms (timers count whole milliseconds), got 1ns"
+                ),
+                Violation::new(
+                    "timeouts.tool_call",
+                    "must be at least 1ms (timers count whole milliseconds), got 999.999µs"
+                ),
+            ]
+        );
         let mut long = minimal();
         long.timeouts = Some(v1::Timeouts {
             run: duration(7200, 0),
