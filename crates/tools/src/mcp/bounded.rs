@@ -54,6 +54,11 @@ const HEAD: usize = 256;
 const TAIL: usize = 256;
 /// Bytes read from the child at a time.
 const CHUNK: usize = 64 * 1024;
+/// How far past `max_message_bytes` an oversized line may run, in multiples of the bound,
+/// before the server is taken as broken: its newline is waited for (to answer for the
+/// line's call and keep the connection) only that long, so that a server that writes
+/// without end is stopped and started again rather than read from for ever.
+const OVERRUN: usize = 8;
 
 /// A reader of newline-delimited messages that cuts lines longer than `max` bytes and
 /// answers for them (see the module's documentation).
@@ -72,8 +77,44 @@ pub(super) struct BoundedLines<R> {
     discarding: bool,
     /// The last [`TAIL`] bytes of the line being dropped.
     tail: Vec<u8>,
+    /// Bytes of the line being dropped, dropped so far.
+    dropped: usize,
+    /// A line ran on past [`OVERRUN`] times the bound: once `pending` is handed out, the
+    /// stream ends, as if the server had closed it.
+    broken: bool,
+    /// Where to say why the stream was ended.
+    cut_off: Option<CutOff>,
     /// An error answer to hand out before anything else.
     pending: Unread,
+}
+
+/// Why a [`BoundedLines`] ended its stream, for those who see the connection end.
+#[derive(Clone, Default)]
+pub(super) struct CutOff(Arc<std::sync::Mutex<Option<String>>>);
+
+impl CutOff {
+    fn set(&self, why: String) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(why);
+    }
+
+    /// Why the stream was ended, if it was.
+    pub(super) fn why(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Forgets it, for a new connection.
+    pub(super) fn clear(&self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
 }
 
 /// Bytes a reader has made and not yet handed out, and how far they went out.
@@ -121,8 +162,44 @@ impl<R> BoundedLines<R> {
             head: Vec::with_capacity(HEAD),
             discarding: false,
             tail: Vec::with_capacity(TAIL * 2),
+            dropped: 0,
+            broken: false,
+            cut_off: None,
             pending: Unread::default(),
         }
+    }
+
+    /// Says in `cut_off` why, should the stream be ended here.
+    pub(super) fn telling(mut self, cut_off: CutOff) -> Self {
+        self.cut_off = Some(cut_off);
+        self
+    }
+
+    /// The dropped line ran on past [`OVERRUN`] times the bound without ending: answer for
+    /// it when its start names its call, and end the stream (the server is stopped and
+    /// started again, its other calls fail as when it exits).
+    fn give_up_on_oversized(&mut self) {
+        let id = response_id(&self.head, &[]);
+        warn!(
+            max_message_bytes = self.max,
+            dropped = self.dropped,
+            "a message from the MCP server went on past {OVERRUN} times `max_message_bytes` \
+             without ending: the connection is ended, and the server started again"
+        );
+        if let Some(id) = id {
+            let mut answer = too_large_answer(id, self.max).to_string().into_bytes();
+            answer.push(b'\n');
+            self.pending.push(&answer);
+        }
+        if let Some(cut_off) = &self.cut_off {
+            cut_off.set(format!(
+                "the server wrote a message of more than {} bytes without ending it, over \
+                 {OVERRUN} times `max_message_bytes` ({}), and was stopped",
+                self.dropped.saturating_add(self.max),
+                self.max
+            ));
+        }
+        self.broken = true;
     }
 
     /// The dropped line ended: queue an error answer for it, when it was an answer.
@@ -131,6 +208,7 @@ impl<R> BoundedLines<R> {
         self.head.clear();
         self.tail.clear();
         self.discarding = false;
+        self.dropped = 0;
         self.line_len = 0;
         let Some(id) = id else {
             warn!(
@@ -181,6 +259,9 @@ impl<R: AsyncRead + Unpin> AsyncRead for BoundedLines<R> {
             if this.pending.hand_out(out) {
                 return Poll::Ready(Ok(()));
             }
+            if this.broken {
+                return Poll::Ready(Ok(()));
+            }
             if this.pos == this.len {
                 let mut read = ReadBuf::new(&mut this.buf);
                 ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
@@ -200,9 +281,14 @@ impl<R: AsyncRead + Unpin> AsyncRead for BoundedLines<R> {
                     let take = newline.map_or(available.len(), |i| i + 1);
                     keep_last(&mut this.tail, &available[..take], TAIL);
                     this.pos += take;
+                    this.dropped = this.dropped.saturating_add(take);
                     if newline.is_some() {
                         this.finish_oversized();
                         // The error answer goes out before the lines that follow.
+                        break;
+                    }
+                    if this.dropped > this.max.saturating_mul(OVERRUN) {
+                        this.give_up_on_oversized();
                         break;
                     }
                     continue;
@@ -647,6 +733,8 @@ impl Scanner<'_> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use std::time::Duration;
+
     use tokio::io::AsyncReadExt;
 
     use super::*;
@@ -691,6 +779,61 @@ mod tests {
             assert_eq!(lines[6], r#"{"jsonrpc":"2.0","id":4,"result":{}}"#);
             assert_eq!(lines.len(), 7, "{chunk}: {lines:?}");
         }
+    }
+
+    /// A reader of a line that does not end: `start`, then `x` (1 MiB in all, then it
+    /// waits for ever, its server writing nothing more).
+    struct Endless {
+        start: Vec<u8>,
+        sent: usize,
+    }
+
+    impl AsyncRead for Endless {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            out: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = out.remaining().min(4096).min((1 << 20) - self.sent);
+            if n == 0 {
+                return Poll::Pending;
+            }
+            for _ in 0..n {
+                let byte = self.start.get(self.sent).copied().unwrap_or(b'x');
+                out.put_slice(&[byte]);
+                self.sent += 1;
+            }
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_line_without_end_ends_the_stream_and_answers_for_its_call() {
+        let start = br#"{"jsonrpc":"2.0","id":9,"result":{"text":""#.to_vec();
+        let cut_off = CutOff::default();
+        let mut reader =
+            BoundedLines::new(Endless { start, sent: 0 }, 1024).telling(cut_off.clone());
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 512];
+        loop {
+            let read = tokio::time::timeout(Duration::from_secs(5), reader.read(&mut buf));
+            let n = read.await.expect("the stream ends").unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&buf[..n]);
+        }
+        let sent = reader.inner.sent;
+        assert!(sent <= 1024 * (OVERRUN + 1) + CHUNK, "{sent} bytes read");
+        let out = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines[0].len(), 1024, "cut at the bound");
+        let answer: Value = serde_json::from_str(lines[1]).unwrap();
+        assert_eq!(answer["id"], 9);
+        assert_eq!(is_too_large(answer["error"].get("data")), Some(1024));
+        let why = cut_off.why().unwrap();
+        assert!(why.contains("`max_message_bytes` (1024)"), "{why}");
     }
 
     #[test]

@@ -311,6 +311,10 @@ struct Shared {
     reconnect: Notify,
     /// The connection the last such call saw fail (see [`State::connection`]).
     failed_connection: AtomicU64,
+    /// Why the stdio server's output was cut off, when this replica cut it (a message that
+    /// would not end; see [`bounded::BoundedLines`]): said of the calls that fail with it,
+    /// and of the connection's end, instead of "the connection closed".
+    cut_off: bounded::CutOff,
 }
 
 impl Shared {
@@ -407,6 +411,7 @@ impl McpToolset {
             relist: Notify::new(),
             reconnect: Notify::new(),
             failed_connection: AtomicU64::new(0),
+            cut_off: bounded::CutOff::default(),
             config,
         });
         let stop = CancellationToken::new();
@@ -522,7 +527,10 @@ impl Toolset for McpToolset {
                     reason: format!(
                         "the call to MCP server {:?} failed: {}; reconnecting",
                         shared.name(),
-                        describe::service_error(&error)
+                        shared
+                            .cut_off
+                            .why()
+                            .unwrap_or_else(|| describe::service_error(&error))
                     ),
                     retry_after: RETRY_WHILE_CONNECTING,
                 })
@@ -704,7 +712,10 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             // The bound is enforced (and an oversized answer answered for) before the
             // SDK reads a line; its own bound only backs that up.
             let max = shared.config.max_message_bytes;
-            let stdout = lenient::ToolListLines::new(bounded::BoundedLines::new(stdout, max));
+            shared.cut_off.clear();
+            let stdout = lenient::ToolListLines::new(
+                bounded::BoundedLines::new(stdout, max).telling(shared.cut_off.clone()),
+            );
             let transport =
                 AsyncRwTransport::new(stdout, stdin).with_max_line_length(max.saturating_add(1));
             let service = handler
@@ -882,7 +893,9 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                 let _ = tokio::time::timeout(EXIT_GRACE, &mut waiting).await;
                 break "stopped".to_owned();
             }
-            quit = &mut waiting => break describe::quit_reason(&quit),
+            quit = &mut waiting => {
+                break shared.cut_off.why().unwrap_or_else(|| describe::quit_reason(&quit));
+            }
             status = async { match child.as_mut() { Some(c) => c.wait().await, None => std::future::pending().await } } => {
                 break match status {
                     Ok(status) => format!("the process exited ({status})"),
