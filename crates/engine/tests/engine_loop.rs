@@ -659,6 +659,36 @@ async fn model_failures_end_the_run_with_an_error() {
 }
 
 #[tokio::test]
+async fn a_call_lost_after_the_provider_accepted_it_counts_its_prompt() {
+    // Not reached: nothing used. Accepted, then lost before the answer: the prompt counts.
+    for (error, counted) in [
+        (ModelError::Connect("connection refused".into()), false),
+        (
+            ModelError::LostBeforeAnswer("the connection was lost before the answer began".into()),
+            true,
+        ),
+    ] {
+        let h = harness(Scripted {
+            rounds: Mutex::new(VecDeque::from([Err(error)])),
+            ..Default::default()
+        });
+        let (events, record) = h
+            .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
+            .await;
+        assert_well_formed(&events);
+        let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+        assert_eq!(done["code"], "MODEL_UNREACHABLE", "{done}");
+        assert_eq!(done["usage"]["estimated"], counted, "{done}");
+        assert_eq!(
+            record.usage.prompt_tokens > 0,
+            counted,
+            "{:?}",
+            record.usage
+        );
+    }
+}
+
+#[tokio::test]
 async fn react_runs_parse_actions_and_feed_observations() {
     let text = |t: &str| {
         Ok(vec![

@@ -146,6 +146,12 @@ pub enum ModelError {
     /// The connection was lost while the answer streamed.
     #[error("model stream failed: connection lost mid-stream: {0}")]
     Lost(String),
+    /// The provider accepted the call (it answered success), and the connection was lost
+    /// before the answer began: as transient as a provider not reached (the call is
+    /// retried, and reported as `MODEL_UNREACHABLE`), but the provider may have processed
+    /// the prompt, which counts.
+    #[error("cannot reach the model provider: {0}")]
+    LostBeforeAnswer(String),
     /// The response ended before the model did: no finish reason and no `[DONE]`, or a
     /// last line or event cut off. What streamed before is not a whole answer.
     #[error("model response incomplete: {0}")]
@@ -207,7 +213,7 @@ impl ModelError {
     /// the answer streams, as text may have reached the caller.
     pub fn is_retryable(&self) -> bool {
         match self {
-            Self::Connect(_) | Self::Timeout(_) => true,
+            Self::Connect(_) | Self::LostBeforeAnswer(_) | Self::Timeout(_) => true,
             Self::Http {
                 status, message, ..
             } => {
@@ -236,7 +242,7 @@ impl ModelError {
     /// A stable code for clients, e.g. `MODEL_HTTP_429`.
     pub fn code(&self) -> String {
         match self {
-            Self::Connect(_) => "MODEL_UNREACHABLE".into(),
+            Self::Connect(_) | Self::LostBeforeAnswer(_) => "MODEL_UNREACHABLE".into(),
             Self::Http { status, .. } => format!("MODEL_HTTP_{status}"),
             Self::Stream(_) | Self::Lost(_) => "MODEL_STREAM_ERROR".into(),
             Self::Incomplete(_) => "MODEL_INCOMPLETE_RESPONSE".into(),

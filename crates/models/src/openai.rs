@@ -463,7 +463,7 @@ impl OpenAiChat {
                         };
                         match first {
                             Ok(()) => return Ok(Box::pin(deltas) as ChatStream),
-                            Err(lost) => ModelError::Connect(format!(
+                            Err(lost) => ModelError::LostBeforeAnswer(format!(
                                 "{}: the connection was lost before the answer began: {lost}",
                                 self.site.who()
                             )),

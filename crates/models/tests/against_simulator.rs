@@ -225,7 +225,7 @@ async fn broken_streams_end_with_an_error_over(http2: bool) {
         .await
         .unwrap_err();
     assert!(
-        matches!(&err, ModelError::Connect(m) if m.contains("lost before the answer began")),
+        matches!(&err, ModelError::LostBeforeAnswer(m) if m.contains("lost before the answer began")),
         "{err:?}"
     );
     assert!(err.is_retryable());
