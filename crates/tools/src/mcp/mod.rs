@@ -948,20 +948,71 @@ async fn stop_child(child: &mut Child) {
     }
 }
 
+/// Lines of a child's stderr logged at once at most ([`StderrBudget`]).
+const STDERR_BURST: u32 = 100;
+/// Lines of a child's stderr logged per second past the burst.
+const STDERR_PER_SECOND: u32 = 10;
+
+/// How many of a child's stderr lines may be logged now: a server that chatters (or
+/// writes without end) does not flood the tool executor's log, and the log says how
+/// many lines it left out.
+struct StderrBudget {
+    tokens: f64,
+    last: Instant,
+    left_out: u64,
+}
+
+impl StderrBudget {
+    fn new() -> Self {
+        Self {
+            tokens: f64::from(STDERR_BURST),
+            last: Instant::now(),
+            left_out: 0,
+        }
+    }
+
+    /// Whether one more line is logged; when it is, how many were left out before it.
+    fn take(&mut self, now: Instant) -> Option<u64> {
+        let refill =
+            now.saturating_duration_since(self.last).as_secs_f64() * f64::from(STDERR_PER_SECOND);
+        self.tokens = (self.tokens + refill).min(f64::from(STDERR_BURST));
+        self.last = now;
+        if self.tokens < 1.0 {
+            self.left_out += 1;
+            return None;
+        }
+        self.tokens -= 1.0;
+        Some(std::mem::take(&mut self.left_out))
+    }
+}
+
 /// Logs what a child process writes to stderr, a chunk at a time (so a line without end
-/// never piles up), until it closes.
+/// never piles up), within a [`StderrBudget`], until it closes.
 async fn log_stderr(mut stderr: tokio::process::ChildStderr) {
     let mut buf = vec![0u8; 8192];
+    let mut budget = StderrBudget::new();
     loop {
         match stderr.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => break,
             Ok(n) => {
                 let text = String::from_utf8_lossy(&buf[..n]);
                 for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                    info!(stderr = %line, "mcp server says");
+                    match budget.take(Instant::now()) {
+                        Some(0) => info!(stderr = %line, "mcp server says"),
+                        Some(left_out) => {
+                            info!(stderr = %line, left_out, "mcp server says (after lines left out: it wrote more than the log takes)");
+                        }
+                        None => {}
+                    }
                 }
             }
         }
+    }
+    if budget.left_out > 0 {
+        info!(
+            left_out = budget.left_out,
+            "mcp server's last stderr lines were left out of the log"
+        );
     }
 }
 

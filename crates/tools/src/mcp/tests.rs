@@ -906,3 +906,19 @@ fn environment_values_are_text_or_where_to_read_a_secret() {
         "{error}"
     );
 }
+
+#[test]
+fn a_chattering_server_is_logged_within_a_budget_that_says_what_it_left_out() {
+    let start = Instant::now();
+    let mut budget = StderrBudget::new();
+    let logged = (0..10_000).filter(|_| budget.take(start).is_some()).count();
+    assert_eq!(
+        logged, STDERR_BURST as usize,
+        "a burst, then nothing at once"
+    );
+    // A second later, ten more; the first says how many were left out.
+    let later = start + Duration::from_secs(1);
+    assert_eq!(budget.take(later), Some(10_000 - u64::from(STDERR_BURST)));
+    let more = (0..100).filter(|_| budget.take(later).is_some()).count();
+    assert_eq!(more, STDERR_PER_SECOND as usize - 1);
+}
