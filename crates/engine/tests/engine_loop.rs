@@ -668,13 +668,7 @@ async fn a_call_lost_after_the_provider_accepted_it_counts_its_prompt() {
             true,
         ),
     ] {
-        let h = harness(Scripted {
-            rounds: Mutex::new(VecDeque::from([Err(error)])),
-            ..Default::default()
-        });
-        let (events, record) = h
-            .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
-            .await;
+        let (events, record) = one_round(Err(error), Strategy::FunctionCall).await;
         assert_well_formed(&events);
         let done = events.last().unwrap().data.as_ref().unwrap().to_json();
         assert_eq!(done["code"], "MODEL_UNREACHABLE", "{done}");
@@ -856,6 +850,18 @@ fn deltas_then(finish: FinishReason, usage: Option<Usage>, texts: &[&str]) -> Ve
     deltas
 }
 
+/// A run of an agent without tools whose model makes one reply, `round`.
+async fn one_round(
+    round: Result<Vec<ChatDelta>, ModelError>,
+    strategy: Strategy,
+) -> (Vec<Arc<RunEvent>>, agentrt_engine::RunRecord) {
+    let h = harness(Scripted {
+        rounds: Mutex::new(VecDeque::from([round])),
+        ..Default::default()
+    });
+    h.run("r", config(strategy, &[]), Arc::default()).await
+}
+
 #[tokio::test]
 async fn the_first_event_says_the_run_started_before_the_model_answers() {
     let h = harness(Scripted {
@@ -896,13 +902,7 @@ async fn an_empty_response_is_a_model_error_not_an_answer() {
             },
         ],
     ] {
-        let h = harness(Scripted {
-            rounds: Mutex::new(VecDeque::from([Ok(empty)])),
-            ..Default::default()
-        });
-        let (events, record) = h
-            .run("r", config(Strategy::FunctionCall, &[]), Arc::default())
-            .await;
+        let (events, record) = one_round(Ok(empty), Strategy::FunctionCall).await;
         assert_well_formed(&events);
         let done = events.last().unwrap();
         assert_eq!(done.kind, EventKind::Error);
