@@ -517,3 +517,48 @@ async fn a_run_whose_redis_comes_back_empty_stops_and_its_readers_are_told() {
         .await;
     assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
+
+#[tokio::test]
+async fn a_replica_started_while_redis_is_down_is_ready_only_once_cancels_reach_it() {
+    const SERVING: i32 = 1;
+    let port = agentrt_test_support::unused_addr().port();
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let prefix = redis_prefix("late-redis");
+    let args = [
+        "--state",
+        url.as_str(),
+        "--state-key-prefix",
+        prefix.as_str(),
+    ];
+    // Both replicas start with Redis down: their subscriptions to stop requests wait.
+    let mut a = Stack::up(SCENARIOS, &args).await;
+    let server =
+        agent_server_with_model(&a.tools.url(), &format!("{}/v1", a.model.url()), &args).await;
+    let channel = connect(&server.url()).await;
+    let mut b = AgentEngineClient::new(channel);
+    // Long enough for the background subscription's retries to space out past a second.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let _redis = OwnRedis::start(port).await;
+    readiness_becomes(&a.agents.url(), SERVING, "serving once Redis is up").await;
+
+    // Ready means a Cancel through the other replica reaches A's run at once.
+    let engine_id = a.engine_for(agent("slow", &[])).await;
+    let mut execute = a.start(&engine_id, "take your time").await;
+    let run_id = execute.message().await.unwrap().unwrap().run_id;
+    let asked = tokio::time::Instant::now();
+    let cancelled = b
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let took = asked.elapsed();
+    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
+    assert!(
+        took < Duration::from_millis(1000),
+        "Cancel on another replica took {took:?}"
+    );
+    let rest = common::rest(execute).await;
+    assert_eq!(done(&rest)["stop_reason"], "cancelled");
+}

@@ -135,6 +135,10 @@ struct Listeners {
     /// Stop requests, to every run manager of this process.
     stops: Option<broadcast::Sender<StopRequest>>,
     stop_channel: String,
+    /// Whether Redis confirmed the subscription to stop requests (once asked for, the
+    /// replica is not ready until it has: a `Cancel` through another replica would not
+    /// reach its runs at once).
+    stops_subscribed: bool,
 }
 
 fn lock(listeners: &Mutex<Listeners>) -> MutexGuard<'_, Listeners> {
@@ -211,6 +215,21 @@ impl Redis {
             .query_async(&mut subscriptions)
             .await
             .map_err(|e| self.shared.unavailable(&e))?;
+        // Stop requests asked for and not yet subscribed to (Redis was down when the
+        // replica started): subscribe now, rather than at the background task's next try.
+        let channel = {
+            let listeners = lock(&self.shared.listeners);
+            (listeners.stops.is_some() && !listeners.stops_subscribed)
+                .then(|| listeners.stop_channel.clone())
+        };
+        if let Some(channel) = channel {
+            subscriptions
+                .subscribe(&channel)
+                .await
+                .map_err(|e| self.shared.unavailable(&e))?;
+            lock(&self.shared.listeners).stops_subscribed = true;
+            info!("subscribed to stop requests");
+        }
         Ok(())
     }
 
@@ -1687,11 +1706,16 @@ impl RunStore for RedisRuns {
             // Subscribed once per process; the connection subscribes again by itself
             // after a reconnect. Until Redis answers, keep trying in the background.
             let mut subscriptions = self.0.subscriptions.clone();
+            let listeners = self.0.listeners.clone();
             tokio::spawn(async move {
                 let mut wait = Duration::from_millis(100);
                 loop {
+                    if lock(&listeners).stops_subscribed {
+                        return;
+                    }
                     match subscriptions.subscribe(&channel).await {
                         Ok(()) => {
+                            lock(&listeners).stops_subscribed = true;
                             info!("subscribed to stop requests");
                             return;
                         }
