@@ -640,6 +640,13 @@ async fn a_run_cancelled_after_its_owner_died_ends_cancelled_once_taken_over() {
     for (i, event) in log.iter().enumerate() {
         assert_eq!(event.sequence, i as u64 + 1, "{log:#?}");
     }
+    // GetRun and the `done` event agree on the rounds: the one the owner died in counts.
+    assert_eq!(
+        i64::from(state.iterations),
+        data(done)["iterations"].as_i64().unwrap(),
+        "{state:#?}"
+    );
+    assert_eq!(state.iterations, 1, "{state:#?}");
 }
 
 /// Needs Redis. The owner is killed (-9) while a tool call is in flight, with the run's

@@ -136,7 +136,7 @@ impl Emitter {
         published: u64,
         iteration: u32,
     ) -> Self {
-        Self {
+        let mut emitter = Self {
             publisher,
             store,
             saved_steps: record.steps.len().saturating_sub(1),
@@ -146,7 +146,12 @@ impl Emitter {
             iteration,
             unreported: None,
             turn: None,
-        }
+        };
+        // The round it was in has its step, as the replica that lost the run had made it
+        // when the round began: should the run end before the round begins again here,
+        // its record still counts the round, as its `done` event does.
+        emitter.step();
+        emitter
     }
 
     /// When the run started.
