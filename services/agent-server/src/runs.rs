@@ -518,19 +518,28 @@ impl RunManager {
                 lease
             })
             .collect();
+        let mut handed_over = 0;
         while let Some(first) = stopping.next().await {
             let mut leases = vec![first];
             while let Some(Some(lease)) = stopping.next().now_or_never() {
                 leases.push(lease);
             }
             match self.store.release(&leases).await {
-                Ok(()) => Metrics::global().runs_handed_over(leases.len()),
+                Ok(()) => {
+                    handed_over += leases.len();
+                    Metrics::global().runs_handed_over(leases.len());
+                }
                 Err(error) => {
                     warn!(%error, runs = leases.len(), "cannot hand runs over: they are taken over when their leases lapse");
                 }
             }
         }
-        info!(runs = total, took = ?started.elapsed(), "runs handed over to the other replicas");
+        info!(
+            runs = handed_over,
+            left_to_lapse = total - handed_over,
+            took = ?started.elapsed(),
+            "runs handed over to the other replicas"
+        );
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
