@@ -1148,13 +1148,13 @@ impl Engine {
                     }
                     return answer_or_error(content, cut_short);
                 };
+                let held = stop_cut.finish();
+                content.push_str(&held);
                 if content.trim().is_empty() && !calls.is_empty() {
                     // Not an empty reply: calls the ReAct protocol does not read (it offers no
                     // tools natively), which the client should hear named as such.
                     return Err(native_calls_under_react(&calls));
                 }
-                let held = stop_cut.finish();
-                content.push_str(&held);
                 parser.push(&held, &mut pieces);
                 parser.finish(&mut pieces);
                 em.pieces(pieces.drain(..));

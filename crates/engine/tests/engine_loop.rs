@@ -943,6 +943,22 @@ async fn a_react_reply_of_native_tool_calls_only_is_named_as_such() {
         "{message}"
     );
     assert_eq!(record.status, RunStatus::Failed);
+
+    // Text the stop-sequence cut still holds ("Obs" may begin "Observation:") is text: the
+    // reply is read as one, not called calls only.
+    let mut round = vec![call("c1", "calc", r#"{"expression":"6*7"}"#)];
+    round.extend(deltas_then(FinishReason::ToolCalls, None, &["Obs"]));
+    let (events, record) = one_round(Ok(round), Strategy::React).await;
+    assert_well_formed(&events);
+    let done = events.last().unwrap().data.as_ref().unwrap().to_json();
+    assert!(
+        !done["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("only native tool calls"),
+        "{done}"
+    );
+    assert_eq!(record.final_answer, "Obs", "{done}");
 }
 
 #[tokio::test]
