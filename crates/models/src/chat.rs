@@ -150,7 +150,7 @@ pub enum ModelError {
     /// before the answer began: as transient as a provider not reached (the call is
     /// retried, and reported as `MODEL_UNREACHABLE`), but the provider may have processed
     /// the prompt, which counts.
-    #[error("cannot reach the model provider: {0}")]
+    #[error("model call failed: {0}")]
     LostBeforeAnswer(String),
     /// The response ended before the model did: no finish reason and no `[DONE]`, or a
     /// last line or event cut off. What streamed before is not a whole answer.
