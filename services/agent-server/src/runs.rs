@@ -1329,9 +1329,8 @@ mod tests {
         }
     }
 
-    /// The task of a run that went to wait ends after the run, answered at once, goes on
-    /// here in a new task: the new task's entry stays (it was once removed by the old
-    /// task, leaving the run beyond `Cancel` and its lease unrenewed).
+    /// Who waits for a run's end is woken when it ends (here by a task dropped without
+    /// ending it), and who comes after does not wait.
     #[tokio::test]
     async fn a_run_end_wakes_who_waits_for_it_and_who_comes_after() {
         let end = Arc::new(RunEnd::default());
@@ -1352,6 +1351,9 @@ mod tests {
             .expect("an ended run does not wait");
     }
 
+    /// The task of a run that went to wait ends after the run, answered at once, goes on
+    /// here in a new task: the new task's entry stays (it was once removed by the old
+    /// task, leaving the run beyond `Cancel` and its lease unrenewed).
     #[tokio::test]
     async fn an_old_task_ending_late_leaves_the_new_task_of_its_run_alone() {
         let manager = RunManager::new(
