@@ -453,8 +453,22 @@ impl ToolRunner for GrpcToolClient {
             run_id: call.run_id,
             session_id: call.session_id,
         };
+        // Over h2c the call keeps its encoded body only: the message (its arguments as a
+        // tree of maps, its ids) takes more room, and is not needed again.
+        let message = match &self.execute {
+            Some(execute) => Message::Encoded(execute.clone(), execute.unary.encode(&message)),
+            None => Message::Decoded(message),
+        };
         Box::pin(self.execute(name, message, timeout))
     }
+}
+
+/// A call to the tool executor, as it waits to be sent (again).
+enum Message {
+    /// Its body over h2c, or why it cannot be sent.
+    Encoded(Arc<Execute>, Result<bytes::Bytes, Status>),
+    /// The message, for tonic's channel.
+    Decoded(v1::ExecuteToolRequest),
 }
 
 impl GrpcToolClient {
@@ -467,26 +481,24 @@ impl GrpcToolClient {
     fn execute(
         &self,
         name: String,
-        message: v1::ExecuteToolRequest,
+        message: Message,
         timeout: Duration,
     ) -> impl Future<Output = ToolResult> + Send + '_ {
         async move {
             let timed_out =
                 || ToolResult::error(format!("tool {name:?} did not finish within {timeout:?}"));
             let deadline = Instant::now() + timeout;
-            let response = match &self.execute {
-                Some(execute) => {
-                    let message = &message;
+            let response = match &message {
+                Message::Encoded(execute, Ok(body)) => {
                     self.send(deadline, |left| {
                         execute
                             .unary
-                            .call(message, left, execute.authorization.as_ref())
+                            .call(body, left, execute.authorization.as_ref())
                     })
                     .await
                 }
-                // Boxed: tonic's call future is about a kilobyte larger than the lean one, and
-                // inline it would take that room in every call in flight, on either path.
-                None => Box::pin(self.send(deadline, |left| {
+                Message::Encoded(_, Err(status)) => Ok(Err(status.clone())),
+                Message::Decoded(message) => Box::pin(self.send(deadline, |left| {
                     let mut client = self.client();
                     let request = self.request(message.clone(), left);
                     async move { client.execute_tool(request).await }

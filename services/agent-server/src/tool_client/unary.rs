@@ -76,31 +76,38 @@ impl Unary {
         })
     }
 
-    /// Calls the method with `message`, the deadline `timeout` away, sending
-    /// `authorization` if given.
-    pub(super) async fn call<M: prost::Message, R: prost::Message + Default>(
+    /// `message` as the body of a call: a gRPC frame, checked against the limit of what is
+    /// sent. A call in flight keeps this (to send it again if it was not received), not
+    /// the message it was made of.
+    pub(super) fn encode<M: prost::Message>(&self, message: &M) -> Result<Bytes, Status> {
+        let len = message.encoded_len();
+        if len > self.max_send_bytes {
+            return Err(Status::out_of_range(format!(
+                "the call is {len} bytes, over the limit of {} bytes \
+                 (server.max_message_bytes)",
+                self.max_send_bytes
+            )));
+        }
+        let mut body = BytesMut::with_capacity(5 + len);
+        body.put_u8(0);
+        body.put_u32(u32::try_from(len).map_err(|_| Status::out_of_range("call too large"))?);
+        message
+            .encode(&mut body)
+            .map_err(|e| Status::internal(format!("cannot encode the call: {e}")))?;
+        Ok(body.freeze())
+    }
+
+    /// Calls the method with `body` (made by [`Unary::encode`]), the deadline `timeout`
+    /// away, sending `authorization` if given.
+    pub(super) async fn call<R: prost::Message + Default>(
         &self,
-        message: &M,
+        body: &Bytes,
         timeout: Duration,
         authorization: Option<&HeaderValue>,
     ) -> Result<R, Status> {
-        // Made in a block of its own: the call's body and headers, moved into the post,
-        // take no room in this future while it waits for the answer.
+        // Made in a block of its own: the call's headers, moved into the post, take no
+        // room in this future while it waits for the answer.
         let posting = {
-            let len = message.encoded_len();
-            if len > self.max_send_bytes {
-                return Err(Status::out_of_range(format!(
-                    "the call is {len} bytes, over the limit of {} bytes \
-                     (server.max_message_bytes)",
-                    self.max_send_bytes
-                )));
-            }
-            let mut body = BytesMut::with_capacity(5 + len);
-            body.put_u8(0);
-            body.put_u32(u32::try_from(len).map_err(|_| Status::out_of_range("call too large"))?);
-            message
-                .encode(&mut body)
-                .map_err(|e| Status::internal(format!("cannot encode the call: {e}")))?;
             let mut headers = HeaderMap::with_capacity(8);
             headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
             headers.insert(TE, HeaderValue::from_static("trailers"));
@@ -110,7 +117,7 @@ impl Unary {
             }
             // The tool executor's span joins this trace, under the current `execute_tool` span.
             agentrt_telemetry::inject(&mut headers);
-            self.client.post(body.freeze(), headers)
+            self.client.post(body.clone(), headers)
         };
         let response = posting.await.map_err(not_sent)?;
         let (parts, mut body) = response.into_parts();
@@ -390,13 +397,41 @@ mod tests {
             1024,
         )
         .unwrap();
-        unary
-            .call(
-                &v1::ExecuteToolRequest::default(),
-                Duration::from_secs(5),
-                None,
-            )
-            .await
+        let body = unary.encode(&v1::ExecuteToolRequest::default())?;
+        unary.call(&body, Duration::from_secs(5), None).await
+    }
+
+    /// A call over the limit of what is sent is refused before anything is sent.
+    #[test]
+    fn a_call_over_the_send_limit_is_refused_when_encoded() {
+        let unary = Unary::new(
+            "http://127.0.0.1:1",
+            "/agent.v1.ToolExecutor/ExecuteTool",
+            Duration::from_secs(5),
+            1,
+            1024,
+            1024,
+        )
+        .unwrap();
+        let large = v1::ExecuteToolRequest {
+            tool_name: "x".repeat(2000),
+            ..Default::default()
+        };
+        let status = unary.encode(&large).unwrap_err();
+        assert_eq!(status.code(), Code::OutOfRange);
+        assert!(
+            status.message().contains("over the limit of 1024 bytes"),
+            "{status:?}"
+        );
+        // The body is the message framed as gRPC: no compression, its length, itself.
+        let small = v1::ExecuteToolRequest {
+            tool_name: "calculator".into(),
+            ..Default::default()
+        };
+        let body = unary.encode(&small).unwrap();
+        assert_eq!(body[0], 0);
+        assert_eq!(body[1..5], 12u32.to_be_bytes());
+        assert_eq!(body.len(), 5 + 12);
     }
 
     #[tokio::test]
