@@ -34,13 +34,21 @@ fn struct_to_map(s: &Struct) -> Map<String, serde_json::Value> {
 }
 
 /// Integral values come back as JSON integers, so that `{"n": 3}` survives a round trip
-/// through `Struct` (which stores every number as a double) as `3`, not `3.0`.
+/// through `Struct` (which stores every number as a double) as `3`, not `3.0`; so do those
+/// beyond 2^53 (an `int64` id), as the integer the double holds, while a 64-bit integer
+/// holds it: `4e+18` or `9007199254740992.0` is refused by strict parsers of integers
+/// (Go's `encoding/json` into an `int64`) and by APIs that take an id in a path.
 fn number_to_json(n: f64) -> serde_json::Value {
-    const MAX_EXACT: f64 = 9_007_199_254_740_992.0; // 2^53: every integer below is exact
-    if n.fract() == 0.0 && n.abs() < MAX_EXACT {
-        // The guard above makes the cast exact.
-        #[allow(clippy::cast_possible_truncation)]
-        return serde_json::Value::Number(Number::from(n as i64));
+    const I64_END: f64 = 9_223_372_036_854_775_808.0; // 2^63
+    const U64_END: f64 = 18_446_744_073_709_551_616.0; // 2^64
+    if n.fract() == 0.0 {
+        // The guards make the casts exact: the value is integral and in range.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        if (-I64_END..I64_END).contains(&n) {
+            return serde_json::Value::Number(Number::from(n as i64));
+        } else if (0.0..U64_END).contains(&n) {
+            return serde_json::Value::Number(Number::from(n as u64));
+        }
     }
     Number::from_f64(n).map_or(serde_json::Value::Null, serde_json::Value::Number)
 }
@@ -88,6 +96,27 @@ mod tests {
         });
         let back = struct_to_json(&json_to_struct(&original).unwrap());
         assert_eq!(back, original);
+    }
+
+    /// Integers beyond 2^53 (ids of 64 bits) come back in integer syntax, as the integer
+    /// the double holds; only those beyond 64 bits in float syntax.
+    #[test]
+    fn large_integers_keep_integer_syntax() {
+        let back = |n: serde_json::Value| value_to_json(&json_to_value(&n)).to_string();
+        assert_eq!(back(json!(9_007_199_254_740_993_u64)), "9007199254740992");
+        assert_eq!(
+            back(json!(4_000_000_000_000_000_000_u64)),
+            "4000000000000000000"
+        );
+        assert_eq!(
+            back(json!(-4_000_000_000_000_000_000_i64)),
+            "-4000000000000000000"
+        );
+        assert_eq!(back(json!(1e16)), "10000000000000000");
+        assert_eq!(back(json!(1e19)), "10000000000000000000");
+        assert_eq!(back(json!(1e20)), "1e+20");
+        assert_eq!(back(json!(-1e19)), "-1e+19");
+        assert_eq!(back(json!(2.5)), "2.5");
     }
 
     #[test]
