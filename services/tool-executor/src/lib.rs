@@ -105,8 +105,8 @@ pub async fn serve(
             stop_calls.cancel();
         }
     });
-    let service = service::ToolExecutorService::new(catalogue.clone(), stop_calls);
     let max = settings.server.max_message_bytes;
+    let service = service::ToolExecutorService::new(catalogue.clone(), stop_calls, max);
     let routes = Routes::new(
         agentrt::v1::tool_executor_server::ToolExecutorServer::new(service)
             .max_decoding_message_size(max)

@@ -23,11 +23,21 @@ pub struct ToolExecutorService {
     catalogue: Arc<Catalogue>,
     /// Cancelled near the end of the drain grace: tools still running are told to stop.
     drain: CancellationToken,
+    /// Largest answer to `ExecuteTool` (`server.max_message_bytes`).
+    max_answer_bytes: usize,
 }
 
 impl ToolExecutorService {
-    pub fn new(catalogue: Arc<Catalogue>, drain: CancellationToken) -> Self {
-        Self { catalogue, drain }
+    pub fn new(
+        catalogue: Arc<Catalogue>,
+        drain: CancellationToken,
+        max_answer_bytes: usize,
+    ) -> Self {
+        Self {
+            catalogue,
+            drain,
+            max_answer_bytes,
+        }
     }
 }
 
@@ -133,11 +143,31 @@ impl ToolExecutor for ToolExecutorService {
             execute_error_to_status(&e)
         })?;
         ended.outcome = if output.is_error { "error" } else { "ok" };
-        Ok(Response::new(output_to_wire(
-            request.call_id,
-            output,
-            duration,
-        )))
+        let mut answer = output_to_wire(request.call_id, output, duration);
+        // A source's own limits (`max_output_bytes`, `max_response_bytes`) may be set above
+        // the server's: the structured output (often the text again, parsed) goes first,
+        // as an oversized one does at its source; an answer still too large is refused
+        // rather than sent to callers that would refuse it themselves.
+        if prost::Message::encoded_len(&answer) > self.max_answer_bytes
+            && answer.structured_output.is_some()
+        {
+            answer.structured_output = None;
+            debug!(tool = %request.tool_name, "structured output left out: the answer was over server.max_message_bytes");
+        }
+        let len = prost::Message::encoded_len(&answer);
+        if len > self.max_answer_bytes {
+            ended.outcome = "error";
+            return Err(status::resource_exhausted_for_good(
+                "MESSAGE_TOO_LARGE",
+                format!(
+                    "the answer of tool {:?} is {len} bytes, over the limit of {} bytes \
+                     (server.max_message_bytes); lower the source's limit of its output, or \
+                     raise server.max_message_bytes (and what the callers accept)",
+                    request.tool_name, self.max_answer_bytes
+                ),
+            ));
+        }
+        Ok(Response::new(answer))
     }
 }
 
@@ -275,6 +305,35 @@ mod tests {
         assert_eq!(grpc_timeout(&MetadataMap::new()), None);
     }
 
+    /// An answer over `server.max_message_bytes` (a source's own limits set above it) is
+    /// refused as the README says, naming the setting, not sent to callers that refuse it.
+    #[tokio::test]
+    async fn answers_over_the_message_limit_are_resource_exhausted() {
+        let catalogue = Catalogue::new(
+            vec![Arc::new(agentrt_tools::builtin::Builtins::all())],
+            agentrt_tools::Changes::new(),
+        )
+        .await
+        .unwrap();
+        let service = ToolExecutorService::new(Arc::new(catalogue), CancellationToken::new(), 8);
+        let status = service
+            .execute_tool(Request::new(v1::ExecuteToolRequest {
+                call_id: "c1".into(),
+                tool_name: "calculator".into(),
+                arguments: json::json_to_struct(&serde_json::json!({"expression": "6 * 7"})),
+                ..Default::default()
+            }))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            status
+                .message()
+                .contains("over the limit of 8 bytes (server.max_message_bytes)"),
+            "{status:?}"
+        );
+    }
+
     #[tokio::test]
     async fn tool_errors_are_results_and_unknown_tools_not_found() {
         let catalogue = Catalogue::new(
@@ -283,7 +342,11 @@ mod tests {
         )
         .await
         .unwrap();
-        let service = ToolExecutorService::new(Arc::new(catalogue), CancellationToken::new());
+        let service = ToolExecutorService::new(
+            Arc::new(catalogue),
+            CancellationToken::new(),
+            4 * 1024 * 1024,
+        );
         let call = |name: &str, args: serde_json::Value| {
             Request::new(v1::ExecuteToolRequest {
                 call_id: "c1".into(),
