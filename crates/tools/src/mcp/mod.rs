@@ -297,6 +297,9 @@ struct State {
     /// The tools last left out because they can only be called as tasks (warned of when
     /// they change, not at every listing).
     task_only: Vec<String>,
+    /// The tools of the last listing offered as taking any object (listed without
+    /// `inputSchema`), logged when they change rather than at every listing.
+    schemaless: Vec<String>,
 }
 
 struct Shared {
@@ -406,6 +409,7 @@ impl McpToolset {
                 tools: Vec::new(),
                 connection: 0,
                 task_only: Vec::new(),
+                schemaless: Vec::new(),
             }),
             changes,
             relist: Notify::new(),
@@ -818,13 +822,16 @@ async fn list_tools(
             break;
         }
     }
-    if !schemaless.is_empty() {
-        warn!(
-            tools = ?schemaless,
-            "MCP tools listed without `inputSchema` are offered as taking any object"
-        );
-    }
     let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
+    if state.schemaless != schemaless {
+        if !schemaless.is_empty() {
+            warn!(
+                tools = ?schemaless,
+                "MCP tools listed without `inputSchema` are offered as taking any object"
+            );
+        }
+        state.schemaless = schemaless;
+    }
     if state.task_only != task_only {
         if !task_only.is_empty() {
             warn!(
