@@ -42,6 +42,8 @@ use document::{Location, Operation, Parameter, Style};
 const IDEMPOTENCY_KEY: reqwest::header::HeaderName =
     reqwest::header::HeaderName::from_static("idempotency-key");
 
+/// What an idempotency key that cannot be a header value as it is has escaped.
+const KEY_ESCAPED: &AsciiSet = &percent_encoding::CONTROLS.add(b'%');
 /// What stays unescaped in a path segment: RFC 3986's unreserved characters.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'-')
@@ -387,12 +389,18 @@ impl OpenApiToolset {
             op.method,
             reqwest::Method::GET | reqwest::Method::HEAD | reqwest::Method::OPTIONS
         );
-        if !safe
-            && !call_id.is_empty()
-            && !headers.contains_key(IDEMPOTENCY_KEY)
-            && let Ok(value) = reqwest::header::HeaderValue::from_str(call_id)
-        {
-            headers.insert(IDEMPOTENCY_KEY, value);
+        if !safe && !call_id.is_empty() && !headers.contains_key(IDEMPOTENCY_KEY) {
+            // A key with control characters cannot be a header value as it is: it goes
+            // percent-escaped rather than not at all (a call sent again would then run
+            // twice with nothing to tell it).
+            let value = reqwest::header::HeaderValue::from_str(call_id).or_else(|_| {
+                reqwest::header::HeaderValue::from_str(
+                    &utf8_percent_encode(call_id, KEY_ESCAPED).to_string(),
+                )
+            });
+            if let Ok(value) = value {
+                headers.insert(IDEMPOTENCY_KEY, value);
+            }
         }
         let body = if let Some(body_type) = &op.body_type
             && let Some(body) = arguments.get("body")

@@ -85,6 +85,12 @@ async fn arguments_fill_path_query_headers_and_body() {
          {\"n\":1}"
     );
 
+    // A call id that cannot be a header value as it is goes escaped, not left out.
+    let request = toolset
+        .request(op, &json!({"id": "a"}), "call\n%2")
+        .unwrap();
+    assert_eq!(request.headers["idempotency-key"], "call%0A%252");
+
     for dots in ["..", "."] {
         let err = toolset.request(op, &json!({"id": dots}), "c").unwrap_err();
         assert!(err.contains("cannot be"), "{err}");
