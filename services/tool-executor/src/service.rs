@@ -305,17 +305,26 @@ mod tests {
         assert_eq!(grpc_timeout(&MetadataMap::new()), None);
     }
 
-    /// An answer over `server.max_message_bytes` (a source's own limits set above it) is
-    /// refused as the README says, naming the setting, not sent to callers that refuse it.
-    #[tokio::test]
-    async fn answers_over_the_message_limit_are_resource_exhausted() {
+    /// The service of the built-in tools, answering at most `max_answer_bytes`.
+    async fn builtins(max_answer_bytes: usize) -> ToolExecutorService {
         let catalogue = Catalogue::new(
             vec![Arc::new(agentrt_tools::builtin::Builtins::all())],
             agentrt_tools::Changes::new(),
         )
         .await
         .unwrap();
-        let service = ToolExecutorService::new(Arc::new(catalogue), CancellationToken::new(), 8);
+        ToolExecutorService::new(
+            Arc::new(catalogue),
+            CancellationToken::new(),
+            max_answer_bytes,
+        )
+    }
+
+    /// An answer over `server.max_message_bytes` (a source's own limits set above it) is
+    /// refused as the README says, naming the setting, not sent to callers that refuse it.
+    #[tokio::test]
+    async fn answers_over_the_message_limit_are_resource_exhausted() {
+        let service = builtins(8).await;
         let status = service
             .execute_tool(Request::new(v1::ExecuteToolRequest {
                 call_id: "c1".into(),
@@ -336,17 +345,7 @@ mod tests {
 
     #[tokio::test]
     async fn tool_errors_are_results_and_unknown_tools_not_found() {
-        let catalogue = Catalogue::new(
-            vec![Arc::new(agentrt_tools::builtin::Builtins::all())],
-            agentrt_tools::Changes::new(),
-        )
-        .await
-        .unwrap();
-        let service = ToolExecutorService::new(
-            Arc::new(catalogue),
-            CancellationToken::new(),
-            4 * 1024 * 1024,
-        );
+        let service = builtins(4 * 1024 * 1024).await;
         let call = |name: &str, args: serde_json::Value| {
             Request::new(v1::ExecuteToolRequest {
                 call_id: "c1".into(),
