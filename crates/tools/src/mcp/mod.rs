@@ -704,9 +704,17 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             if let Some(cwd) = cwd {
                 cmd.current_dir(cwd);
             }
-            let mut child = cmd
-                .spawn()
-                .map_err(|e| format!("cannot start {command:?}: {e}"))?;
+            let mut child = cmd.spawn().map_err(|e| {
+                // A working directory that is not there fails the start as a missing
+                // command would (ENOENT): say which it is.
+                match cwd {
+                    Some(cwd) if !std::path::Path::new(cwd).is_dir() => format!(
+                        "cannot start {command:?}: its working directory (cwd) {cwd:?} is not \
+                         a directory that exists"
+                    ),
+                    _ => format!("cannot start {command:?}: {e}"),
+                }
+            })?;
             let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
                 return Err("the child process has no stdin or stdout".into());
             };

@@ -445,6 +445,21 @@ async fn misbehaving_servers_neither_hang_nor_crash_the_executor() {
         .unwrap_err();
     assert!(err.to_string().contains("cannot start"), "{err}");
     toolset.shutdown().await;
+
+    // A working directory that does not exist is named, not taken for a missing command.
+    let mut config = fake.config("good");
+    config.cwd = Some("/nonexistent/dir".into());
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let err = toolset
+        .call("echo", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("working directory (cwd) \"/nonexistent/dir\" is not a directory"),
+        "{err}"
+    );
+    toolset.shutdown().await;
 }
 
 #[test]
