@@ -54,6 +54,18 @@ struct Entry {
 #[derive(Default)]
 struct Snapshot {
     tools: BTreeMap<String, Entry>,
+    /// Why tools were left out, each warned of when it first is (a rebuild comes at every
+    /// change of any source's list, and would say it all again).
+    left_out: std::collections::BTreeSet<String>,
+}
+
+/// Leaves a tool out of `snapshot` for `error`, warning unless `previous` did too.
+fn leave_out(snapshot: &mut Snapshot, previous: Option<&Snapshot>, error: &Error) {
+    let why = error.to_string();
+    if !previous.is_some_and(|p| p.left_out.contains(&why)) {
+        warn!(%error, "tool left out of the catalogue");
+    }
+    snapshot.left_out.insert(why);
 }
 
 /// Every tool on offer, by the name the catalogue offers it under, each with its compiled
@@ -133,7 +145,7 @@ impl Catalogue {
                     if strict && !one_server {
                         return Err(error);
                     }
-                    warn!(%error, "tool left out of the catalogue");
+                    leave_out(&mut snapshot, previous, &error);
                     continue;
                 }
                 let depth = agentrt_core::json_depth(&tool.spec.input_schema);
@@ -149,7 +161,7 @@ impl Catalogue {
                     if toolset.name() == crate::builtin::SOURCE_NAME {
                         return Err(error);
                     }
-                    warn!(%error, "tool left out of the catalogue");
+                    leave_out(&mut snapshot, previous, &error);
                     continue;
                 }
                 let kind = tool.spec.input_schema.get("type");
@@ -171,7 +183,7 @@ impl Catalogue {
                     if toolset.name() == crate::builtin::SOURCE_NAME {
                         return Err(error);
                     }
-                    warn!(%error, "tool left out of the catalogue");
+                    leave_out(&mut snapshot, previous, &error);
                     continue;
                 }
                 let reused = previous
@@ -190,7 +202,7 @@ impl Catalogue {
                             if toolset.name() == crate::builtin::SOURCE_NAME {
                                 return Err(error);
                             }
-                            warn!(%error, "tool left out of the catalogue");
+                            leave_out(&mut snapshot, previous, &error);
                             continue;
                         }
                     },
