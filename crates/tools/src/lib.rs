@@ -152,6 +152,25 @@ pub(crate) fn truncate_text(text: &mut String, max: usize) {
     text.push_str(&format!("\n[output truncated at {max} bytes]"));
 }
 
+/// Most bytes of a tool's description as offered (MCP and OpenAPI alike): the model reads
+/// every description in every round.
+pub(crate) const MAX_DESCRIPTION_BYTES: usize = 4096;
+
+/// Cuts a tool's description to [`MAX_DESCRIPTION_BYTES`] on a character boundary, ending
+/// it with `…` (a marker of cut output would read to the model as part of the tool's
+/// description).
+pub(crate) fn cut_description(text: &mut String) {
+    if text.len() <= MAX_DESCRIPTION_BYTES {
+        return;
+    }
+    let mut end = MAX_DESCRIPTION_BYTES - '…'.len_utf8();
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    text.push('…');
+}
+
 /// `url` as errors and logs show it: a user and password in it (`http://user:pass@host`)
 /// masked.
 pub(crate) fn shown_url(url: &str) -> String {
@@ -177,4 +196,21 @@ pub(crate) fn no_credentials(url: &reqwest::Url) -> Result<(), String> {
          prefix = \"Basic \" }`, the value base64 of `user:password`)"
             .into(),
     )
+}
+
+#[cfg(test)]
+mod description_tests {
+    use super::*;
+
+    #[test]
+    fn long_descriptions_are_cut_with_an_ellipsis_on_a_character_boundary() {
+        let mut short = "adds two numbers".to_owned();
+        cut_description(&mut short);
+        assert_eq!(short, "adds two numbers");
+        let mut long = "é".repeat(3000);
+        cut_description(&mut long);
+        assert!(long.len() <= MAX_DESCRIPTION_BYTES, "{}", long.len());
+        assert!(long.ends_with("é…"));
+        assert!(!long.contains("truncated"));
+    }
 }

@@ -63,8 +63,6 @@ const MAX_TOOLS: usize = 1000;
 pub const IDEMPOTENCY_META: &str = "io.agentrt/idempotencyKey";
 /// Most `tools/list` pages followed.
 const MAX_PAGES: usize = 100;
-/// Longest tool description kept.
-const MAX_DESCRIPTION_BYTES: usize = 4096;
 /// The first wait before reconnecting; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// The longest wait before reconnecting.
@@ -813,7 +811,7 @@ async fn list_tools(
                 .map(|d| d.into_owned())
                 .or(tool.title)
                 .unwrap_or_default();
-            truncate_text(&mut description, MAX_DESCRIPTION_BYTES);
+            crate::cut_description(&mut description);
             tools.push(ListedTool {
                 spec: ToolSpec {
                     name: offered_name(name, &tool.name),

@@ -13,8 +13,6 @@ use serde_json::{Map, Value, json};
 const MAX_REF_DEPTH: usize = 16;
 /// Most schema nodes one operation's input schema may hold once `$ref`s are inlined.
 const MAX_NODES: usize = 20_000;
-/// Longest tool description kept.
-const MAX_DESCRIPTION_BYTES: usize = 4096;
 
 const METHODS: [&str; 8] = [
     "get", "put", "post", "delete", "patch", "head", "options", "trace",
@@ -391,7 +389,7 @@ fn operation(
     if description.is_empty() {
         description = format!("{method} {path}");
     }
-    crate::truncate_text(&mut description, MAX_DESCRIPTION_BYTES);
+    crate::cut_description(&mut description);
     let mut input_schema = json!({
         "type": "object",
         "properties": properties,
