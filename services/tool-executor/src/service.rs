@@ -148,13 +148,12 @@ impl ToolExecutor for ToolExecutorService {
         // the server's: the structured output (often the text again, parsed) goes first,
         // as an oversized one does at its source; an answer still too large is refused
         // rather than sent to callers that would refuse it themselves.
-        if prost::Message::encoded_len(&answer) > self.max_answer_bytes
-            && answer.structured_output.is_some()
-        {
+        let mut len = prost::Message::encoded_len(&answer);
+        if len > self.max_answer_bytes && answer.structured_output.is_some() {
             answer.structured_output = None;
+            len = prost::Message::encoded_len(&answer);
             debug!(tool = %request.tool_name, "structured output left out: the answer was over server.max_message_bytes");
         }
-        let len = prost::Message::encoded_len(&answer);
         if len > self.max_answer_bytes {
             ended.outcome = "error";
             return Err(status::resource_exhausted_for_good(
