@@ -144,11 +144,7 @@ pub(crate) fn truncate_text(text: &mut String, max: usize) {
     if text.len() <= max {
         return;
     }
-    let mut end = max;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    text.truncate(end);
+    cut_at(text, max);
     text.push_str(&format!("\n[output truncated at {max} bytes]"));
 }
 
@@ -163,12 +159,17 @@ pub(crate) fn cut_description(text: &mut String) {
     if text.len() <= MAX_DESCRIPTION_BYTES {
         return;
     }
-    let mut end = MAX_DESCRIPTION_BYTES - '…'.len_utf8();
+    cut_at(text, MAX_DESCRIPTION_BYTES - '…'.len_utf8());
+    text.push('…');
+}
+
+/// Cuts `text` to at most `max` bytes, on a character boundary.
+fn cut_at(text: &mut String, max: usize) {
+    let mut end = max.min(text.len());
     while !text.is_char_boundary(end) {
         end -= 1;
     }
     text.truncate(end);
-    text.push('…');
 }
 
 /// `url` as errors and logs show it: a user and password in it (`http://user:pass@host`)
