@@ -50,6 +50,16 @@ const SCENARIOS: &str = r#"{"scenarios": {
     {"tool_calls": [{"id": "w1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
     {"tool_calls": [{"id": "w2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
     {"content": "results: {tool_results}"}]},
+  "same_ids": {"turns": [
+    {"tool_calls": [{"id": "r1", "name": "sleep", "arguments": {"seconds": 0}}]},
+    {"tool_calls": [{"id": "r1", "name": "sleep", "arguments": {"seconds": 1}}]},
+    {"tool_calls": [{"id": "r1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"content": "results: {tool_results}"}]},
+  "two_client": {"turns": [
+    {"tool_calls": [
+      {"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}},
+      {"id": "k2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
+    {"content": "results: {tool_results}"}]},
   "plain": {"turns": [{"content": "an answer"}]},
   "client_slow": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
@@ -527,6 +537,81 @@ async fn answers_of_an_earlier_wait_may_be_repeated_and_not_changed() {
     assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED", "{changed:?}");
 }
 
+/// A model that numbers its calls anew in each round (as the simulator, and some servers
+/// do): each call is published under an id of its own in the run, so that an answer to an
+/// earlier call, sent again (a client retrying), cannot approve or answer a later one.
+#[tokio::test]
+async fn an_answer_sent_again_never_answers_a_later_call_the_model_gave_the_same_id() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (mut stream, mut events, action, run_id) =
+        waiting_run(&mut stack, waiting_agent("same_ids", false)).await;
+    assert_eq!(pending(&action)[0].0, "r1");
+    approve(&mut stack.engine, &run_id, &[("r1", true, "")])
+        .await
+        .unwrap();
+
+    let (read, action) = until_action(&mut stream).await;
+    events.extend(read);
+    let (second, name, _) = pending(&action).remove(0);
+    assert_eq!(name, "sleep");
+    assert_ne!(second, "r1", "a second call under the first one's id");
+    // The first approval again: the run received it, and it stays the first call's.
+    let again = approve(&mut stack.engine, &run_id, &[("r1", true, "")])
+        .await
+        .unwrap();
+    assert_eq!(again.status(), v1::RunStatus::RequiresAction);
+    assert!(again.pending_tool_call_ids.contains(&second), "{again:?}");
+    let changed = approve(&mut stack.engine, &run_id, &[("r1", false, "no")])
+        .await
+        .unwrap_err();
+    assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED", "{changed:?}");
+    approve(&mut stack.engine, &run_id, &[(&second, false, "not now")])
+        .await
+        .unwrap();
+
+    let (read, action) = until_action(&mut stream).await;
+    events.extend(read);
+    let (third, name, _) = pending(&action).remove(0);
+    assert_eq!(name, "lookup_order");
+    assert!(third != "r1" && third != second, "{third} is taken");
+    let again = approve(
+        &mut stack.engine,
+        &run_id,
+        &[("r1", true, ""), (&second, false, "not now")],
+    )
+    .await
+    .unwrap();
+    assert_eq!(again.status(), v1::RunStatus::RequiresAction);
+    submit(&mut stack.engine, &run_id, &[(&third, "shipped")])
+        .await
+        .unwrap();
+    events.extend(rest(stream).await);
+    assert_well_formed(&events);
+    let calls: Vec<String> = of_kind(&events, v1::EventType::ToolCall)
+        .iter()
+        .map(|call| call["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(calls, ["r1", second.as_str(), third.as_str()]);
+    // The first call ran, the second did not (its denial is its result), and the third
+    // has the client's output.
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    let result = |id: &str| {
+        results
+            .iter()
+            .find(|r| r["id"] == id)
+            .unwrap_or_else(|| panic!("no result for {id}: {results:?}"))
+            .clone()
+    };
+    assert_eq!(result("r1")["is_error"], false, "{results:?}");
+    let denied = result(&second);
+    assert!(
+        denied["is_error"] == true && denied["output"].as_str().unwrap().contains("not now"),
+        "{denied}"
+    );
+    assert_eq!(result(&third)["output"], "shipped");
+    assert_eq!(answer(&events), "results: shipped");
+}
+
 #[tokio::test]
 async fn answers_to_unknown_runs_runs_not_waiting_and_malformed_requests() {
     let mut stack = Stack::up(SCENARIOS, &[]).await;
@@ -749,6 +834,64 @@ async fn cancel_ends_a_waiting_run() {
         .await
         .unwrap_err();
     assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
+}
+
+/// An answer accepted before the run was cancelled is not lost: it is published and
+/// recorded, and sending it again is a repeat, while the call left unanswered ends "not
+/// finished" and takes no answer any more.
+#[tokio::test]
+async fn cancel_keeps_the_answers_a_waiting_run_accepted() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (stream, before, _, run_id) =
+        waiting_run(&mut stack, waiting_agent("two_client", false)).await;
+    let accepted = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    assert_eq!(accepted.pending_tool_call_ids, ["k2"]);
+    let cancelled = stack
+        .engine
+        .cancel(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "cancelled");
+    let results = of_kind(&events, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0]["id"], "k1");
+    assert_eq!(results[0]["output"], "shipped");
+
+    let state = get_run(&mut stack.engine, &run_id).await;
+    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    let calls = &state.steps.last().unwrap().tool_calls;
+    assert!(
+        calls[0].output == "shipped" && !calls[0].is_error,
+        "{calls:?}"
+    );
+    assert!(
+        calls[1].is_error
+            && calls[1]
+                .output
+                .starts_with("not finished: the run ended (cancelled)"),
+        "{calls:?}"
+    );
+    let again = submit(&mut stack.engine, &run_id, &[("k1", "shipped")])
+        .await
+        .unwrap();
+    assert_eq!(again.status(), v1::RunStatus::Cancelled);
+    assert!(again.pending_tool_call_ids.is_empty(), "{again:?}");
+    let changed = submit(&mut stack.engine, &run_id, &[("k1", "lost")])
+        .await
+        .unwrap_err();
+    assert_eq!(status_reason(&changed), "TOOL_CALL_ANSWERED", "{changed:?}");
+    let late = submit(&mut stack.engine, &run_id, &[("k2", "packed")])
+        .await
+        .unwrap_err();
+    assert_eq!(status_reason(&late), "RUN_NOT_WAITING", "{late:?}");
 }
 
 /// With state in memory, waiting runs have budgets (`runs.max_waiting_bytes`,

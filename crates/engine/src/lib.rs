@@ -1326,12 +1326,6 @@ impl Engine {
         (told, published): (&Answers, &HashMap<String, (ToolResult, Duration)>),
         em: &mut Emitter,
     ) -> Result<Vec<String>, Outcome> {
-        if told.cancelled {
-            return Err(Outcome::Failed(
-                StopReason::Cancelled,
-                stopped_error(StopReason::Cancelled),
-            ));
-        }
         let mut to_run = Vec::new();
         let mut missing = Vec::new();
         for call in pending {
@@ -1384,6 +1378,14 @@ impl Engine {
                 Some((_, duration)) => em.recovered_result(&call.id, &result, *duration),
             }
             results[index] = Some(CallResult::from(&result));
+        }
+        // Cancelled while it waited, the run still publishes (and records) the answers it
+        // accepted before; no approved call runs.
+        if told.cancelled {
+            return Err(Outcome::Failed(
+                StopReason::Cancelled,
+                stopped_error(StopReason::Cancelled),
+            ));
         }
         if !missing.is_empty() {
             return Err(Outcome::Failed(

@@ -247,6 +247,10 @@ impl RunState {
         counter: &TokenCounter,
     ) -> Option<Refused> {
         self.iteration = iteration;
+        let mut reply = reply;
+        if let Reply::Tools { calls, .. } = &mut reply {
+            self.fresh_ids(calls);
+        }
         let last = matches!(self.phase, Phase::AskFinal);
         match (last, reply) {
             (false, Reply::Answer { text, cut_short }) => {
@@ -315,6 +319,39 @@ impl RunState {
                 self.end_without_answer();
                 None
             }
+        }
+    }
+
+    /// Gives each call an id no earlier call of the turn has. Clients answer calls by id
+    /// over the whole run, and a model (or server) that numbers its calls anew in each
+    /// round would otherwise let an answer to an earlier call, sent again, answer a later
+    /// one: approve a call nobody approved, or give it another call's output. A reused id
+    /// gets a suffix, the first free one from the round's number on (`call_0` of round 2
+    /// becomes `call_0_2`); the model sees its calls under the ids the events name.
+    fn fresh_ids(&self, calls: &mut [ModelToolCall]) {
+        let earlier: std::collections::HashSet<&str> = self
+            .messages
+            .iter()
+            .filter_map(|(message, _)| match message {
+                ChatMessage::Assistant { tool_calls, .. } => Some(tool_calls),
+                _ => None,
+            })
+            .flatten()
+            .map(|call| call.id.as_str())
+            .collect();
+        for at in 0..calls.len() {
+            if !earlier.contains(calls[at].id.as_str()) {
+                continue;
+            }
+            let mut n = self.iteration;
+            let id = loop {
+                let id = format!("{}_{n}", calls[at].id);
+                if !earlier.contains(id.as_str()) && calls.iter().all(|c| c.id != id) {
+                    break id;
+                }
+                n += 1;
+            };
+            calls[at].id = id;
         }
     }
 
@@ -643,5 +680,42 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_call_id_used_in_an_earlier_round_is_made_new() {
+        let counter = TokenCounter::shared();
+        let native = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let mut state = RunState::new("q", 3, counter);
+        let round = |ids: &[&str]| Reply::Tools {
+            content: String::new(),
+            calls: ids.iter().map(|id| call(id, "{}")).collect(),
+            cut_short: false,
+        };
+        state.model_replied(1, round(&["c", "d"]), native, counter);
+        state.tools_ran(vec![result("1"), result("2")], native, counter);
+        // `c` is taken, and so is its first free name in round 2 by a call of the round.
+        state.model_replied(2, round(&["c", "c_2", "e"]), native, counter);
+        let Step::Tools(calls) = state.next() else {
+            panic!("the calls run next")
+        };
+        let ids: Vec<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["c_3", "c_2", "e"]);
+        state.tools_ran(vec![result("3"), result("4"), result("5")], native, counter);
+        // The conversation names each call as the events did.
+        let Some((ChatMessage::Assistant { tool_calls, .. }, _)) = state.messages.get(4) else {
+            panic!("round 2 is in the conversation: {:?}", state.messages)
+        };
+        assert_eq!(tool_calls[0].id, "c_3");
+        assert!(matches!(
+            &state.messages[5].0,
+            ChatMessage::Tool { call_id, .. } if call_id == "c_3"
+        ));
+        state.model_replied(3, round(&["c", "c_3"]), native, counter);
+        let Step::Tools(calls) = state.next() else {
+            panic!("the calls run next")
+        };
+        let ids: Vec<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["c_4", "c_3_3"]);
     }
 }

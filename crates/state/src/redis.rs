@@ -940,9 +940,7 @@ return taken
 /// (not waiting), `{'p', id}` (not pending) or `{'c', id}` (answered otherwise before). A
 /// call of an earlier wait ('e:ID', its answer's digest) takes the same answer again.
 const ANSWER: &str = r"
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
-  return {'n'}
-end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'n'} end
 -- Whether answer `i` is the one an earlier wait received: true, false, or nil when the
 -- call is of no earlier wait.
 local function earlier(i)
@@ -950,8 +948,10 @@ local function earlier(i)
   if not digest then return nil end
   return digest == redis.sha1hex(ARGV[i + 1])
 end
-if redis.call('HEXISTS', KEYS[1], '!taken') == 1 or redis.call('HEXISTS', KEYS[1], '!done') == 1 then
-  -- A repeat of answers it received is accepted; anything else is late.
+if redis.call('HEXISTS', KEYS[1], '!taken') == 1 or redis.call('HEXISTS', KEYS[1], '!done') == 1
+    or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
+  -- A repeat of answers it received is accepted (cancelled, the run still publishes
+  -- them); anything else is late.
   for i = 2, #ARGV, 2 do
     local answer = redis.call('HGET', KEYS[1], 'c:' .. ARGV[i])
     if not answer or answer == '' then

@@ -1164,10 +1164,8 @@ impl RunStore for MemoryRunStore {
             };
             let complete = wait.answers.iter().all(|(_, a)| a.is_some());
             if wait.taken || wait.cancelled || complete {
-                // A repeat of an answer the run received is accepted; anything else is late.
-                if wait.cancelled {
-                    return Ok(Answered::NotWaiting);
-                }
+                // A repeat of an answer the run received is accepted (cancelled, the run
+                // still publishes it); anything else is late.
                 for (id, answer) in answers {
                     match (kept(wait, id), earlier(wait, id, answer)) {
                         (Some(first), _) if first == *answer => {}
@@ -1188,8 +1186,8 @@ impl RunStore for MemoryRunStore {
             }) {
                 return Ok(Answered::NotPending(id.clone()));
             }
-            // A call of this wait is judged by this wait alone (models that give no ids
-            // have the same ids in every round); one of an earlier wait by its digest.
+            // A call of this wait is judged by this wait alone (the engine gives each call
+            // of a run an id of its own); one of an earlier wait by its digest.
             if let Some((id, _)) = answers.iter().find(|(id, answer)| {
                 kept(wait, id).is_some_and(|first| first != *answer)
                     || (!pending(wait, id) && earlier(wait, id, answer) == Some(false))

@@ -1381,7 +1381,8 @@ where
     }
 
     // Cancelled, a waiting run lapses at once; it is cancelled once, takes no more
-    // answers, and the replica taking it over is told.
+    // answers (an answer it received, sent again, is still a repeat), and the replica
+    // taking it over is told.
     let calls = vec![
         pending_call("c1", Action::ClientExecute),
         pending_call("c2", Action::Approve),
@@ -1417,6 +1418,20 @@ where
             .unwrap(),
         Answered::NotWaiting
     );
+    assert_eq!(
+        other
+            .answer("wc", &answers(&[("c1", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
+    assert_eq!(
+        store
+            .answer("wc", &answers(&[("c1", "\"other\"")]))
+            .await
+            .unwrap(),
+        Answered::Conflict("c1".into())
+    );
     let taken = take_over_once(&store, &other, "wc").await;
     assert_eq!(taken.waited, told(&[("c1", "\"out\"")], true));
     assert!(!other.cancel_waiting("wc").await.unwrap());
@@ -1426,6 +1441,13 @@ where
             .await
             .unwrap(),
         Answered::NotWaiting
+    );
+    assert_eq!(
+        store
+            .answer("wc", &answers(&[("c1", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
     );
 
     // Out of time, a waiting run lapses when its wait elapses, and is told what came.

@@ -934,10 +934,14 @@ impl RunManager {
                         }
                     }
                 }
-                // A repeat after the run went on says where it is now.
+                // A repeat after the run went on (or was cancelled) says where it is now.
                 let status = match (left.is_empty(), record.waiting()) {
                     (false, _) => RunStatus::RequiresAction,
-                    (true, true) => RunStatus::Running,
+                    (true, true) if completed => RunStatus::Running,
+                    (true, true) => match self.store.load(run_id).await? {
+                        Some(now) if now.ended() => now.status,
+                        _ => RunStatus::Running,
+                    },
                     (true, false) => record.status,
                 };
                 Ok(AnswerOutcome { status, left })
@@ -958,12 +962,12 @@ impl RunManager {
         if record.ended() {
             return Ok(Some(record));
         }
-        if record.waiting() && self.store.cancel_waiting(run_id).await? {
-            // Nobody executes a waiting run: it ends here, or on whichever replica takes
-            // it first.
-            if let Err(error) = self.take_over(run_id.to_owned(), None).await {
-                warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
-            }
+        // Nobody executes a waiting run: cancelled, it ends here, or on whichever replica
+        // takes it first, told so by the store. Not stopped besides: it publishes the
+        // answers it accepted before it ends.
+        let wait_cancelled = record.waiting() && self.store.cancel_waiting(run_id).await?;
+        if wait_cancelled && let Err(error) = self.take_over(run_id.to_owned(), None).await {
+            warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
         }
         let local = self
             .lock()
@@ -971,13 +975,17 @@ impl RunManager {
             .map(|run| (run.control.clone(), run.ended.clone()));
         match local {
             Some((control, ended)) => {
-                control.stop(StopReason::Cancelled);
+                if !wait_cancelled {
+                    control.stop(StopReason::Cancelled);
+                }
                 let _ = tokio::time::timeout(wait, ended.wait()).await;
             }
             None => {
-                self.store
-                    .request_stop(run_id, StopReason::Cancelled)
-                    .await?;
+                if !wait_cancelled {
+                    self.store
+                        .request_stop(run_id, StopReason::Cancelled)
+                        .await?;
+                }
                 let deadline = tokio::time::Instant::now() + wait;
                 let mut asked = tokio::time::Instant::now();
                 // The owner stops the run within milliseconds: look soon, then less often.
@@ -992,7 +1000,7 @@ impl RunManager {
                     }
                     // A replica that took the run over as it was asked may have missed
                     // the request before it knew the run: ask again.
-                    if asked.elapsed() >= STOP_ASKED_AGAIN {
+                    if !wait_cancelled && asked.elapsed() >= STOP_ASKED_AGAIN {
                         self.store
                             .request_stop(run_id, StopReason::Cancelled)
                             .await?;
