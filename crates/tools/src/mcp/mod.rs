@@ -5,7 +5,8 @@
 //! each bounded by `connect_timeout`), then waits: for `notifications/tools/list_changed`
 //! (it lists again and the catalogue is refreshed), for the connection to end (it
 //! reconnects with backoff; meanwhile the server's tools answer `UNAVAILABLE` naming it),
-//! or for shutdown (it stops the child process). An HTTP server is asked for its tools
+//! or for shutdown (it stops the child process, and what that started: its process group).
+//! An HTTP server is asked for its tools
 //! again every [`HTTP_CHECK_EVERY`]: one that stopped answering on its session is
 //! reconnected, and tools it changed are found. Calls go straight to the current
 //! connection; a call abandoned by its caller, or past its deadline or the server's
@@ -607,7 +608,41 @@ impl ClientHandler for Handler {
 /// A live connection, and the child process behind it for stdio.
 struct Connection {
     service: RunningService<RoleClient, Handler>,
-    child: Option<Child>,
+    child: Option<ServerProcess>,
+}
+
+/// A stdio server's child process, leader of a process group of its own: stopping the
+/// server stops what it started as well (`npx` runs the server as a child of its own, and
+/// a server may start helpers), which stopping the child alone would leave running.
+struct ServerProcess {
+    child: Child,
+    /// The group's id (the child's pid); `None` once the group was killed.
+    group: Option<rustix::process::Pid>,
+}
+
+impl ServerProcess {
+    fn new(child: Child) -> Self {
+        let group = child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .and_then(rustix::process::Pid::from_raw);
+        Self { child, group }
+    }
+
+    /// Kills every process left in the group, once (right after the child is gone: a
+    /// group with no process left has an id that may be given again).
+    fn kill_group(&mut self) {
+        if let Some(group) = self.group.take() {
+            // Fails (ESRCH) when no process is left.
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        self.kill_group();
+    }
 }
 
 /// Connects, serves, and reconnects with backoff until `stop`.
@@ -690,6 +725,7 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
+                .process_group(0)
                 .kill_on_drop(true);
             for name in INHERITED_ENV {
                 if let Some(value) = std::env::var_os(name) {
@@ -702,7 +738,7 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             if let Some(cwd) = cwd {
                 cmd.current_dir(cwd);
             }
-            let mut child = cmd.spawn().map_err(|e| {
+            let child = cmd.spawn().map_err(|e| {
                 // A working directory that is not there fails the start as a missing
                 // command would (ENOENT): say which it is.
                 match cwd {
@@ -713,6 +749,8 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                     _ => format!("cannot start {command:?}: {e}"),
                 }
             })?;
+            let mut process = ServerProcess::new(child);
+            let child = &mut process.child;
             let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
                 return Err("the child process has no stdin or stdout".into());
             };
@@ -732,7 +770,7 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                 .serve(lenient::Lenient(transport))
                 .await
                 .map_err(|e| describe::init_error(&e))?;
-            (service, Some(child))
+            (service, Some(process))
         }
         Transport::Http {
             url,
@@ -909,7 +947,7 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
             quit = &mut waiting => {
                 break shared.cut_off.why().unwrap_or_else(|| describe::quit_reason(&quit));
             }
-            status = async { match child.as_mut() { Some(c) => c.wait().await, None => std::future::pending().await } } => {
+            status = async { match child.as_mut() { Some(c) => c.child.wait().await, None => std::future::pending().await } } => {
                 break match status {
                     Ok(status) => format!("the process exited ({status})"),
                     Err(e) => format!("the process is gone ({e})"),
@@ -950,8 +988,10 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
     reason
 }
 
-/// Gives a child process [`EXIT_GRACE`] to exit after its stdin closed, then kills it.
-async fn stop_child(child: &mut Child) {
+/// Gives a child process [`EXIT_GRACE`] to exit after its stdin closed, then kills it;
+/// then kills what it left running.
+async fn stop_child(process: &mut ServerProcess) {
+    let child = &mut process.child;
     drop(child.stdin.take());
     if tokio::time::timeout(EXIT_GRACE, child.wait())
         .await
@@ -959,6 +999,7 @@ async fn stop_child(child: &mut Child) {
     {
         let _ = child.kill().await;
     }
+    process.kill_group();
 }
 
 /// Lines of a child's stderr logged at once at most ([`StderrBudget`]).

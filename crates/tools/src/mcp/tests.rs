@@ -17,6 +17,14 @@ import json, os, sys
 mode, state = sys.argv[1], sys.argv[2]
 with open(os.path.join(state, "pid"), "w") as f:
     f.write(str(os.getpid()))
+if mode == "helper":
+    # A process of its own it leaves running, as `npx` does its server.
+    import subprocess
+    helper = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(state, "helper.tmp"), "w") as f:
+        f.write(str(helper.pid))
+    os.replace(os.path.join(state, "helper.tmp"), os.path.join(state, "helper"))
 
 def send(msg):
     sys.stdout.write(json.dumps(msg) + "\n")
@@ -152,6 +160,15 @@ impl Fake {
 
     fn pid(&self) -> u32 {
         std::fs::read_to_string(self.dir.join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// The pid of the process the server (mode `helper`) started.
+    fn helper(&self) -> u32 {
+        std::fs::read_to_string(self.dir.join("helper"))
             .unwrap()
             .trim()
             .parse()
@@ -396,6 +413,31 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
         .unwrap();
     assert_eq!(out.text, "back");
     toolset.shutdown().await;
+}
+
+/// What a server started (`npx` starts the server itself; a server may start helpers)
+/// stops with it: when it crashes, and when the toolset stops.
+#[tokio::test]
+async fn what_a_server_started_stops_with_it() {
+    let fake = Fake::new("helper");
+    let toolset = McpToolset::start(fake.config("helper"), Changes::new())
+        .await
+        .unwrap();
+    let first = fake.helper();
+    assert!(alive(first));
+    toolset
+        .call("crash", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    eventually("the crashed server's helper to stop", || !alive(first)).await;
+    eventually("the restart", || {
+        toolset.is_connected() && fake.helper() != first
+    })
+    .await;
+    let second = fake.helper();
+    assert!(alive(second));
+    toolset.shutdown().await;
+    eventually("the helper to stop with the toolset", || !alive(second)).await;
 }
 
 #[tokio::test]
