@@ -221,10 +221,40 @@ async fn unregistered_paths_cannot_grow_the_metrics() {
 }
 
 /// Tool calls that end without finishing are counted too, by how they ended: one whose
-/// deadline passed (`timeout`) and one whose caller went away (`cancelled`).
+/// deadline passed (`timeout`), one past its source's own `timeout` (an API that never
+/// answers: `timeout` as well, not `error`) and one whose caller went away (`cancelled`).
 #[tokio::test]
 async fn tool_calls_that_time_out_or_are_cancelled_are_counted() {
-    let tools = tool_executor(&["--metrics-listen", "127.0.0.1:0"]).await;
+    // An API that takes connections (the listener's backlog) and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "agentrt-metrics-timeout-{}-{}",
+        std::process::id(),
+        silent.local_addr().unwrap().port()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "paths": {"/slow": {"get": {"operationId": "slow"}}}}"#,
+    )
+    .unwrap();
+    let config = dir.join("tool-executor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[openapi]]\nname = \"api\"\nspec = \"api.json\"\nbase_url = \"http://{}\"\n\
+             timeout = \"300ms\"\n",
+            silent.local_addr().unwrap()
+        ),
+    )
+    .unwrap();
+    let tools = tool_executor(&[
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--config",
+        config.to_str().unwrap(),
+    ])
+    .await;
     let mut client = v1::tool_executor_client::ToolExecutorClient::new(connect(&tools.url()).await);
     let nap = || v1::ExecuteToolRequest {
         call_id: "nap".into(),
@@ -236,6 +266,19 @@ async fn tool_calls_that_time_out_or_are_cancelled_are_counted() {
     timed.set_timeout(std::time::Duration::from_millis(300));
     let status = client.execute_tool(timed).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    let unanswered = client
+        .execute_tool(v1::ExecuteToolRequest {
+            call_id: "slow".into(),
+            tool_name: "api__slow".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        unanswered.is_error && unanswered.output.contains("did not answer within 300ms"),
+        "{unanswered:?}"
+    );
     // The caller goes away 300 ms into the call.
     let mut cancelled = client.clone();
     let _ = tokio::time::timeout(
@@ -262,4 +305,14 @@ async fn tool_calls_that_time_out_or_are_cancelled_are_counted() {
             "{outcome}"
         );
     }
+    assert_eq!(
+        sample(
+            &text,
+            r#"agentrt_tool_calls_total{tool="api__slow",outcome="timeout"}"#
+        ),
+        1.0,
+        "{text}"
+    );
+    drop(silent);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -108,6 +108,9 @@ pub struct ToolOutput {
     pub references: Vec<Reference>,
     /// Whether the tool failed; the model reads `text` either way.
     pub is_error: bool,
+    /// Whether it failed by taking longer than its source allows (the source's own
+    /// `timeout`): counted as a `timeout`, not an `error`.
+    pub timed_out: bool,
 }
 
 impl ToolOutput {
@@ -126,6 +129,14 @@ impl ToolOutput {
             text: message.into(),
             is_error: true,
             ..Self::default()
+        }
+    }
+
+    /// A failure by taking longer than the source allows ([`ToolOutput::timed_out`]).
+    pub fn timed_out(message: impl Into<String>) -> Self {
+        Self {
+            timed_out: true,
+            ..Self::error(message)
         }
     }
 

@@ -142,7 +142,11 @@ impl ToolExecutor for ToolExecutorService {
             };
             execute_error_to_status(&e)
         })?;
-        ended.outcome = if output.is_error { "error" } else { "ok" };
+        ended.outcome = match (output.timed_out, output.is_error) {
+            (true, _) => "timeout",
+            (false, true) => "error",
+            (false, false) => "ok",
+        };
         let mut answer = output_to_wire(request.call_id, output, duration);
         // A source's own limits (`max_output_bytes`, `max_response_bytes`) may be set above
         // the server's: the structured output (often the text again, parsed) goes first,

@@ -121,6 +121,7 @@ pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: us
         structured,
         references,
         is_error: result.is_error.unwrap_or(false),
+        timed_out: false,
     }
 }
 

@@ -490,7 +490,7 @@ impl Toolset for McpToolset {
         };
         let offered = offered_name(shared.name(), tool);
         match outcome {
-            Err(_) => Ok(ToolOutput::error(format!(
+            Err(_) => Ok(ToolOutput::timed_out(format!(
                 "MCP server {:?} did not finish tool {tool:?} within {timeout:?}; the call was \
                  cancelled",
                 shared.name()

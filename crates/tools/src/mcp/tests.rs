@@ -313,7 +313,7 @@ async fn abandoned_and_timed_out_calls_are_cancelled_at_the_server() {
         .call("slow", json!({}), &ToolContext::default())
         .await
         .unwrap();
-    assert!(out.is_error);
+    assert!(out.is_error && out.timed_out);
     assert!(out.text.contains("did not finish"), "{}", out.text);
     eventually("the timeout's notifications/cancelled", || {
         fake.cancelled().lines().count() == 1

@@ -500,7 +500,9 @@ impl OpenApiToolset {
         match tokio::time::timeout(self.timeout, self.exchange(request)).await {
             Ok(Ok(reply)) => self.output(what, reply),
             Ok(Err(e)) => ToolOutput::error(format!("{what} failed: {e}")),
-            Err(_) => ToolOutput::error(format!("{what} did not answer within {:?}", self.timeout)),
+            Err(_) => {
+                ToolOutput::timed_out(format!("{what} did not answer within {:?}", self.timeout))
+            }
         }
     }
 
@@ -580,15 +582,14 @@ impl OpenApiToolset {
             return ToolOutput {
                 text: format!("{what} answered {status}: {text}"),
                 structured,
-                references: Vec::new(),
                 is_error: true,
+                ..ToolOutput::default()
             };
         }
         ToolOutput {
             text,
             structured,
-            references: Vec::new(),
-            is_error: false,
+            ..ToolOutput::default()
         }
     }
 }
