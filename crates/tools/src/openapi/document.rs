@@ -124,6 +124,9 @@ pub(crate) struct Document {
     pub first_server: Option<String>,
     /// Operations left out, and why.
     pub skipped: Vec<String>,
+    /// Operations offered with parts of their input that accept anything (their schemas are
+    /// in other documents, which are not read), and which.
+    pub loose: Vec<String>,
 }
 
 /// Parses `text` (JSON or YAML) as an OpenAPI 3.0 or 3.1 document.
@@ -168,11 +171,13 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
     let first_server = doc["servers"].get(0).and_then(server_url);
     let mut operations = Vec::new();
     let mut skipped = Vec::new();
+    let mut loose = Vec::new();
     let Some(paths) = doc["paths"].as_object() else {
         return Ok(Document {
             operations,
             first_server,
             skipped,
+            loose,
         });
     };
     // Where each operationId is, to refuse one used twice: a tool per operation.
@@ -198,7 +203,16 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
                 ));
             }
             match operation(&doc, legacy, path, method, &item, op, id) {
-                Ok(operation) => operations.push(operation),
+                Ok((operation, external)) => {
+                    if !external.is_empty() {
+                        loose.push(format!(
+                            "{id}: `$ref` {} in another document, which is not read: \
+                             that part of its input accepts anything",
+                            external.join(", ")
+                        ));
+                    }
+                    operations.push(operation);
+                }
                 Err(why) => skipped.push(format!("{id}: {why}")),
             }
         }
@@ -207,6 +221,7 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
         operations,
         first_server,
         skipped,
+        loose,
     })
 }
 
@@ -218,7 +233,7 @@ fn operation(
     item: &Value,
     op: &Value,
     id: &str,
-) -> Result<Operation, String> {
+) -> Result<(Operation, Vec<String>), String> {
     let method = reqwest::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
         .map_err(|e| e.to_string())?;
     // Operation parameters override path-item ones with the same name and place.
@@ -233,7 +248,10 @@ fn operation(
     let mut properties = Map::new();
     let mut required = Vec::new();
     let mut parameters = Vec::new();
-    let mut budget = MAX_NODES;
+    let mut walk = Walk {
+        budget: MAX_NODES,
+        external: Vec::new(),
+    };
     for p in raw {
         let name = p["name"].as_str().unwrap_or_default().to_owned();
         let location = match p["in"].as_str() {
@@ -284,7 +302,7 @@ fn operation(
             .or_else(|| p["content"].as_object()?.values().next()?.get("schema"))
             .cloned()
             .unwrap_or_else(|| json!({}));
-        let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
+        let mut schema = inline(doc, &schema, &mut Vec::new(), &mut walk, legacy)?;
         if let (Some(description), Some(obj)) = (p["description"].as_str(), schema.as_object_mut())
         {
             obj.entry("description")
@@ -342,7 +360,7 @@ fn operation(
         match json_media {
             Some((media, m)) => {
                 let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
-                let mut schema = inline(doc, &schema, &mut Vec::new(), &mut budget, legacy)?;
+                let mut schema = inline(doc, &schema, &mut Vec::new(), &mut walk, legacy)?;
                 drop_read_only(&mut schema);
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
@@ -398,15 +416,27 @@ fn operation(
     if !required.is_empty() {
         input_schema["required"] = Value::Array(required);
     }
-    Ok(Operation {
-        id: id.to_owned(),
-        method,
-        path: path.to_owned(),
-        description,
-        parameters,
-        body_type,
-        input_schema,
-    })
+    let external = walk.external.iter().map(|r| format!("{r:?}")).collect();
+    Ok((
+        Operation {
+            id: id.to_owned(),
+            method,
+            path: path.to_owned(),
+            description,
+            parameters,
+            body_type,
+            input_schema,
+        },
+        external,
+    ))
+}
+
+/// What inlining one operation's schemas counts and notes.
+struct Walk {
+    /// Schema nodes it may still make.
+    budget: usize,
+    /// The `$ref`s to other documents met (each once), which accept anything.
+    external: Vec<String>,
 }
 
 /// `schema` (of a request body) without its `readOnly` properties: they are the server's
@@ -500,15 +530,15 @@ fn inline<'d>(
     doc: &'d Value,
     schema: &'d Value,
     expanding: &mut Vec<&'d str>,
-    budget: &mut usize,
+    walk: &mut Walk,
     legacy: bool,
 ) -> Result<Value, String> {
-    if *budget == 0 {
+    if walk.budget == 0 {
         return Err(format!(
             "its schemas hold more than {MAX_NODES} nodes once references are inlined"
         ));
     }
-    *budget -= 1;
+    walk.budget -= 1;
     match schema {
         Value::Object(map) => {
             if let Some(reference) = map.get("$ref").and_then(Value::as_str) {
@@ -520,10 +550,13 @@ fn inline<'d>(
                     if reference.starts_with('#') {
                         return Err(unresolved(reference));
                     }
+                    if !walk.external.iter().any(|r| r == reference) {
+                        walk.external.push(reference.to_owned());
+                    }
                     return Ok(json!({}));
                 };
                 expanding.push(reference);
-                let inlined = inline(doc, target, expanding, budget, legacy);
+                let inlined = inline(doc, target, expanding, walk, legacy);
                 expanding.pop();
                 return inlined;
             }
@@ -533,7 +566,7 @@ fn inline<'d>(
                 if key.starts_with("x-") || key == "example" || key == "examples" {
                     continue;
                 }
-                out.insert(key.clone(), inline(doc, value, expanding, budget, legacy)?);
+                out.insert(key.clone(), inline(doc, value, expanding, walk, legacy)?);
             }
             if legacy {
                 dialect_3_0(&mut out);
@@ -542,7 +575,7 @@ fn inline<'d>(
         }
         Value::Array(items) => items
             .iter()
-            .map(|v| inline(doc, v, expanding, budget, legacy))
+            .map(|v| inline(doc, v, expanding, walk, legacy))
             .collect::<Result<Vec<_>, _>>()
             .map(Value::Array),
         other => Ok(other.clone()),
@@ -731,6 +764,33 @@ components:
         let edge = &schema["properties"]["body"]["properties"]["children"]["items"];
         assert_eq!(edge["properties"]["to"], json!({}), "{schema}");
         assert!(agentrt_core::json_depth(schema) < 10, "{schema}");
+    }
+
+    #[test]
+    fn a_schema_in_another_document_accepts_anything_and_is_named() {
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {
+                "/a": {"post": {"operationId": "a",
+                  "parameters": [{"name": "q", "in": "query", "schema": {"$ref": "common.yaml#/Q"}}],
+                  "requestBody": {"content": {"application/json": {"schema": {"type": "object",
+                    "properties": {"x": {"$ref": "common.yaml#/X"}, "y": {"$ref": "common.yaml#/X"}}}}}}}},
+                "/b": {"get": {"operationId": "b"}}}}"##,
+        )
+        .unwrap();
+        assert_eq!(doc.operations.len(), 2);
+        let schema = &doc.operations[0].input_schema;
+        assert_eq!(schema["properties"]["q"], json!({}), "{schema}");
+        assert_eq!(
+            schema["properties"]["body"]["properties"]["x"],
+            json!({}),
+            "{schema}"
+        );
+        assert_eq!(doc.loose.len(), 1, "{:?}", doc.loose);
+        assert!(
+            doc.loose[0].starts_with("a: `$ref` \"common.yaml#/Q\", \"common.yaml#/X\" in another"),
+            "{:?}",
+            doc.loose
+        );
     }
 
     #[test]

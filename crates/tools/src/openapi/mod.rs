@@ -261,6 +261,9 @@ impl OpenApiToolset {
         for why in &doc.skipped {
             warn!(source = %config.name, operation = %why, "operation left out");
         }
+        for what in &doc.loose {
+            warn!(source = %config.name, operation = %what, "operation offered with a part of its input unchecked");
+        }
         let base = match (&config.base_url, doc.first_server) {
             (Some(base_url), _) => check_base_url(base_url)
                 .map_err(|e| fail(format!("`base_url` {:?}: {e}", crate::shown_url(base_url))))?,
