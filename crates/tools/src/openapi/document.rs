@@ -482,7 +482,7 @@ fn is_json(media: &str) -> bool {
 
 /// A media type without its parameters: `application/json; charset=utf-8` is
 /// `application/json`.
-fn media_essence(media: &str) -> String {
+pub(crate) fn media_essence(media: &str) -> String {
     media
         .split(';')
         .next()

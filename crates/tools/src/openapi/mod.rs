@@ -238,11 +238,104 @@ struct Outgoing {
     body: Option<Bytes>,
 }
 
+/// A response body as text for the model: decoded by its `Content-Type`'s charset (UTF-8
+/// when it names none; ISO-8859-1, windows-1252 and UTF-16 too). A body that is not text
+/// (an image, a PDF: not UTF-8, and of a type that is not text) or in a charset not read
+/// is not shown as garbage: `Err` says what it is.
+fn body_text(body: Vec<u8>, content_type: Option<&str>) -> std::result::Result<String, String> {
+    let media = content_type
+        .map(document::media_essence)
+        .unwrap_or_default();
+    let charset = content_type
+        .into_iter()
+        .flat_map(|t| t.split(';').skip(1))
+        .filter_map(|param| param.split_once('='))
+        .find(|(name, _)| name.trim().eq_ignore_ascii_case("charset"))
+        .map(|(_, value)| value.trim().trim_matches('"').to_ascii_lowercase());
+    let described = |body: &[u8]| {
+        let media = if media.is_empty() {
+            "an unnamed type"
+        } else {
+            &media
+        };
+        format!("{} bytes of {media}", body.len())
+    };
+    match charset.as_deref() {
+        None | Some("utf-8" | "utf8" | "us-ascii" | "ascii") => match String::from_utf8(body) {
+            Ok(text) => Ok(text),
+            Err(e) => {
+                let textual = media.is_empty()
+                    || media.starts_with("text/")
+                    || [
+                        "json",
+                        "xml",
+                        "javascript",
+                        "yaml",
+                        "csv",
+                        "x-www-form-urlencoded",
+                    ]
+                    .iter()
+                    .any(|kind| media.contains(kind));
+                if textual {
+                    Ok(String::from_utf8_lossy(e.as_bytes()).into_owned())
+                } else {
+                    Err(format!(
+                        "{}, which is not text (not shown)",
+                        described(e.as_bytes())
+                    ))
+                }
+            }
+        },
+        Some("iso-8859-1" | "latin1" | "latin-1" | "l1") => {
+            Ok(body.iter().map(|&b| char::from(b)).collect())
+        }
+        Some("windows-1252" | "cp1252") => Ok(body.iter().map(|&b| windows_1252(b)).collect()),
+        Some(utf16 @ ("utf-16" | "utf-16le" | "utf-16be")) => {
+            let (big, bytes) = match body.get(..2) {
+                Some([0xfe, 0xff]) if utf16 != "utf-16le" => (true, &body[2..]),
+                Some([0xff, 0xfe]) if utf16 != "utf-16be" => (false, &body[2..]),
+                // Without a byte-order mark UTF-16 is big-endian (RFC 2781).
+                _ => (utf16 != "utf-16le", &body[..]),
+            };
+            let units = bytes.chunks(2).map(|pair| match (pair, big) {
+                ([a, b], true) => u16::from_be_bytes([*a, *b]),
+                ([a, b], false) => u16::from_le_bytes([*a, *b]),
+                _ => 0xfffd,
+            });
+            Ok(char::decode_utf16(units)
+                .map(|c| c.unwrap_or(char::REPLACEMENT_CHARACTER))
+                .collect())
+        }
+        Some(other) => match String::from_utf8(body) {
+            Ok(text) => Ok(text),
+            Err(e) => Err(format!(
+                "{} in charset {other:?}, which is not read (not shown)",
+                described(e.as_bytes())
+            )),
+        },
+    }
+}
+
+/// A windows-1252 byte as a character: ISO-8859-1 but for 0x80 to 0x9F.
+fn windows_1252(byte: u8) -> char {
+    const HIGH: [char; 32] = [
+        '€', '\u{81}', '‚', 'ƒ', '„', '…', '†', '‡', 'ˆ', '‰', 'Š', '‹', 'Œ', '\u{8d}', 'Ž',
+        '\u{8f}', '\u{90}', '‘', '’', '“', '”', '•', '–', '—', '˜', '™', 'š', '›', 'œ', '\u{9d}',
+        'ž', 'Ÿ',
+    ];
+    match byte {
+        0x80..=0x9f => HIGH[usize::from(byte - 0x80)],
+        _ => char::from(byte),
+    }
+}
+
 /// An answer, its body read up to the source's bound.
 struct Reply {
     status: reqwest::StatusCode,
     /// Where a redirect points (the first `Location`, when it is text).
     location: Option<String>,
+    /// Its `Content-Type`, when it is text.
+    content_type: Option<String>,
     body: Vec<u8>,
     /// The body is larger than the bound (and was not read).
     too_large: bool,
@@ -531,6 +624,11 @@ impl OpenApiToolset {
                         .get(reqwest::header::LOCATION)
                         .and_then(|v| v.to_str().ok())
                         .map(str::to_owned),
+                    content_type: response
+                        .headers()
+                        .get(reqwest::header::CONTENT_TYPE)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned),
                     body: Vec::new(),
                     too_large: false,
                 };
@@ -566,6 +664,7 @@ impl OpenApiToolset {
         let Reply {
             status,
             location,
+            content_type,
             body,
             ..
         } = reply;
@@ -578,8 +677,13 @@ impl OpenApiToolset {
             ));
         }
         let structured = serde_json::from_slice::<Value>(&body).ok();
-        let mut text = String::from_utf8(body)
-            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned());
+        let (mut text, shown) = match body_text(body, content_type.as_deref()) {
+            Ok(text) => (text, true),
+            Err(what_it_is) => (what_it_is, false),
+        };
+        if !shown && status.is_success() {
+            text = format!("{what} answered {status} with {text}");
+        }
         if status.is_client_error() || status.is_server_error() {
             truncate_text(&mut text, MAX_ERROR_BODY_BYTES);
             return ToolOutput {

@@ -311,6 +311,7 @@ impl Conn {
             status: reqwest::StatusCode::from_u16(head.status)
                 .map_err(|_| format!("invalid status {} in the response", head.status))?,
             location: head.location,
+            content_type: head.content_type,
             body: Vec::new(),
             too_large: false,
         };
@@ -476,6 +477,8 @@ struct Head {
     chunked: Option<bool>,
     /// The first `Location`, when it is visible ASCII.
     location: Option<String>,
+    /// The first `Content-Type`, when it is visible ASCII.
+    content_type: Option<String>,
 }
 
 /// How a response body is delimited.
@@ -524,6 +527,7 @@ fn parse_head(head: &[u8]) -> Result<Head, String> {
         content_length: None,
         chunked: None,
         location: None,
+        content_type: None,
     };
     let mut location_seen = false;
     let mut close = false;
@@ -579,6 +583,8 @@ fn parse_head(head: &[u8]) -> Result<Head, String> {
         } else if name.eq_ignore_ascii_case(b"location") && !location_seen {
             location_seen = true;
             parsed.location = text.map(str::to_owned);
+        } else if name.eq_ignore_ascii_case(b"content-type") && parsed.content_type.is_none() {
+            parsed.content_type = text.map(str::to_owned);
         }
     }
     Ok(parsed)
@@ -851,11 +857,18 @@ mod tests {
 
     #[test]
     fn heads_are_framed_as_rfc_9112_says() {
-        let h = head("HTTP/1.1 200 OK\r\nContent-Length: 12\r\nLocation: /x\r\n\r\n");
+        let h = head(
+            "HTTP/1.1 200 OK\r\nContent-Length: 12\r\nLocation: /x\r\n\
+             Content-Type: text/plain; charset=latin1\r\nContent-Type: image/png\r\n\r\n",
+        );
         assert_eq!(h.framing(false).unwrap(), Framing::Length(12));
         assert_eq!(h.framing(true).unwrap(), Framing::Empty);
         assert!(h.keep_alive);
         assert_eq!(h.location.as_deref(), Some("/x"));
+        assert_eq!(
+            h.content_type.as_deref(),
+            Some("text/plain; charset=latin1")
+        );
 
         let h = head(
             "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: gzip, chunked\r\n\r\n",

@@ -550,3 +550,58 @@ async fn parameters_are_written_in_their_style() {
     assert_eq!(request.headers["x-pair"], "k,v,n,2");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// A response body is shown to the model as text in its charset, and one that is not text
+/// is described, not shown as garbage.
+#[test]
+fn bodies_are_read_in_their_charset_and_binary_ones_described() {
+    let text = |body: &[u8], content_type: Option<&str>| body_text(body.to_vec(), content_type);
+    assert_eq!(text("héllo".as_bytes(), None).unwrap(), "héllo");
+    assert_eq!(
+        text(&[0x68, 0xe9], Some("text/plain; charset=ISO-8859-1")).unwrap(),
+        "hé"
+    );
+    assert_eq!(
+        text(
+            &[0x80, 0x93, 0x41, 0x94],
+            Some("text/html;charset=\"windows-1252\"")
+        )
+        .unwrap(),
+        "€“A”"
+    );
+    // UTF-16 with a byte-order mark, and without one (big-endian).
+    assert_eq!(
+        text(
+            &[0xff, 0xfe, 0x68, 0, 0xe9, 0],
+            Some("text/plain; charset=utf-16")
+        )
+        .unwrap(),
+        "hé"
+    );
+    assert_eq!(
+        text(&[0, 0x68, 0, 0xe9], Some("text/plain; charset=UTF-16")).unwrap(),
+        "hé"
+    );
+    // Text that is not valid UTF-8 is read as far as it goes.
+    assert_eq!(
+        text(&[0x68, 0xff, 0x69], Some("application/json")).unwrap(),
+        "h\u{fffd}i"
+    );
+    // A binary body is described; one that happens to be UTF-8 is text.
+    let png = text(&[0x89, b'P', b'N', b'G', 0xff, 0], Some("image/png")).unwrap_err();
+    assert_eq!(png, "6 bytes of image/png, which is not text (not shown)");
+    assert_eq!(
+        text(b"plain", Some("application/octet-stream")).unwrap(),
+        "plain"
+    );
+    let unnamed = text(&[0xff, 0xfe, 0xfd], Some("application/pdf")).unwrap_err();
+    assert!(
+        unnamed.starts_with("3 bytes of application/pdf"),
+        "{unnamed}"
+    );
+    let unread = text(&[0x82, 0xa0], Some("text/plain; charset=Shift_JIS")).unwrap_err();
+    assert_eq!(
+        unread,
+        "2 bytes of text/plain in charset \"shift_jis\", which is not read (not shown)"
+    );
+}
