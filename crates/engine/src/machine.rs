@@ -329,24 +329,22 @@ impl RunState {
     /// gets a suffix, the first free one from the round's number on (`call_0` of round 2
     /// becomes `call_0_2`); the model sees its calls under the ids the events name.
     fn fresh_ids(&self, calls: &mut [ModelToolCall]) {
-        let earlier: std::collections::HashSet<&str> = self
-            .messages
-            .iter()
-            .filter_map(|(message, _)| match message {
-                ChatMessage::Assistant { tool_calls, .. } => Some(tool_calls),
-                _ => None,
+        // Looked up in place: a turn has a few dozen calls at most, and most rounds have
+        // none to rename.
+        let earlier = |id: &str| {
+            self.messages.iter().any(|(message, _)| {
+                matches!(message, ChatMessage::Assistant { tool_calls, .. }
+                    if tool_calls.iter().any(|call| call.id == id))
             })
-            .flatten()
-            .map(|call| call.id.as_str())
-            .collect();
+        };
         for at in 0..calls.len() {
-            if !earlier.contains(calls[at].id.as_str()) {
+            if !earlier(&calls[at].id) {
                 continue;
             }
             let mut n = self.iteration;
             let id = loop {
                 let id = format!("{}_{n}", calls[at].id);
-                if !earlier.contains(id.as_str()) && calls.iter().all(|c| c.id != id) {
+                if !earlier(&id) && calls.iter().all(|c| c.id != id) {
                     break id;
                 }
                 n += 1;

@@ -81,6 +81,9 @@ pub(crate) struct Operation {
     /// The media type of its JSON body (`body` in the arguments), as the document
     /// declares it (`application/merge-patch+json`); `None` when it takes none.
     pub body_type: Option<reqwest::header::HeaderValue>,
+    /// The properties of its JSON body that are the server's to set (`readOnly`): left
+    /// out of the input schema, and refused in a call.
+    pub read_only: Vec<String>,
     pub input_schema: Value,
 }
 
@@ -348,6 +351,7 @@ fn operation(
         rest = &rest[open + close + 1..];
     }
     let mut body_type = None;
+    let mut read_only = Vec::new();
     if let Some(body) = op.get("requestBody") {
         let body = resolve_ref(doc, body)?;
         let content = body["content"].as_object();
@@ -361,7 +365,7 @@ fn operation(
             Some((media, m)) => {
                 let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
                 let mut schema = inline(doc, &schema, &mut Vec::new(), &mut walk, legacy)?;
-                drop_read_only(&mut schema);
+                read_only = drop_read_only(&mut schema);
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
                 {
@@ -425,6 +429,7 @@ fn operation(
             description,
             parameters,
             body_type,
+            read_only,
             input_schema,
         },
         external,
@@ -440,10 +445,12 @@ struct Walk {
 }
 
 /// `schema` (of a request body) without its `readOnly` properties: they are the server's
-/// to set, are not sent, and are required in responses only.
-fn drop_read_only(schema: &mut Value) {
+/// to set, are not sent, and are required in responses only. Answers the names of the
+/// properties of the object itself it dropped (its `allOf`, `anyOf` and `oneOf` members'
+/// too), not those of objects nested in it.
+fn drop_read_only(schema: &mut Value) -> Vec<String> {
     let Some(object) = schema.as_object_mut() else {
-        return;
+        return Vec::new();
     };
     let mut dropped = Vec::new();
     if let Some(properties) = object.get_mut("properties").and_then(Value::as_object_mut) {
@@ -458,11 +465,6 @@ fn drop_read_only(schema: &mut Value) {
             drop_read_only(property);
         }
     }
-    if !dropped.is_empty()
-        && let Some(required) = object.get_mut("required").and_then(Value::as_array_mut)
-    {
-        required.retain(|name| !dropped.iter().any(|d| name.as_str() == Some(d)));
-    }
     for key in ["items", "additionalProperties"] {
         if let Some(inner) = object.get_mut(key) {
             drop_read_only(inner);
@@ -470,9 +472,19 @@ fn drop_read_only(schema: &mut Value) {
     }
     for key in ["allOf", "anyOf", "oneOf"] {
         if let Some(list) = object.get_mut(key).and_then(Value::as_array_mut) {
-            list.iter_mut().for_each(drop_read_only);
+            for member in list {
+                dropped.extend(drop_read_only(member));
+            }
         }
     }
+    if !dropped.is_empty()
+        && let Some(required) = object.get_mut("required").and_then(Value::as_array_mut)
+    {
+        required.retain(|name| !dropped.iter().any(|d| name.as_str() == Some(d)));
+    }
+    dropped.sort();
+    dropped.dedup();
+    dropped
 }
 
 fn is_json(media: &str) -> bool {

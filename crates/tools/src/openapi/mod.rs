@@ -501,6 +501,15 @@ impl OpenApiToolset {
         let body = if let Some(body_type) = &op.body_type
             && let Some(body) = arguments.get("body")
         {
+            if let Some(name) = op
+                .read_only
+                .iter()
+                .find(|name| body.get(name.as_str()).is_some())
+            {
+                return Err(format!(
+                    "the body's {name:?} is read-only (the API sets it): leave it out"
+                ));
+            }
             headers.insert(reqwest::header::CONTENT_TYPE, body_type.clone());
             let bytes = serde_json::to_vec(body).map_err(|e| format!("the body: {e}"))?;
             Some(Bytes::from(bytes))

@@ -527,6 +527,29 @@ async fn parameters_are_written_in_their_style() {
         json!([]),
         "{body}"
     );
+    // ... and refused when the model gives them anyway (they are not in the schema, which
+    // does not forbid other properties).
+    let refused = toolset
+        .request(
+            &toolset.routes["create"],
+            &json!({"body": {"id": 7, "name": "x"}}),
+            "c",
+        )
+        .err()
+        .unwrap();
+    assert_eq!(
+        refused,
+        "the body's \"id\" is read-only (the API sets it): leave it out"
+    );
+    assert!(
+        toolset
+            .request(
+                &toolset.routes["create"],
+                &json!({"body": {"name": "x"}}),
+                "c"
+            )
+            .is_ok()
+    );
 
     let request = toolset
         .request(
