@@ -803,14 +803,19 @@ async fn follow_and_answer(
     assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
 
-#[tokio::test]
-async fn cancel_ends_a_waiting_run() {
-    let mut stack = Stack::up(SCENARIOS, &[]).await;
-    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
+/// Cancels waiting run `run_id` (`stream` its `Execute` stream, `before` the events read
+/// from it) and follows it to its end: its events and its record, both checked to say
+/// that it was cancelled.
+async fn cancel_and_follow(
+    stack: &mut Stack,
+    run_id: &str,
+    stream: Streaming<Event>,
+    before: Vec<Event>,
+) -> (Vec<Event>, v1::AgentState) {
     let cancelled = stack
         .engine
         .cancel(v1::CancelRequest {
-            run_id: run_id.clone(),
+            run_id: run_id.to_owned(),
         })
         .await
         .unwrap()
@@ -819,8 +824,16 @@ async fn cancel_ends_a_waiting_run() {
     let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
     assert_well_formed(&events);
     assert_eq!(done(&events)["stop_reason"], "cancelled");
-    let state = get_run(&mut stack.engine, &run_id).await;
+    let state = get_run(&mut stack.engine, run_id).await;
     assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
+    (events, state)
+}
+
+#[tokio::test]
+async fn cancel_ends_a_waiting_run() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
+    let (_, state) = cancel_and_follow(&mut stack, &run_id, stream, before).await;
     // The call that waited for its output is not an empty success.
     let call = &state.steps.last().unwrap().tool_calls[0];
     assert!(
@@ -848,25 +861,11 @@ async fn cancel_keeps_the_answers_a_waiting_run_accepted() {
         .await
         .unwrap();
     assert_eq!(accepted.pending_tool_call_ids, ["k2"]);
-    let cancelled = stack
-        .engine
-        .cancel(v1::CancelRequest {
-            run_id: run_id.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
-    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
-    assert_well_formed(&events);
-    assert_eq!(done(&events)["stop_reason"], "cancelled");
+    let (events, state) = cancel_and_follow(&mut stack, &run_id, stream, before).await;
     let results = of_kind(&events, v1::EventType::ToolResult);
     assert_eq!(results.len(), 1, "{results:?}");
     assert_eq!(results[0]["id"], "k1");
     assert_eq!(results[0]["output"], "shipped");
-
-    let state = get_run(&mut stack.engine, &run_id).await;
-    assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
     let calls = &state.steps.last().unwrap().tool_calls;
     assert!(
         calls[0].output == "shipped" && !calls[0].is_error,
