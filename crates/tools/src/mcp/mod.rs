@@ -6,11 +6,11 @@
 //! (it lists again and the catalogue is refreshed), for the connection to end (it
 //! reconnects with backoff; meanwhile the server's tools answer `UNAVAILABLE` naming it),
 //! or for shutdown (it stops the child process, and what that started: its process group).
-//! An HTTP server is asked for its tools
-//! again every [`HTTP_CHECK_EVERY`]: one that stopped answering on its session is
-//! reconnected, and tools it changed are found. Calls go straight to the current
-//! connection; a call abandoned by its caller, or past its deadline or the server's
-//! `timeout`, sends `notifications/cancelled` (rmcp does when the call's future is dropped).
+//! An HTTP server is asked for its tools again every [`HTTP_CHECK_EVERY`]: one that stopped
+//! answering on its session is reconnected, and tools it changed are found. Calls go
+//! straight to the current connection; a call abandoned by its caller, or past its deadline
+//! or the server's `timeout`, sends `notifications/cancelled` (rmcp does when the call's
+//! future is dropped).
 
 mod bounded;
 mod content;

@@ -686,13 +686,14 @@ impl OpenApiToolset {
             ));
         }
         let structured = serde_json::from_slice::<Value>(&body).ok();
-        let (mut text, shown) = match body_text(body, content_type.as_deref()) {
-            Ok(text) => (text, true),
-            Err(what_it_is) => (what_it_is, false),
+        let mut text = match body_text(body, content_type.as_deref()) {
+            Ok(text) => text,
+            Err(what_it_is) if status.is_success() => {
+                format!("{what} answered {status} with {what_it_is}")
+            }
+            // An error answer says its status below.
+            Err(what_it_is) => what_it_is,
         };
-        if !shown && status.is_success() {
-            text = format!("{what} answered {status} with {text}");
-        }
         if status.is_client_error() || status.is_server_error() {
             truncate_text(&mut text, MAX_ERROR_BODY_BYTES);
             return ToolOutput {
