@@ -81,9 +81,9 @@ pub(crate) struct Operation {
     /// The media type of its JSON body (`body` in the arguments), as the document
     /// declares it (`application/merge-patch+json`); `None` when it takes none.
     pub body_type: Option<reqwest::header::HeaderValue>,
-    /// The properties of its JSON body that are the server's to set (`readOnly`): left
-    /// out of the input schema, and refused in a call.
-    pub read_only: Vec<String>,
+    /// The properties of its JSON body that are the server's to set (`readOnly`), at any
+    /// depth: left out of the input schema, and refused in a call.
+    pub read_only: Vec<ReadOnly>,
     pub input_schema: Value,
 }
 
@@ -365,7 +365,9 @@ fn operation(
             Some((media, m)) => {
                 let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
                 let mut schema = inline(doc, &schema, &mut Vec::new(), &mut walk, legacy)?;
-                read_only = drop_read_only(&mut schema);
+                drop_read_only(&mut schema, &mut Vec::new(), &mut read_only);
+                read_only.sort();
+                read_only.dedup();
                 if let (Some(description), Some(obj)) =
                     (body["description"].as_str(), schema.as_object_mut())
                 {
@@ -444,36 +446,110 @@ struct Walk {
     external: Vec<String>,
 }
 
-/// `schema` (of a request body) without its `readOnly` properties: they are the server's
-/// to set, are not sent, and are required in responses only. Answers the names of the
-/// properties of the object itself it dropped (its `allOf`, `anyOf` and `oneOf` members'
-/// too), not those of objects nested in it.
-fn drop_read_only(schema: &mut Value) -> Vec<String> {
+/// Where a `readOnly` property of a request body sits: the steps from the body to it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReadOnly(Vec<Step>);
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Step {
+    /// The object's property of that name.
+    Property(String),
+    /// Each item of an array (`items`).
+    Item,
+    /// Each property of an object but those it declares (`additionalProperties`).
+    Other(Vec<String>),
+}
+
+impl ReadOnly {
+    /// Where `body` gives a value for this property (`id`, `parts[0].made`), if anywhere.
+    pub fn given_in(&self, body: &Value) -> Option<String> {
+        let mut at = String::new();
+        find(body, &self.0, &mut at).then_some(at)
+    }
+}
+
+/// Whether `value` has something at `steps`, written after `at` when it has.
+fn find(value: &Value, steps: &[Step], at: &mut String) -> bool {
+    let Some((step, rest)) = steps.split_first() else {
+        return true;
+    };
+    let inside = |inner: &Value, name: std::fmt::Arguments<'_>, at: &mut String| {
+        let len = at.len();
+        // `write!` to a String cannot fail.
+        let _ = std::fmt::Write::write_fmt(at, name);
+        let found = find(inner, rest, at);
+        if !found {
+            at.truncate(len);
+        }
+        found
+    };
+    let dot = if at.is_empty() { "" } else { "." };
+    match step {
+        Step::Property(name) => value
+            .get(name)
+            .is_some_and(|inner| inside(inner, format_args!("{dot}{name}"), at)),
+        Step::Item => value.as_array().is_some_and(|items| {
+            items
+                .iter()
+                .enumerate()
+                .any(|(i, item)| inside(item, format_args!("[{i}]"), at))
+        }),
+        Step::Other(declared) => value.as_object().is_some_and(|object| {
+            object
+                .iter()
+                .filter(|(key, _)| !declared.contains(key))
+                .any(|(key, inner)| inside(inner, format_args!("{dot}{key}"), at))
+        }),
+    }
+}
+
+/// Leaves out of `schema` (of a request body, or a part of one at `at`) its `readOnly`
+/// properties, at any depth: they are the server's to set, are not sent, and are required
+/// in responses only. Adds where each sat to `found`, and answers the names of those of
+/// the object itself (its `allOf`, `anyOf` and `oneOf` members' too), which it no longer
+/// requires.
+fn drop_read_only(
+    schema: &mut Value,
+    at: &mut Vec<Step>,
+    found: &mut Vec<ReadOnly>,
+) -> Vec<String> {
     let Some(object) = schema.as_object_mut() else {
         return Vec::new();
     };
     let mut dropped = Vec::new();
+    let mut declared = Vec::new();
     if let Some(properties) = object.get_mut("properties").and_then(Value::as_object_mut) {
+        declared.extend(properties.keys().cloned());
         properties.retain(|name, property| {
             let read_only = property.get("readOnly").and_then(Value::as_bool) == Some(true);
             if read_only {
                 dropped.push(name.clone());
+                let mut path = at.clone();
+                path.push(Step::Property(name.clone()));
+                found.push(ReadOnly(path));
             }
             !read_only
         });
-        for property in properties.values_mut() {
-            drop_read_only(property);
+        for (name, property) in properties.iter_mut() {
+            at.push(Step::Property(name.clone()));
+            drop_read_only(property, at, found);
+            at.pop();
         }
     }
-    for key in ["items", "additionalProperties"] {
-        if let Some(inner) = object.get_mut(key) {
-            drop_read_only(inner);
-        }
+    if let Some(items) = object.get_mut("items") {
+        at.push(Step::Item);
+        drop_read_only(items, at, found);
+        at.pop();
+    }
+    if let Some(others) = object.get_mut("additionalProperties") {
+        at.push(Step::Other(declared));
+        drop_read_only(others, at, found);
+        at.pop();
     }
     for key in ["allOf", "anyOf", "oneOf"] {
         if let Some(list) = object.get_mut(key).and_then(Value::as_array_mut) {
             for member in list {
-                dropped.extend(drop_read_only(member));
+                dropped.extend(drop_read_only(member, at, found));
             }
         }
     }
@@ -482,8 +558,6 @@ fn drop_read_only(schema: &mut Value) -> Vec<String> {
     {
         required.retain(|name| !dropped.iter().any(|d| name.as_str() == Some(d)));
     }
-    dropped.sort();
-    dropped.dedup();
     dropped
 }
 

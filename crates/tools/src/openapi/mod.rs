@@ -501,13 +501,9 @@ impl OpenApiToolset {
         let body = if let Some(body_type) = &op.body_type
             && let Some(body) = arguments.get("body")
         {
-            if let Some(name) = op
-                .read_only
-                .iter()
-                .find(|name| body.get(name.as_str()).is_some())
-            {
+            if let Some(at) = op.read_only.iter().find_map(|r| r.given_in(body)) {
                 return Err(format!(
-                    "the body's {name:?} is read-only (the API sets it): leave it out"
+                    "the body's {at:?} is read-only (the API sets it): leave it out"
                 ));
             }
             headers.insert(reqwest::header::CONTENT_TYPE, body_type.clone());

@@ -506,7 +506,10 @@ async fn parameters_are_written_in_their_style() {
             "type": "object", "required": ["id", "name"],
             "properties": {"id": {"type": "integer", "readOnly": true}, "name": {"type": "string"},
               "parts": {"type": "array", "items": {"type": "object", "required": ["made"],
-                "properties": {"made": {"type": "string", "readOnly": true}}}}}}}}}}}
+                "properties": {"made": {"type": "string", "readOnly": true}}}},
+              "labels": {"type": "object", "additionalProperties": {"type": "object",
+                "properties": {"by": {"type": "string"},
+                  "at": {"type": "integer", "readOnly": true}}}}}}}}}}}
       }}"#;
     let toolset = toolset_of(&dir, doc);
     let listed = toolset.list().await.unwrap();
@@ -541,11 +544,37 @@ async fn parameters_are_written_in_their_style() {
         refused,
         "the body's \"id\" is read-only (the API sets it): leave it out"
     );
+    // Also in objects nested in it, named where the call gave them.
+    let refused = toolset
+        .request(
+            &toolset.routes["create"],
+            &json!({"body": {"name": "x", "parts": [{}, {"made": "now"}]}}),
+            "c",
+        )
+        .err()
+        .unwrap();
+    assert_eq!(
+        refused,
+        "the body's \"parts[1].made\" is read-only (the API sets it): leave it out"
+    );
+    let refused = toolset
+        .request(
+            &toolset.routes["create"],
+            &json!({"body": {"name": "x", "labels": {"a": {"by": "me"}, "b": {"at": 1}}}}),
+            "c",
+        )
+        .err()
+        .unwrap();
+    assert_eq!(
+        refused,
+        "the body's \"labels.b.at\" is read-only (the API sets it): leave it out"
+    );
     assert!(
         toolset
             .request(
                 &toolset.routes["create"],
-                &json!({"body": {"name": "x"}}),
+                &json!({"body": {"name": "x", "parts": [{"other": 1}],
+                    "labels": {"a": {"by": "me"}}}}),
                 "c"
             )
             .is_ok()
