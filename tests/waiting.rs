@@ -61,6 +61,10 @@ const SCENARIOS: &str = r#"{"scenarios": {
       {"id": "k2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
     {"content": "results: {tool_results}"}]},
   "plain": {"turns": [{"content": "an answer"}]},
+  "client_late": {"turns": [
+    {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}],
+     "latency_ms": 1500},
+    {"content": "results: {tool_results}"}]},
   "client_slow": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
     {"content": "results: {tool_results}", "latency_ms": 1500}]},
@@ -1049,6 +1053,43 @@ async fn with_redis_a_waiting_run_outlives_a_restart_of_every_replica() {
     let state = get_run(&mut c.engine, &run_id).await;
     assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
     follow_and_answer(&mut c.engine, &mut d.engine, &run_id, before.len()).await;
+}
+
+/// With state in memory, a run that begins to wait after SIGTERM, while the runs in
+/// progress finish, ends too, with its ERROR `done` event, well before the grace is out.
+#[tokio::test]
+async fn a_run_that_begins_to_wait_during_the_drain_ends_with_a_done_event() {
+    let mut stack = Stack::up(SCENARIOS, &["--drain-grace", "20s"]).await;
+    let engine_id = stack.engine_for(waiting_agent("client_late", false)).await;
+    let mut stream = execute(&mut stack.engine, &engine_id).await;
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(!first.done, "{first:?}");
+    let terminated = std::time::Instant::now();
+    stack.agents.terminate();
+    let mut events = vec![first];
+    events.extend(rest(stream).await);
+    assert_well_formed(&events);
+    assert!(
+        events
+            .iter()
+            .any(|e| kind(e) == v1::EventType::ActionRequired),
+        "it waited: {events:#?}"
+    );
+    assert_eq!(
+        kind(events.last().unwrap()),
+        v1::EventType::Error,
+        "{events:#?}"
+    );
+    assert_eq!(done(&events)["stop_reason"], "shutdown");
+    assert!(
+        terminated.elapsed() < Duration::from_secs(8),
+        "ended once it waited, not at the end of the grace: {:?}",
+        terminated.elapsed()
+    );
+    assert_eq!(
+        stack.agents.wait(Duration::from_secs(25)).await.code(),
+        Some(0)
+    );
 }
 
 /// With state in memory, SIGTERM ends a run that waits for answers at once, with an ERROR

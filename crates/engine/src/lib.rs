@@ -444,6 +444,21 @@ impl Engine {
         self
     }
 
+    /// `answer` as a run keeps it: an output or a reason longer than a tool output may be
+    /// is cut as the model would be given it, so that a waiting run never holds more.
+    pub fn bounded_answer(&self, mut answer: ToolAnswer) -> ToolAnswer {
+        match &mut answer {
+            ToolAnswer::Output { output, .. } => {
+                truncate_output(output, self.max_tool_output_bytes);
+            }
+            // Cut again with the words around it when the run goes on.
+            ToolAnswer::Decision { reason, .. } => {
+                agentrt_core::truncate_at_char_boundary(reason, self.max_tool_output_bytes);
+            }
+        }
+        answer
+    }
+
     /// Starts the run: publishes its first event and saves its first record, so that
     /// the run can be found, followed and cancelled from any replica before the model is
     /// called; [`StartedRun::run`] makes the rest of it. Fails when the store cannot be
@@ -1811,6 +1826,15 @@ impl Engine {
 /// Cuts `output` to at most `max` bytes (at a character boundary) followed by a marker
 /// saying how much was left out.
 fn truncate_output(output: &mut String, max: usize) {
+    // Cut here already (a client's output, cut when it was accepted): left as it is.
+    if output.len() > max
+        && let Some(at) = output.rfind(CUT_MARK)
+        && at <= max
+        && output.len() - at <= 160
+        && output.ends_with(']')
+    {
+        return;
+    }
     // An output the tool executor cut already ends with its own marker, which the cut
     // here would drop: the size it names is the output's.
     let cut_before = output
@@ -1820,14 +1844,17 @@ fn truncate_output(output: &mut String, max: usize) {
     if let Some((omitted, total)) = agentrt_core::truncate_at_char_boundary(output, max) {
         output.push_str(&match cut_before {
             Some(size) => format!(
-                "\n[tool output truncated: {} bytes kept; the tool executor had cut it at \
-                 {size} bytes already]",
+                "{CUT_MARK}{} bytes kept; the tool executor had cut it at {size} bytes \
+                 already]",
                 total - omitted
             ),
-            None => format!("\n[tool output truncated: {omitted} of {total} bytes omitted]"),
+            None => format!("{CUT_MARK}{omitted} of {total} bytes omitted]"),
         });
     }
 }
+
+/// How the mark of an output cut here begins.
+const CUT_MARK: &str = "\n[tool output truncated: ";
 
 /// The failure of a ReAct round whose reply was only native tool calls: the protocol asks
 /// for actions in text and offers no tools natively, so the calls are not run.
@@ -2117,6 +2144,12 @@ mod tests {
         assert!(twice.starts_with("xxxxxxxxxx\n"), "{twice}");
         assert!(twice.contains("10 bytes kept"), "{twice}");
         assert!(twice.contains("cut it at 1048576 bytes already"), "{twice}");
+        // An output cut here is not cut again (a client's, cut when it was accepted).
+        for cut in [once, twice] {
+            let mut again = cut.clone();
+            truncate_output(&mut again, 10);
+            assert_eq!(again, cut);
+        }
     }
 
     #[test]

@@ -1194,6 +1194,29 @@ impl RunStore for MemoryRunStore {
             }) {
                 return Ok(Answered::Conflict(id.clone()));
             }
+            // An answer that leaves the run waiting may not take the waiting runs past
+            // their budget (one that completes its wait lets the run go on).
+            let open = |id: &str| wait.answers.iter().any(|(p, a)| p == id && a.is_none());
+            let added: usize = answers
+                .iter()
+                .filter(|(id, _)| open(id))
+                .map(|(_, answer)| answer.len())
+                .sum();
+            let completes = wait
+                .answers
+                .iter()
+                .all(|(p, a)| a.is_some() || answers.iter().any(|(id, _)| id == p));
+            if !completes && inner.parked_bytes + added > self.retention.max_waiting_bytes {
+                return Err(StateError::OverBudget {
+                    budget: "runs.max_waiting_bytes",
+                    message: format!(
+                        "the runs waiting for answers here hold {} bytes, and these answers \
+                         {added} more, past their most; answer all of the run's calls at \
+                         once, or cancel some runs",
+                        inner.parked_bytes
+                    ),
+                });
+            }
             for (id, answer) in answers {
                 if let Some((_, slot)) = wait.answers.iter_mut().find(|(pending, _)| pending == id)
                     && slot.is_none()
@@ -1479,6 +1502,16 @@ mod tests {
 
     /// Saves a run of `session` that starts waiting for one call (`None`: it could not).
     async fn wait_in(store: &MemoryRunStore, run_id: &str, session: &str) -> StateResult<()> {
+        wait_on(store, run_id, session, &["c1"]).await
+    }
+
+    /// Saves run `run_id` waiting for the outputs of `calls`.
+    async fn wait_on(
+        store: &MemoryRunStore,
+        run_id: &str,
+        session: &str,
+        calls: &[&str],
+    ) -> StateResult<()> {
         let mut record = RunRecord::new(run_id, "e", session, run_id, "q");
         record.owner = format!("{run_id}.a");
         let progress = |wait| Progress {
@@ -1491,13 +1524,16 @@ mod tests {
         };
         store.save(&record, 0, Some(&progress(None))).await?;
         record.status = RunStatus::RequiresAction;
-        record.pending = vec![agentrt_events::PendingCall {
-            id: "c1".into(),
-            name: "tool".into(),
-            arguments: agentrt_events::JsonText::new(&serde_json::json!({})),
-            action: agentrt_events::Action::ClientExecute,
-            answered: false,
-        }];
+        record.pending = calls
+            .iter()
+            .map(|id| agentrt_events::PendingCall {
+                id: (*id).into(),
+                name: "tool".into(),
+                arguments: agentrt_events::JsonText::new(&serde_json::json!({})),
+                action: agentrt_events::Action::ClientExecute,
+                answered: false,
+            })
+            .collect();
         store
             .save(&record, 0, Some(&progress(Some(Duration::from_secs(60)))))
             .await
@@ -1548,6 +1584,52 @@ mod tests {
             "runs.max_waiting_bytes"
         );
         assert!(!store.load("x2").await.unwrap().unwrap().waiting());
+    }
+
+    #[tokio::test]
+    async fn answers_that_leave_a_run_waiting_stay_within_the_byte_budget() {
+        let store = MemoryRunStore::new(RunRetention {
+            max_waiting_bytes: 64 * 1024,
+            ..RunRetention::unbounded(Duration::from_secs(600), Duration::from_secs(10))
+        });
+        wait_on(&store, "r1", "s1", &["c1", "c2"]).await.unwrap();
+        let big = format!("\"{}\"", "x".repeat(100 * 1024));
+        // One of two outputs, past the budget: refused, and nothing of it kept.
+        assert_eq!(
+            budget(
+                store
+                    .answer("r1", &[("c1".into(), big.clone())])
+                    .await
+                    .map(drop)
+            ),
+            "runs.max_waiting_bytes"
+        );
+        assert!(
+            store
+                .load("r1")
+                .await
+                .unwrap()
+                .unwrap()
+                .pending
+                .iter()
+                .all(|p| !p.answered)
+        );
+        // A small one is taken; the big one with the last, which lets the run go on, too.
+        let small = "\"ok\"".to_owned();
+        assert!(matches!(
+            store.answer("r1", &[("c2".into(), small)]).await.unwrap(),
+            Answered::Accepted {
+                completed: false,
+                ..
+            }
+        ));
+        assert!(matches!(
+            store.answer("r1", &[("c1".into(), big)]).await.unwrap(),
+            Answered::Accepted {
+                completed: true,
+                ..
+            }
+        ));
     }
 
     #[tokio::test]

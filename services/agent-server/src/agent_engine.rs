@@ -780,6 +780,14 @@ mod tests {
                 unanswered,
             ),
             (
+                vec![v1::ChatMessage {
+                    tool_calls: vec![v1::ToolCall::default()],
+                    ..message(v1::Role::Assistant, &[], "")
+                }],
+                "llm_context[0].tool_calls[0].name",
+                "required",
+            ),
+            (
                 // The query comes next: a call left open at the end has no answer either.
                 vec![message(v1::Role::Assistant, &["c1"], "")],
                 "llm_context[0].tool_calls[0].id",

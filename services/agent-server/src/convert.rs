@@ -261,8 +261,9 @@ fn stop_reason_to_wire(reason: Option<StopReason>) -> v1::StopReason {
 const RESPONSE_MARGIN_BYTES: usize = 4096;
 
 /// A run's record as `GetRun` answers it, within `max_bytes` encoded: when the whole
-/// record does not fit, the steps' texts are cut first (the longest first), then the final
-/// answer, each cut marked, and `truncated` says so. The events carry every text whole.
+/// record does not fit, the steps' texts and tool-call arguments are cut first (the longest
+/// first), then the arguments of the calls the run waits for, then the final answer, each
+/// cut marked, and `truncated` says so. The events carry every text whole.
 pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
     use prost::Message;
     let mut state = whole_record_to_wire(record);
@@ -279,9 +280,27 @@ pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
             cut_text(&mut step.answer, room);
             for call in &mut step.tool_calls {
                 cut_text(&mut call.output, room);
+                cut_arguments(&mut call.arguments, room);
             }
         }
         room /= 2;
+    }
+    // The calls it waits for (their `ACTION_REQUIRED` event has them whole), the largest
+    // first.
+    let mut order: Vec<usize> = (0..state.pending_tool_calls.len()).collect();
+    order.sort_by_key(|&i| {
+        std::cmp::Reverse(
+            state.pending_tool_calls[i]
+                .arguments
+                .as_ref()
+                .map_or(0, Message::encoded_len),
+        )
+    });
+    for i in order {
+        if state.encoded_len() <= budget {
+            break;
+        }
+        cut_arguments(&mut state.pending_tool_calls[i].arguments, 0);
     }
     let over = state.encoded_len().saturating_sub(budget);
     if over > 0 {
@@ -297,6 +316,17 @@ fn cut_text(text: &mut String, max: usize) {
         text.push_str(&format!(
             "[cut: {omitted} of {total} bytes; Subscribe to the run for the whole text]"
         ));
+    }
+}
+
+/// Replaces `arguments` encoded in more than `max` bytes by a note of their size.
+fn cut_arguments(arguments: &mut Option<prost_types::Struct>, max: usize) {
+    use prost::Message;
+    let size = arguments.as_ref().map_or(0, Message::encoded_len);
+    if size > max {
+        *arguments = agentrt::json::json_to_struct(&serde_json::json!({
+            "cut": format!("{size} bytes of arguments; Subscribe to the run for them"),
+        }));
     }
 }
 
@@ -399,6 +429,18 @@ pub fn message_from_wire(
     match v1::Role::try_from(message.role) {
         Ok(v1::Role::System) => Ok(ChatMessage::System(content)),
         Ok(v1::Role::User) => Ok(ChatMessage::User(content)),
+        // Providers refuse a call without a name (and the whole request with it).
+        Ok(v1::Role::Assistant) if message.tool_calls.iter().any(|c| c.name.is_empty()) => {
+            let call = message
+                .tool_calls
+                .iter()
+                .take_while(|c| !c.name.is_empty())
+                .count();
+            Err(Violation::new(
+                format!("llm_context[{index}].tool_calls[{call}].name"),
+                "required",
+            ))
+        }
         Ok(v1::Role::Assistant) => Ok(ChatMessage::Assistant {
             content,
             tool_calls: message
@@ -545,6 +587,62 @@ mod tests {
             state
                 .final_answer
                 .ends_with("Subscribe to the run for the whole text]")
+        );
+        // Tool-call arguments too: a step's copies first, then those of the calls the
+        // run waits for.
+        let arguments = agentrt_events::JsonText::new(&serde_json::json!({"text": big}));
+        let call = agentrt_engine::ToolCallRecord {
+            id: "c".into(),
+            name: "write".into(),
+            arguments: arguments.clone(),
+            output: String::new(),
+            is_error: false,
+            duration: std::time::Duration::ZERO,
+            references: Vec::new(),
+            finished: false,
+        };
+        let waiting = RunRecord {
+            status: RunStatus::RequiresAction,
+            stop_reason: None,
+            steps: vec![agentrt_engine::StepRecord {
+                iteration: 1,
+                thought: String::new(),
+                tool_calls: vec![call.clone(), call],
+                answer: String::new(),
+            }],
+            final_answer: String::new(),
+            pending: vec![agentrt_events::PendingCall {
+                id: "c".into(),
+                name: "write".into(),
+                arguments,
+                action: agentrt_events::Action::ClientExecute,
+                answered: false,
+            }],
+            ..record.clone()
+        };
+        let state = record_to_wire(&waiting, limit);
+        assert!(state.encoded_len() <= limit, "{}", state.encoded_len());
+        assert!(state.truncated);
+        let cut = |call: &Option<prost_types::Struct>| {
+            agentrt::json::struct_to_json(call.as_ref().unwrap())["cut"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        assert!(cut(&state.steps[0].tool_calls[0].arguments).contains("bytes of arguments"));
+        assert_eq!(
+            cut(&state.pending_tool_calls[0].arguments),
+            "",
+            "kept when it fits"
+        );
+        let state = record_to_wire(&waiting, 1024 * 1024);
+        assert!(
+            state.encoded_len() <= 1024 * 1024,
+            "{}",
+            state.encoded_len()
+        );
+        assert!(
+            cut(&state.pending_tool_calls[0].arguments).ends_with("Subscribe to the run for them")
         );
         // A small record is whole and says so.
         let small = RunRecord {

@@ -280,15 +280,26 @@ pub async fn serve(
                 std::future::pending::<()>().await;
             }
             // Runs that wait for a person or for the caller's tools cannot go on after the
-            // process: they end at once, and their streams have the grace to say so.
-            runs.end_waiting(StopReason::Shutdown).await;
+            // process: they end at once, and their streams have the grace to say so. So
+            // do those that begin to wait while the others finish.
             let finish_within = grace.saturating_sub((grace / 4).min(RUN_STOP_MARGIN));
-            if tokio::time::timeout(finish_within, runs.all_ended())
-                .await
-                .is_err()
-            {
-                tracing::info!(?finish_within, "drain: stopping the runs still in progress");
-                runs.stop_all(StopReason::Shutdown);
+            let deadline = tokio::time::Instant::now() + finish_within;
+            loop {
+                runs.end_waiting(StopReason::Shutdown).await;
+                if tokio::time::timeout_at(deadline, runs.all_ended())
+                    .await
+                    .is_err()
+                {
+                    tracing::info!(?finish_within, "drain: stopping the runs still in progress");
+                    runs.stop_all(StopReason::Shutdown);
+                    // A run stopped as it began to wait waits still: it ends too.
+                    let _ = tokio::time::timeout(RUN_STOP_MARGIN / 2, runs.all_ended()).await;
+                    runs.end_waiting(StopReason::Shutdown).await;
+                    break;
+                }
+                if !runs.any_waiting() {
+                    break;
+                }
             }
             std::future::pending::<()>().await;
         }

@@ -566,6 +566,11 @@ impl RunManager {
         }
     }
 
+    /// Whether a run waits here for answers (with state in memory).
+    pub fn any_waiting(&self) -> bool {
+        !self.waiting().is_empty()
+    }
+
     fn waiting(&self) -> MutexGuard<'_, HashSet<String>> {
         // Each critical section leaves the set consistent before anything can panic.
         self.waiting.lock().unwrap_or_else(PoisonError::into_inner)
@@ -905,9 +910,10 @@ impl RunManager {
                 }
             }
         }
+        // Kept as the model would be given them: a waiting run holds no more.
         let encoded: Vec<(String, String)> = answers
-            .iter()
-            .map(|(id, answer)| (id.clone(), answer.encode()))
+            .into_iter()
+            .map(|(id, answer)| (id, self.engine.bounded_answer(answer).encode()))
             .collect();
         match self.store.answer(run_id, &encoded).await? {
             Answered::NotWaiting => Err(Error::RunNotWaiting {
