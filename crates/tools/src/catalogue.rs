@@ -137,7 +137,7 @@ impl Catalogue {
                         second: tool.origin.clone(),
                     };
                     // Two tools of one MCP server (`a.b` and `a_b`, or names alike in
-                    // their first 64 characters) are that server's doing: one third-party
+                    // their first 55 characters and digest) are that server's doing: one third-party
                     // server does not stop the executor. Tools of two sources, or of a
                     // document the operator gave, are a config error: the start stops.
                     let one_server =

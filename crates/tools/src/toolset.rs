@@ -139,7 +139,10 @@ pub fn check_source_name(name: &str) -> std::result::Result<(), String> {
 
 /// The name the catalogue offers `tool` of `source` under: `<source>__<tool>`, with every
 /// character a model API does not accept in function names (anything but ASCII letters,
-/// digits, `_` and `-`) replaced by `_`, cut to the 64 characters those APIs allow.
+/// digits, `_` and `-`) replaced by `_`, within the 64 characters those APIs allow: a
+/// longer one keeps its first 55 and ends with `_` and 8 hex digits of a digest of the
+/// whole, so that long names alike in their start stay apart (GitHub's API has such
+/// operations) and each keeps its name from start to start.
 pub fn offered_name(source: &str, tool: &str) -> String {
     let mut name = String::with_capacity(source.len() + 2 + tool.len());
     name.push_str(source);
@@ -151,8 +154,15 @@ pub fn offered_name(source: &str, tool: &str) -> String {
             '_'
         }
     }));
-    // Only ASCII is left, so any byte index is a character boundary.
-    name.truncate(MAX_OFFERED_NAME_LEN);
+    if name.len() > MAX_OFFERED_NAME_LEN {
+        // FNV-1a: the same on every machine and in every version.
+        let digest = name.bytes().fold(0x811c_9dc5_u32, |hash, byte| {
+            (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193)
+        });
+        // Only ASCII is left, so any byte index is a character boundary.
+        name.truncate(MAX_OFFERED_NAME_LEN - 9);
+        name.push_str(&format!("_{digest:08x}"));
+    }
     name
 }
 
@@ -177,5 +187,32 @@ mod tests {
         assert_eq!(offered_name("fs", "read.file/v2"), "fs__read_file_v2");
         assert_eq!(offered_name("x", "café"), "x__caf_");
         assert_eq!(offered_name("x", &"t".repeat(100)).len(), 64);
+        // Two long names alike in their first 64 characters stay apart, each the same
+        // every time.
+        let organization = offered_name(
+            "github",
+            "actions/get-github-actions-default-workflow-permissions-organization",
+        );
+        let repository = offered_name(
+            "github",
+            "actions/get-github-actions-default-workflow-permissions-repository",
+        );
+        assert_eq!(organization.len(), 64);
+        assert_eq!(repository.len(), 64);
+        assert_ne!(organization, repository);
+        assert!(
+            organization.starts_with("github__actions_get-github-actions-default-workflow-per_"),
+            "{organization}"
+        );
+        assert_eq!(
+            organization,
+            offered_name(
+                "github",
+                "actions/get-github-actions-default-workflow-permissions-organization"
+            )
+        );
+        // A name of 64 characters is kept whole.
+        let exact = format!("x__{}", "t".repeat(61));
+        assert_eq!(offered_name("x", &"t".repeat(61)), exact);
     }
 }

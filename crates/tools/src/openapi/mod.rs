@@ -621,7 +621,7 @@ impl OpenApiToolset {
                 if let Some(body) = body {
                     request = request.body(body);
                 }
-                let response = request.send().await.map_err(|e| e.to_string())?;
+                let response = request.send().await.map_err(request_failure)?;
                 let mut reply = Reply {
                     status: response.status(),
                     location: response
@@ -646,7 +646,8 @@ impl OpenApiToolset {
                 }
                 let mut stream = response.bytes_stream();
                 while let Some(chunk) = stream.next().await {
-                    let chunk = chunk.map_err(|e| format!("reading the body: {e}"))?;
+                    let chunk =
+                        chunk.map_err(|e| format!("reading the body: {}", request_failure(e)))?;
                     if reply.body.len() + chunk.len() > self.max_response_bytes {
                         reply.too_large = true;
                         return Ok(reply);
@@ -674,10 +675,14 @@ impl OpenApiToolset {
             ..
         } = reply;
         if status.is_redirection() {
+            // Without its query, which may carry the source's own (secret) query on.
+            let location = location
+                .as_deref()
+                .map(|l| l.split(['?', '#']).next().unwrap_or(l));
             return ToolOutput::error(format!(
                 "{what} answered {status} with a redirect to {}, which is not followed: this \
                  source only calls {}",
-                location.as_deref().unwrap_or("nowhere"),
+                location.unwrap_or("nowhere"),
                 self.base.origin().ascii_serialization()
             ));
         }
@@ -707,6 +712,23 @@ impl OpenApiToolset {
     }
 }
 
+/// What went wrong with a request, without its URL: its query may hold the source's
+/// secrets (reqwest names the URL in its errors), and the output goes to the model.
+fn request_failure(error: reqwest::Error) -> String {
+    let kind = if error.is_timeout() {
+        "timed out"
+    } else if error.is_connect() {
+        "could not connect"
+    } else {
+        "failed"
+    };
+    let error = error.without_url();
+    let mut cause: &(dyn std::error::Error + 'static) = &error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    format!("the request {kind} ({cause})")
+}
 /// `url` parsed as a base URL: absolute, `http` or `https`, with a host.
 fn check_base_url(url: &str) -> std::result::Result<reqwest::Url, String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| e.to_string())?;

@@ -657,3 +657,48 @@ fn bodies_are_read_in_their_charset_and_binary_ones_described() {
         "2 bytes of text/plain in charset \"shift_jis\", which is not read (not shown)"
     );
 }
+
+/// A failed request over https never names its URL: the source's own query (its secret
+/// `api_key`) would reach the model; nor does a redirect it refuses.
+#[tokio::test]
+async fn failures_never_show_the_sources_secret_query() {
+    use crate::{ToolContext, Toolset};
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-secret-{}", std::process::id()));
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let doc = DOC.replace(
+        "http://api.example.test/v1/",
+        &format!("https://127.0.0.1:{port}/v1/"),
+    );
+    let toolset = toolset_of(&dir, &doc);
+    let out = toolset
+        .call(
+            "put.item",
+            json!({"id": "a", "body": {}}),
+            &ToolContext::default(),
+        )
+        .await
+        .unwrap();
+    assert!(out.is_error, "{out:?}");
+    assert!(out.text.contains("could not connect"), "{}", out.text);
+    assert!(!out.text.contains("k3y"), "{}", out.text);
+
+    let redirect = Reply {
+        status: reqwest::StatusCode::MOVED_PERMANENTLY,
+        location: Some("https://other.test/v1/items/a/?api_key=k3y&tag=x".into()),
+        content_type: None,
+        body: Vec::new(),
+        too_large: false,
+    };
+    let out = toolset.output("POST /items/a", redirect);
+    assert!(
+        out.text.contains("https://other.test/v1/items/a/,"),
+        "{}",
+        out.text
+    );
+    assert!(!out.text.contains("k3y"), "{}", out.text);
+}
