@@ -652,7 +652,28 @@ fn inline<'d>(
                 if key.starts_with("x-") || key == "example" || key == "examples" {
                     continue;
                 }
-                out.insert(key.clone(), inline(doc, value, expanding, walk, legacy)?);
+                let value = match (key.as_str(), value.as_object()) {
+                    // Schemas by name: every name stays (a property may be called
+                    // `examples`, `nullable` or `x-total`).
+                    (
+                        "properties" | "patternProperties" | "$defs" | "definitions"
+                        | "dependentSchemas",
+                        Some(named),
+                    ) => {
+                        let mut schemas = Map::with_capacity(named.len());
+                        for (name, schema) in named {
+                            schemas.insert(
+                                name.clone(),
+                                inline(doc, schema, expanding, walk, legacy)?,
+                            );
+                        }
+                        Value::Object(schemas)
+                    }
+                    // Values, not schemas.
+                    ("enum" | "const" | "default", _) => value.clone(),
+                    _ => inline(doc, value, expanding, walk, legacy)?,
+                };
+                out.insert(key.clone(), value);
             }
             if legacy {
                 dialect_3_0(&mut out);
@@ -670,10 +691,36 @@ fn inline<'d>(
 
 /// OpenAPI 3.0 schema keywords that mean something else in JSON Schema 2020-12.
 fn dialect_3_0(schema: &mut Map<String, Value>) {
-    if schema.remove("nullable") == Some(Value::Bool(true))
-        && let Some(Value::String(kind)) = schema.get("type").cloned()
-    {
-        schema.insert("type".into(), json!([kind, "null"]));
+    if schema.remove("nullable") == Some(Value::Bool(true)) {
+        // `null` is one more value it takes: by its type, its enum, or beside the rest.
+        match schema.get_mut("type") {
+            Some(Value::String(kind)) => {
+                let kind = std::mem::take(kind);
+                schema.insert("type".into(), json!([kind, "null"]));
+            }
+            Some(Value::Array(kinds)) if !kinds.contains(&json!("null")) => {
+                kinds.push(json!("null"));
+            }
+            _ => {}
+        }
+        if let Some(Value::Array(values)) = schema.get_mut("enum")
+            && !values.contains(&Value::Null)
+        {
+            values.push(Value::Null);
+        }
+        let constrains = |key: &String| {
+            !matches!(
+                key.as_str(),
+                "title" | "description" | "deprecated" | "readOnly" | "writeOnly"
+            )
+        };
+        if !schema.contains_key("type") && schema.keys().any(constrains) {
+            let rest = std::mem::take(schema);
+            schema.insert(
+                "anyOf".into(),
+                json!([Value::Object(rest), {"type": "null"}]),
+            );
+        }
     }
     for (exclusive, bound) in [
         ("exclusiveMinimum", "minimum"),

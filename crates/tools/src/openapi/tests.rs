@@ -702,3 +702,54 @@ async fn failures_never_show_the_sources_secret_query() {
     );
     assert!(!out.text.contains("k3y"), "{}", out.text);
 }
+
+/// Property names that are also keywords stay; OpenAPI 3.0's `nullable` takes `null` also
+/// beside an enum, `allOf` or a list of types.
+#[tokio::test]
+async fn property_names_that_are_keywords_stay_and_nullable_always_takes_null() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-names-{}", std::process::id()));
+    let doc = r##"{"openapi": "3.0.3",
+      "servers": [{"url": "http://api.example.test/"}],
+      "components": {"schemas": {"Size": {"type": "string", "enum": ["s", "m"]}}},
+      "paths": {"/things": {"post": {"operationId": "create",
+        "requestBody": {"content": {"application/json": {"schema": {
+          "type": "object", "required": ["examples", "x-total"],
+          "properties": {
+            "examples": {"type": "array", "items": {"type": "string"}},
+            "x-total": {"type": "integer"},
+            "nullable": {"type": "boolean"},
+            "size": {"type": "string", "enum": ["s", "m"], "nullable": true},
+            "shape": {"allOf": [{"$ref": "#/components/schemas/Size"}], "nullable": true,
+              "description": "the shape"},
+            "note": {"nullable": true, "description": "anything"}}}}}}}}}}"##;
+    let toolset = toolset_of(&dir, doc);
+    let listed = toolset.list().await.unwrap();
+    let body = &listed[0].spec.input_schema["properties"]["body"];
+    let properties = &body["properties"];
+    for name in ["examples", "x-total", "nullable"] {
+        assert!(properties[name].is_object(), "{name}: {body}");
+    }
+    assert_eq!(body["required"], json!(["examples", "x-total"]), "{body}");
+    assert_eq!(properties["size"]["type"], json!(["string", "null"]));
+    assert_eq!(properties["size"]["enum"], json!(["s", "m", null]));
+    let shape = &properties["shape"]["anyOf"];
+    assert_eq!(shape[1], json!({"type": "null"}), "{body}");
+    assert!(shape[0]["allOf"].is_array(), "{body}");
+    // No constraint to widen: it takes anything already.
+    assert_eq!(properties["note"], json!({"description": "anything"}));
+    let validator = jsonschema::validator_for(body).unwrap();
+    for (value, valid) in [
+        (
+            json!({"examples": [], "x-total": 1, "size": null, "shape": null}),
+            true,
+        ),
+        (
+            json!({"examples": [], "x-total": 1, "size": "m", "shape": "s"}),
+            true,
+        ),
+        (json!({"examples": [], "x-total": 1, "shape": "xl"}), false),
+        (json!({"x-total": 1}), false),
+    ] {
+        assert_eq!(validator.is_valid(&value), valid, "{value}");
+    }
+}
