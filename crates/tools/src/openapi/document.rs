@@ -81,6 +81,10 @@ pub(crate) struct Operation {
     /// The media type of its JSON body (`body` in the arguments), as the document
     /// declares it (`application/merge-patch+json`); `None` when it takes none.
     pub body_type: Option<reqwest::header::HeaderValue>,
+    /// `Some` when its body is sent as a form (`application/x-www-form-urlencoded`, for
+    /// an operation that takes no JSON): the body's properties written as deep objects
+    /// (`metadata[key]=value`, as its `encoding` says), the others exploded.
+    pub form: Option<Vec<String>>,
     /// The properties of its JSON body that are the server's to set (`readOnly`), at any
     /// depth: left out of the input schema, and refused in a call.
     pub read_only: Vec<ReadOnly>,
@@ -351,6 +355,7 @@ fn operation(
         rest = &rest[open + close + 1..];
     }
     let mut body_type = None;
+    let mut form = None;
     let mut read_only = Vec::new();
     if let Some(body) = op.get("requestBody") {
         let body = resolve_ref(doc, body)?;
@@ -361,8 +366,30 @@ fn operation(
                 .find(|(media, _)| media_essence(media) == "application/json")
                 .or_else(|| c.iter().find(|(media, _)| is_json(media)))
         });
-        match json_media {
-            Some((media, m)) => {
+        // Else a form (Stripe's API takes only forms).
+        let form_media = content.and_then(|c| {
+            c.iter()
+                .find(|(media, _)| media_essence(media) == "application/x-www-form-urlencoded")
+        });
+        let chosen = json_media
+            .map(|media| (media, false))
+            .or(form_media.map(|media| (media, true)));
+        match chosen {
+            Some(((media, m), is_form)) => {
+                if is_form {
+                    form = Some(
+                        m["encoding"]
+                            .as_object()
+                            .map(|encoding| {
+                                encoding
+                                    .iter()
+                                    .filter(|(_, how)| how["style"] == "deepObject")
+                                    .map(|(name, _)| name.clone())
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
+                    );
+                }
                 let schema = m.get("schema").cloned().unwrap_or_else(|| json!({}));
                 let mut schema = inline(doc, &schema, &mut Vec::new(), &mut walk, legacy)?;
                 drop_read_only(&mut schema, &mut Vec::new(), &mut read_only);
@@ -393,7 +420,8 @@ fn operation(
                     .map(|c| c.keys().map(String::as_str).collect::<Vec<_>>().join(", "))
                     .unwrap_or_default();
                 return Err(format!(
-                    "its request body is required but not JSON ({}): only JSON bodies are sent",
+                    "its request body is required but neither JSON nor a form ({}): only \
+                     those are sent",
                     if offered.is_empty() {
                         "no media type"
                     } else {
@@ -431,6 +459,7 @@ fn operation(
             description,
             parameters,
             body_type,
+            form,
             read_only,
             input_schema,
         },
@@ -988,6 +1017,8 @@ components:
                     "application/json; charset=utf-8": {}}}}},
                 "/c": {"post": {"operationId": "form", "requestBody": {"required": true,
                     "content": {"application/x-www-form-urlencoded": {"schema": {"type": "object"}}}}}},
+                "/f": {"post": {"operationId": "upload", "requestBody": {"required": true,
+                    "content": {"multipart/form-data": {"schema": {"type": "object"}}}}}},
                 "/d": {"get": {"operationId": "cookie", "parameters": [
                     {"name": "session", "in": "cookie", "required": true, "schema": {"type": "string"}}]}},
                 "/e": {"get": {"operationId": "optionalCookie", "parameters": [
@@ -1014,19 +1045,26 @@ components:
                         "application/json; charset=utf-8"
                     ))
                 ),
+                // A form is sent as one (see `form_bodies_are_sent_as_forms`).
+                (
+                    "form",
+                    Some(reqwest::header::HeaderValue::from_static(
+                        "application/x-www-form-urlencoded"
+                    ))
+                ),
                 ("optionalCookie", None),
             ]
         );
         assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
         assert!(
-            doc.skipped[0].starts_with("form: ")
-                && doc.skipped[0].contains("application/x-www-form-urlencoded"),
+            doc.skipped[1].starts_with("upload: ")
+                && doc.skipped[1].contains("multipart/form-data"),
             "{:?}",
             doc.skipped
         );
         assert!(
-            doc.skipped[1].starts_with("cookie: ")
-                && doc.skipped[1].contains("cookie parameter \"session\""),
+            doc.skipped[0].starts_with("cookie: ")
+                && doc.skipped[0].contains("cookie parameter \"session\""),
             "{:?}",
             doc.skipped
         );

@@ -507,7 +507,10 @@ impl OpenApiToolset {
                 ));
             }
             headers.insert(reqwest::header::CONTENT_TYPE, body_type.clone());
-            let bytes = serde_json::to_vec(body).map_err(|e| format!("the body: {e}"))?;
+            let bytes = match &op.form {
+                Some(deep) => form_body(body, deep)?.into_bytes(),
+                None => serde_json::to_vec(body).map_err(|e| format!("the body: {e}"))?,
+            };
             Some(Bytes::from(bytes))
         } else {
             None
@@ -911,6 +914,59 @@ fn push_query_separator(target: &mut String, query_start: usize) {
     } else if target.len() > query_start + 1 {
         target.push('&');
     }
+}
+
+/// `body` as a form (`application/x-www-form-urlencoded`), as OpenAPI writes one by
+/// default (style `form`, exploded: an array's items under its name one by one, an
+/// object's properties under their own names), with the properties named in `deep` as
+/// deep objects (`metadata[key]=value`, `items[0][price]=p`). Null values are left out.
+fn form_body(body: &Value, deep: &[String]) -> std::result::Result<String, String> {
+    fn pair(out: &mut String, name: &str, value: &str) {
+        if !out.is_empty() {
+            out.push('&');
+        }
+        form_encode(out, name);
+        out.push('=');
+        form_encode(out, value);
+    }
+    fn nested(out: &mut String, name: &str, value: &Value) {
+        match value {
+            Value::Null => {}
+            Value::Object(fields) => {
+                for (key, value) in fields {
+                    nested(out, &format!("{name}[{key}]"), value);
+                }
+            }
+            Value::Array(items) => {
+                for (index, value) in items.iter().enumerate() {
+                    nested(out, &format!("{name}[{index}]"), value);
+                }
+            }
+            scalar => pair(out, name, &scalar_text(scalar)),
+        }
+    }
+    let Some(fields) = body.as_object() else {
+        return Err("the body must be an object: it is sent as a form".into());
+    };
+    let mut out = String::new();
+    for (name, value) in fields {
+        match value {
+            Value::Null => {}
+            _ if deep.contains(name) => nested(&mut out, name, value),
+            Value::Array(items) => {
+                for item in items {
+                    pair(&mut out, name, &scalar_text(item));
+                }
+            }
+            Value::Object(properties) => {
+                for (key, item) in properties {
+                    pair(&mut out, key, &scalar_text(item));
+                }
+            }
+            scalar => pair(&mut out, name, &scalar_text(scalar)),
+        }
+    }
+    Ok(out)
 }
 
 fn form_encode(out: &mut String, text: &str) {

@@ -753,3 +753,44 @@ async fn property_names_that_are_keywords_stay_and_nullable_always_takes_null() 
         assert_eq!(validator.is_valid(&value), valid, "{value}");
     }
 }
+
+/// An operation that takes a form (and no JSON) is sent one, as OpenAPI encodes it by
+/// default, with the properties its `encoding` names as deep objects (Stripe's way).
+#[tokio::test]
+async fn form_bodies_are_sent_as_forms() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-form-{}", std::process::id()));
+    let doc = r##"{"openapi": "3.0.3",
+      "servers": [{"url": "http://api.example.test/"}],
+      "paths": {"/v1/customers": {"post": {"operationId": "PostCustomers",
+        "requestBody": {"content": {"application/x-www-form-urlencoded": {
+          "encoding": {"metadata": {"style": "deepObject", "explode": true},
+                       "items": {"style": "deepObject", "explode": true}},
+          "schema": {"type": "object", "properties": {
+            "email": {"type": "string"}, "expand": {"type": "array", "items": {"type": "string"}},
+            "metadata": {"type": "object"}, "items": {"type": "array"},
+            "address": {"type": "object"}, "note": {"type": "string", "nullable": true}}}}}}}}}}"##;
+    let toolset = toolset_of(&dir, doc);
+    let listed = toolset.list().await.unwrap();
+    assert!(listed[0].spec.input_schema["properties"]["body"]["properties"]["email"].is_object());
+    let request = toolset
+        .request(
+            &toolset.routes["PostCustomers"],
+            &json!({"body": {
+                "email": "a b@example.com", "expand": ["x", "y"],
+                "metadata": {"order": "17"}, "items": [{"price": "p_1", "quantity": 2}],
+                "address": {"city": "Köln"}, "note": null}}),
+            "c",
+        )
+        .unwrap();
+    assert_eq!(
+        request.headers[reqwest::header::CONTENT_TYPE],
+        "application/x-www-form-urlencoded"
+    );
+    let body = String::from_utf8(request.body.unwrap().to_vec()).unwrap();
+    assert_eq!(
+        body,
+        "city=K%C3%B6ln&email=a+b%40example.com&expand=x&expand=y\
+         &items%5B0%5D%5Bprice%5D=p_1&items%5B0%5D%5Bquantity%5D=2\
+         &metadata%5Border%5D=17"
+    );
+}
