@@ -243,6 +243,20 @@ fn operation(
 ) -> Result<(Operation, Vec<String>), String> {
     let method = reqwest::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
         .map_err(|e| e.to_string())?;
+    // An operation of another server (Stripe's uploads go to files.stripe.com) would be
+    // sent to the wrong one.
+    let own_server = [op, item]
+        .into_iter()
+        .find_map(|at| at["servers"].get(0))
+        .and_then(server_url);
+    if let Some(own) = own_server
+        && Some(&own) != doc["servers"].get(0).and_then(server_url).as_ref()
+    {
+        return Err(format!(
+            "it is served from {own:?}, not from the document's server, which is the one \
+             this source calls"
+        ));
+    }
     // Operation parameters override path-item ones with the same name and place.
     let mut raw: Vec<Value> = Vec::new();
     for list in [&item["parameters"], &op["parameters"]] {
@@ -1019,6 +1033,8 @@ components:
                     "content": {"application/x-www-form-urlencoded": {"schema": {"type": "object"}}}}}},
                 "/f": {"post": {"operationId": "upload", "requestBody": {"required": true,
                     "content": {"multipart/form-data": {"schema": {"type": "object"}}}}}},
+                "/g": {"servers": [{"url": "https://files.example.test/"}],
+                    "get": {"operationId": "elsewhere"}},
                 "/d": {"get": {"operationId": "cookie", "parameters": [
                     {"name": "session", "in": "cookie", "required": true, "schema": {"type": "string"}}]}},
                 "/e": {"get": {"operationId": "optionalCookie", "parameters": [
@@ -1055,7 +1071,13 @@ components:
                 ("optionalCookie", None),
             ]
         );
-        assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
+        assert_eq!(doc.skipped.len(), 3, "{:?}", doc.skipped);
+        assert!(
+            doc.skipped[2].starts_with("elsewhere: ")
+                && doc.skipped[2].contains("\"https://files.example.test/\""),
+            "{:?}",
+            doc.skipped
+        );
         assert!(
             doc.skipped[1].starts_with("upload: ")
                 && doc.skipped[1].contains("multipart/form-data"),
