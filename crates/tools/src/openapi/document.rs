@@ -67,6 +67,9 @@ pub(crate) struct Parameter {
     /// Whether arrays and objects are written a name-value pair per item (the default for
     /// `form` only).
     pub explode: bool,
+    /// Whether it is described by a JSON media type (`content`) rather than a schema:
+    /// its value is sent as one JSON text.
+    pub json: bool,
 }
 
 /// One operation offered as a tool.
@@ -348,6 +351,11 @@ fn operation(
             explode: p["explode"]
                 .as_bool()
                 .unwrap_or(matches!(style, Style::Form | Style::DeepObject)),
+            json: p.get("schema").is_none()
+                && p["content"]
+                    .as_object()
+                    .and_then(|content| content.keys().next())
+                    .is_some_and(|media| is_json(media)),
         });
     }
     // Every placeholder of the path needs its parameter: one the document does not declare

@@ -458,7 +458,7 @@ impl OpenApiToolset {
             };
             match param.location {
                 Location::Path => {
-                    let text = scalar_text(value);
+                    let text = scalar_text(&value);
                     if text.is_empty() || text == "." || text == ".." {
                         return Err(format!(
                             "path parameter {:?} cannot be {text:?}",
@@ -471,9 +471,8 @@ impl OpenApiToolset {
                     let name = header_name
                         .clone()
                         .ok_or_else(|| format!("{:?} is not a valid header name", param.name))?;
-                    let value =
-                        reqwest::header::HeaderValue::try_from(simple_text(param, value))
-                            .map_err(|_| format!("header {:?}: not a valid value", param.name))?;
+                    let value = reqwest::header::HeaderValue::try_from(simple_text(param, &value))
+                        .map_err(|_| format!("header {:?}: not a valid value", param.name))?;
                     headers.insert(name, value);
                 }
             }
@@ -534,7 +533,7 @@ impl OpenApiToolset {
                 Piece::Param(index) => {
                     let param = &route.op.parameters[*index];
                     match given(arguments, param) {
-                        Some(value) => push_path_value(&mut target, param, value),
+                        Some(value) => push_path_value(&mut target, param, &value),
                         // Left as the template has it.
                         None => {
                             target.push('{');
@@ -558,7 +557,7 @@ impl OpenApiToolset {
                 continue;
             }
             if let Some(value) = given(arguments, param) {
-                for (name, text) in query_pairs(param, value) {
+                for (name, text) in query_pairs(param, &value) {
                     push_query_pair(&mut target, query_start, &name, &text);
                 }
             }
@@ -742,9 +741,15 @@ fn check_base_url(url: &str) -> std::result::Result<reqwest::Url, String> {
     Ok(parsed)
 }
 
-/// The argument given for `param`, unless it is missing or null.
-fn given<'a>(arguments: &'a Value, param: &Parameter) -> Option<&'a Value> {
-    arguments.get(&param.key).filter(|v| !v.is_null())
+/// The argument given for `param`, unless it is missing or null: as JSON text for a
+/// parameter described by a JSON media type (`content`).
+fn given<'a>(arguments: &'a Value, param: &Parameter) -> Option<Cow<'a, Value>> {
+    let value = arguments.get(&param.key).filter(|v| !v.is_null())?;
+    Some(if param.json {
+        Cow::Owned(Value::String(value.to_string()))
+    } else {
+        Cow::Borrowed(value)
+    })
 }
 
 /// A parameter value as request text: strings as they are, arrays comma-separated, other

@@ -794,3 +794,35 @@ async fn form_bodies_are_sent_as_forms() {
          &metadata%5Border%5D=17"
     );
 }
+
+/// A parameter described by a JSON media type (`content`) is sent as one JSON text, not
+/// spread out in its style.
+#[tokio::test]
+async fn parameters_with_json_content_are_sent_as_json() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-content-{}", std::process::id()));
+    let doc = r##"{"openapi": "3.1.0",
+      "servers": [{"url": "http://api.example.test/"}],
+      "paths": {"/issues": {"get": {"operationId": "search", "parameters": [
+        {"name": "filter", "in": "query",
+         "content": {"application/json": {"schema": {"type": "object"}}}},
+        {"name": "X-Where", "in": "header",
+         "content": {"application/json": {"schema": {"type": "array"}}}},
+        {"name": "plain", "in": "query", "schema": {"type": "object"}}]}}}}"##;
+    let toolset = toolset_of(&dir, doc);
+    let request = toolset
+        .request(
+            &toolset.routes["search"],
+            &json!({"filter": {"status": "open"}, "X-Where": [1, "a"], "plain": {"a": 1}}),
+            "c",
+        )
+        .unwrap();
+    let url = reqwest::Url::parse(&format!("http://h{}", request.target)).unwrap();
+    let pairs: Vec<(String, String)> = url.query_pairs().into_owned().collect();
+    assert!(
+        pairs.contains(&("filter".into(), r#"{"status":"open"}"#.into())),
+        "{pairs:?}"
+    );
+    // The other, described by a schema, is exploded as `form` says.
+    assert!(pairs.contains(&("a".into(), "1".into())), "{pairs:?}");
+    assert_eq!(request.headers["X-Where"], r#"[1,"a"]"#);
+}
