@@ -7,7 +7,9 @@
 //! reconnects with backoff; meanwhile the server's tools answer `UNAVAILABLE` naming it),
 //! or for shutdown (it stops the child process, and what that started: its process group).
 //! An HTTP server is asked for its tools again every [`HTTP_CHECK_EVERY`]: one that stopped
-//! answering on its session is reconnected, and tools it changed are found. Calls go
+//! answering on its session is reconnected, and tools it changed are found; a stdio server
+//! is asked once a call of it timed out, and one that does not answer either (hung, not
+//! merely slow on that call) is stopped and started again. Calls go
 //! straight to the current connection; a call abandoned by its caller, or past its deadline
 //! or the server's `timeout`, sends `notifications/cancelled` (rmcp does when the call's
 //! future is dropped).
@@ -311,6 +313,8 @@ struct Shared {
     relist: Notify,
     /// A call saw the connection fail: drop it and connect again.
     reconnect: Notify,
+    /// A call timed out: ask a stdio server whether it still answers.
+    probe: Notify,
     /// The connection the last such call saw fail (see [`State::connection`]).
     failed_connection: AtomicU64,
     /// Why the stdio server's output was cut off, when this replica cut it (a message that
@@ -412,6 +416,7 @@ impl McpToolset {
             }),
             changes,
             relist: Notify::new(),
+            probe: Notify::new(),
             reconnect: Notify::new(),
             failed_connection: AtomicU64::new(0),
             cut_off: bounded::CutOff::default(),
@@ -490,11 +495,14 @@ impl Toolset for McpToolset {
         };
         let offered = offered_name(shared.name(), tool);
         match outcome {
-            Err(_) => Ok(ToolOutput::timed_out(format!(
-                "MCP server {:?} did not finish tool {tool:?} within {timeout:?}; the call was \
-                 cancelled",
-                shared.name()
-            ))),
+            Err(_) => {
+                shared.probe.notify_one();
+                Ok(ToolOutput::timed_out(format!(
+                    "MCP server {:?} did not finish tool {tool:?} within {timeout:?}; the call \
+                     was cancelled",
+                    shared.name()
+                )))
+            }
             Ok(Ok(result)) => Ok(content::to_output(
                 result,
                 &offered,
@@ -967,6 +975,17 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
                     Ok(Err(reason)) => break format!("the server stopped answering: {reason}"),
                     Err(_) => break format!("the server did not answer `tools/list` within {limit:?}"),
+                }
+            }
+            () = shared.probe.notified(), if !http => {
+                let limit = shared.config.connect_timeout;
+                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
+                    Ok(Ok(tools)) => install(shared, peer.clone(), tools),
+                    Ok(Err(reason)) => break format!("the server stopped answering: {reason}"),
+                    Err(_) => break format!(
+                        "a call timed out, and the server did not answer `tools/list` within \
+                         {limit:?} either"
+                    ),
                 }
             }
             () = shared.relist.notified() => {

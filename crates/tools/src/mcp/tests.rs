@@ -107,6 +107,10 @@ for line in sys.stdin:
                 "structuredContent": {"frames": 3}}})
         elif name == "slow":
             pass
+        elif name == "hang":
+            # Stops answering anything at all.
+            import time
+            time.sleep(3600)
         elif name == "crash":
             os._exit(3)
         elif name == "change":
@@ -978,4 +982,43 @@ fn a_chattering_server_is_logged_within_a_budget_that_says_what_it_left_out() {
     assert_eq!(budget.take(later), Some(10_000 - u64::from(STDERR_BURST)));
     let more = (0..100).filter(|_| budget.take(later).is_some()).count();
     assert_eq!(more, STDERR_PER_SECOND as usize - 1);
+}
+
+/// A stdio server that stops answering altogether (not merely slow on one call) is found
+/// out by the call that timed out, and started again: later calls are answered.
+#[tokio::test]
+async fn a_hung_stdio_server_is_started_again() {
+    let fake = Fake::new("hang");
+    let mut config = fake.config("good");
+    config.timeout = Duration::from_secs(1);
+    config.connect_timeout = Duration::from_secs(1);
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let first = fake.pid();
+    let out = toolset
+        .call("hang", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(out.timed_out, "{out:?}");
+    eventually("a new server process", || {
+        std::fs::read_to_string(fake.dir.join("pid"))
+            .is_ok_and(|pid| pid.trim() != first.to_string())
+    })
+    .await;
+    assert!(!alive(first), "the hung process is stopped");
+    let started = Instant::now();
+    loop {
+        match toolset
+            .call("echo", json!({"text": "back"}), &ToolContext::default())
+            .await
+        {
+            Ok(out) if !out.is_error => {
+                assert_eq!(out.text, "back");
+                break;
+            }
+            other => {
+                assert!(started.elapsed() < Duration::from_secs(20), "{other:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
 }
