@@ -1312,7 +1312,7 @@ impl Engine {
             Some(told) => {
                 let to_run =
                     self.take_answers(spec, &calls, &mut results, &pending, (&told, &known), em)?;
-                state.decided(results.clone(), &to_run);
+                state.decided(results.clone(), &to_run, now_ms());
                 if em.durable() {
                     let progress = progress(state, saved_messages, None)?;
                     em.checkpoint(Some(progress)).await?;

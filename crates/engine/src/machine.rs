@@ -56,7 +56,8 @@ pub enum Phase {
         results: Vec<Option<CallResult>>,
         /// The calls that wait.
         pending: Vec<PendingCall>,
-        /// When the wait began, in milliseconds since the Unix epoch.
+        /// When the wait began, in milliseconds since the Unix epoch (`u64::MAX` once it
+        /// was answered and counted).
         since_ms: u64,
         /// Once answered: the calls approved, which run next (the others have their
         /// results).
@@ -393,13 +394,27 @@ impl RunState {
 
     /// The answers of [`Phase::Waiting`] arrived: `results` has those of the calls that
     /// do not run, `to_run` names the approved calls.
-    pub(crate) fn decided(&mut self, decided: Vec<Option<CallResult>>, to_run: &[String]) {
+    /// The wait ends at `now_ms`: the approved calls run after it, not in it.
+    pub(crate) fn decided(
+        &mut self,
+        decided: Vec<Option<CallResult>>,
+        to_run: &[String],
+        now_ms: u64,
+    ) {
         if let Phase::Waiting {
-            results, approved, ..
+            results,
+            approved,
+            since_ms,
+            ..
         } = &mut self.phase
         {
             *results = decided;
             *approved = to_run.to_vec();
+            self.waited_ms = self
+                .waited_ms
+                .saturating_add(now_ms.saturating_sub(*since_ms));
+            // Counted: nothing more of this wait is (see `waited` and `answered`).
+            *since_ms = u64::MAX;
         }
     }
 
@@ -502,6 +517,32 @@ mod tests {
         );
         state.tools_ran(vec![result("2")], strategy, counter);
         state
+    }
+
+    #[test]
+    fn a_wait_ends_when_it_is_answered_not_when_the_approved_calls_have_run() {
+        let counter = TokenCounter::shared();
+        let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let mut state = RunState::new("6*7?", 3, counter);
+        state.model_replied(
+            1,
+            Reply::Tools {
+                content: String::new(),
+                calls: vec![call("a", "{}")],
+                cut_short: false,
+            },
+            fc,
+            counter,
+        );
+        state.wait(vec![None], Vec::new(), 10_000);
+        assert_eq!(state.waited(12_000).as_millis(), 2_000);
+        state.decided(vec![None], &["a".to_owned()], 13_000);
+        // The approved call runs for a minute: no part of the wait.
+        assert_eq!(state.waited(73_000).as_millis(), 3_000);
+        let mut state: RunState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        state.answered(vec![result("42")], 73_000, fc, counter);
+        assert_eq!(state.waited(80_000).as_millis(), 3_000);
     }
 
     #[test]
