@@ -61,6 +61,7 @@ const SCENARIOS: &str = r#"{"scenarios": {
       {"id": "k2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
     {"content": "results: {tool_results}"}]},
   "plain": {"turns": [{"content": "an answer"}]},
+  "busy": {"turns": [{"content": "done at last", "latency_ms": 6000}]},
   "client_late": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}],
      "latency_ms": 1500},
@@ -831,6 +832,26 @@ async fn cancel_and_follow(
     let state = get_run(&mut stack.engine, run_id).await;
     assert_eq!(state.status, v1::RunStatus::Cancelled as i32);
     (events, state)
+}
+
+/// A waiting run holds no slot of `runs.max_active`, and its `Cancel` needs none: with
+/// every slot taken by a run in progress, it still ends at once.
+#[tokio::test]
+async fn cancel_ends_a_waiting_run_when_no_slot_is_free() {
+    let mut stack = Stack::up(SCENARIOS, &["--max-active-runs", "1"]).await;
+    let (stream, before, _, run_id) = waiting_run(&mut stack, waiting_agent("client", false)).await;
+    // The one slot: a run whose model takes 6 s to answer.
+    let busy = stack.engine_for(waiting_agent("busy", false)).await;
+    let mut other = execute(&mut stack.engine, &busy).await;
+    let first = other.next().await.unwrap().unwrap();
+    assert!(!first.done, "{first:?}");
+    let asked = std::time::Instant::now();
+    cancel_and_follow(&mut stack, &run_id, stream, before).await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(4),
+        "ended at once, not once the slot was free: {:?}",
+        asked.elapsed()
+    );
 }
 
 #[tokio::test]

@@ -396,7 +396,7 @@ impl RunManager {
                 return Ok(());
             }
             let taken: Vec<Result<bool, StateError>> = futures_util::stream::iter(lapsed)
-                .map(|run_id| self.take_over(run_id, None))
+                .map(|run_id| self.take_over(run_id, None, false))
                 .buffer_unordered(TAKEOVER_CONCURRENCY)
                 .collect()
                 .await;
@@ -408,18 +408,22 @@ impl RunManager {
     }
 
     /// Takes `run_id` over and continues it here, or with `stop`, ends it here at once
-    /// for that reason; true when it did.
+    /// for that reason; true when it did. `ends`: the run ends at once (cancelled or
+    /// stopped), calling no model, so it is taken even when no room is left.
     async fn take_over(
         self: &Arc<Self>,
         run_id: String,
         stop: Option<StopReason>,
+        ends: bool,
     ) -> Result<bool, StateError> {
         if self.draining.is_cancelled() {
             return Ok(false);
         }
         let active = self.active.fetch_add(1, Ordering::AcqRel);
         let mut slot = Slot(self, Charge::default());
-        if active >= self.limits.max_active {
+        // A run ended here at once (cancelled, or at shutdown) calls no model: it is never
+        // kept waiting for room, nor its `Cancel` answered as if it still waited.
+        if active >= self.limits.max_active && !ends {
             return Ok(false);
         }
         let token = self.new_token();
@@ -933,7 +937,7 @@ impl RunManager {
                 if completed {
                     // Goes on here at once; should this replica not get it (another took
                     // it first, or there is no room), the take-over loops will.
-                    match self.take_over(run_id.to_owned(), None).await {
+                    match self.take_over(run_id.to_owned(), None, false).await {
                         Ok(_) => {}
                         Err(error) => {
                             warn!(%run_id, %error, "cannot continue an answered run here yet");
@@ -972,7 +976,7 @@ impl RunManager {
         // takes it first, told so by the store. Not stopped besides: it publishes the
         // answers it accepted before it ends.
         let wait_cancelled = record.waiting() && self.store.cancel_waiting(run_id).await?;
-        if wait_cancelled && let Err(error) = self.take_over(run_id.to_owned(), None).await {
+        if wait_cancelled && let Err(error) = self.take_over(run_id.to_owned(), None, true).await {
             warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
         }
         let local = self
@@ -1048,7 +1052,7 @@ impl RunManager {
                     continue;
                 }
             }
-            match self.take_over(run_id.clone(), Some(reason)).await {
+            match self.take_over(run_id.clone(), Some(reason), true).await {
                 Ok(true) => ended += 1,
                 Ok(false) => warn!(%run_id, "cannot end a waiting run here"),
                 Err(error) => warn!(%run_id, %error, "cannot end a waiting run"),
