@@ -334,7 +334,7 @@ impl Emitter {
         progress: Progress,
     ) -> Result<(), Outcome> {
         let data = EventData::ActionRequired {
-            tool_calls: pending.clone(),
+            tool_calls: within_event(pending.clone()),
         };
         self.publish(RunEvent::new(
             EventKind::ActionRequired,
@@ -752,6 +752,36 @@ impl Emitter {
     }
 }
 
+/// Most bytes of arguments an `ACTION_REQUIRED` event carries, all calls together: the
+/// largest arguments of a call (1 MiB), so that the event stays far within a message's
+/// size (4 MiB by default) however many calls wait.
+const MAX_ACTION_ARGUMENT_BYTES: usize = 1024 * 1024;
+
+/// `pending` as an `ACTION_REQUIRED` event carries them: past
+/// [`MAX_ACTION_ARGUMENT_BYTES`], the largest arguments are replaced by a note saying where
+/// they are whole (each call's `TOOL_CALL` event).
+fn within_event(mut pending: Vec<agentrt_events::PendingCall>) -> Vec<agentrt_events::PendingCall> {
+    let mut total: usize = pending.iter().map(|p| p.arguments.as_str().len()).sum();
+    if total <= MAX_ACTION_ARGUMENT_BYTES {
+        return pending;
+    }
+    let mut largest: Vec<usize> = (0..pending.len()).collect();
+    largest.sort_by_key(|&i| std::cmp::Reverse(pending[i].arguments.as_str().len()));
+    for i in largest {
+        if total <= MAX_ACTION_ARGUMENT_BYTES {
+            break;
+        }
+        let size = pending[i].arguments.as_str().len();
+        pending[i].arguments = agentrt_events::JsonText::new(&serde_json::json!({
+            "cut": format!(
+                "{size} bytes of arguments; they are whole in the call's EVENT_TYPE_TOOL_CALL event"
+            ),
+        }));
+        total = total - size + pending[i].arguments.as_str().len();
+    }
+    pending
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -763,5 +793,34 @@ mod tests {
         assert!(pieces.iter().all(|p| p.len() <= 5 && !p.is_empty()));
         assert_eq!(pieces.concat(), text);
         assert_eq!(split_text("abc", 5), ["abc"]);
+    }
+
+    #[test]
+    fn an_action_required_event_keeps_its_arguments_within_bounds() {
+        let call = |id: &str, bytes: usize| agentrt_events::PendingCall {
+            id: id.into(),
+            name: "write".into(),
+            arguments: agentrt_events::JsonText::new(
+                &serde_json::json!({"text": "x".repeat(bytes)}),
+            ),
+            action: agentrt_events::Action::ClientExecute,
+            answered: false,
+        };
+        let small = vec![call("a", 1000), call("b", 2000)];
+        assert_eq!(within_event(small.clone()), small);
+        let large = vec![call("a", 600_000), call("b", 700_000), call("c", 100)];
+        let kept = within_event(large.clone());
+        assert_eq!(kept[0], large[0]);
+        assert_eq!(kept[2], large[2]);
+        assert!(
+            kept[1]
+                .arguments
+                .as_str()
+                .contains("700011 bytes of arguments"),
+            "{}",
+            kept[1].arguments.as_str()
+        );
+        let total: usize = kept.iter().map(|p| p.arguments.as_str().len()).sum();
+        assert!(total <= MAX_ACTION_ARGUMENT_BYTES);
     }
 }

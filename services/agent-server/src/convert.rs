@@ -285,7 +285,7 @@ pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
         }
         room /= 2;
     }
-    // The calls it waits for (their `ACTION_REQUIRED` event has them whole), the largest
+    // The calls it waits for (their `TOOL_CALL` events have them whole), the largest
     // first.
     let mut order: Vec<usize> = (0..state.pending_tool_calls.len()).collect();
     order.sort_by_key(|&i| {
