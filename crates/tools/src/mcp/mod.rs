@@ -255,6 +255,20 @@ impl McpServerConfig {
         for (name, secret) in &self.headers {
             reqwest::header::HeaderName::from_bytes(name.as_bytes())
                 .map_err(|_| format!("{name:?} is not a valid header name"))?;
+            // The transport sets these itself (the SDK would refuse every request).
+            if [
+                "accept",
+                "mcp-session-id",
+                "mcp-protocol-version",
+                "last-event-id",
+            ]
+            .iter()
+            .any(|own| name.eq_ignore_ascii_case(own))
+            {
+                return Err(format!(
+                    "header {name:?} is the MCP transport's own to set: leave it out"
+                ));
+            }
             secret.check().map_err(|e| format!("header {name}: {e}"))?;
         }
         if self.timeout.is_zero() || self.connect_timeout.is_zero() {

@@ -519,9 +519,27 @@ fn configs_are_checked() {
     let mut neither = good.clone();
     neither.command = None;
     assert!(neither.check().is_err());
-    let mut bad_name = good;
+    let mut bad_name = good.clone();
     bad_name.name = "9lives".into();
     assert!(bad_name.check().unwrap_err().contains("letter"));
+    // Headers the transport sets itself are refused at start, not at every request.
+    let mut http = good;
+    http.command = None;
+    http.url = Some("http://127.0.0.1:1/mcp".into());
+    http.args.clear();
+    let secret = crate::secret::SecretRef {
+        env: Some("PATH".into()),
+        file: None,
+        prefix: String::new(),
+    };
+    http.headers.insert("X-Api-Key".into(), secret.clone());
+    assert_eq!(http.check(), Ok(()));
+    http.headers.insert("Mcp-Session-Id".into(), secret);
+    assert!(
+        http.check()
+            .unwrap_err()
+            .contains("\"Mcp-Session-Id\" is the MCP transport's own"),
+    );
 }
 
 #[tokio::test]
