@@ -1380,10 +1380,29 @@ impl Assembler {
         }
         if let Some(reason) = choice.finish_reason.filter(|r| !r.is_empty()) {
             self.finish = Some(match reason.as_ref() {
-                "stop" => FinishReason::Stop,
-                "tool_calls" | "function_call" => FinishReason::ToolCalls,
-                "length" => FinishReason::Length,
-                "content_filter" => FinishReason::ContentFilter,
+                // With the words other servers use for the same (TGI, Anthropic-style
+                // proxies, vLLM).
+                "stop" | "eos" | "eos_token" | "end_turn" | "stop_sequence" => FinishReason::Stop,
+                "tool_calls" | "function_call" | "tool_use" => FinishReason::ToolCalls,
+                "length" | "max_tokens" | "model_length" => FinishReason::Length,
+                "content_filter" | "safety" | "recitation" | "prohibited_content" => {
+                    FinishReason::ContentFilter
+                }
+                // The provider stopped the answer itself (DeepSeek's
+                // `insufficient_system_resource`, vLLM's `abort`): what streamed is not a
+                // whole answer.
+                "insufficient_system_resource"
+                | "abort"
+                | "aborted"
+                | "error"
+                | "cancelled"
+                | "canceled"
+                | "interrupted"
+                | "timeout" => {
+                    return Err(ModelError::Incomplete(format!(
+                        "the provider ended the answer with finish_reason {reason:?}"
+                    )));
+                }
                 _ => FinishReason::Unknown,
             });
         }
@@ -1853,6 +1872,37 @@ mod tests {
 
     /// `[DONE]` without a finish reason ends the call, as `Unknown`; a finish reason without
     /// `[DONE]` ends it with that reason.
+    #[tokio::test]
+    async fn a_finish_reason_that_says_the_provider_stopped_is_no_answer() {
+        for (reason, ends) in [
+            ("insufficient_system_resource", None),
+            ("abort", None),
+            ("eos_token", Some(FinishReason::Stop)),
+            ("max_tokens", Some(FinishReason::Length)),
+            ("tool_use", Some(FinishReason::ToolCalls)),
+            ("something_new", Some(FinishReason::Unknown)),
+        ] {
+            let sse = format!(
+                "data: {{\"choices\":[{{\"delta\":{{\"content\":\"hal\"}},\"finish_reason\":\"{reason}\"}}]}}\n\ndata: [DONE]\n\n"
+            );
+            let deltas = run(&sse).await;
+            match ends {
+                None => assert!(
+                    deltas
+                        .iter()
+                        .any(|d| matches!(d, Err(ModelError::Incomplete(m)) if m.contains(reason))),
+                    "{reason}: {deltas:?}"
+                ),
+                Some(expected) => assert!(
+                    deltas.iter().any(
+                        |d| matches!(d, Ok(ChatDelta::Finish { reason, .. }) if *reason == expected)
+                    ),
+                    "{reason}: {deltas:?}"
+                ),
+            }
+        }
+    }
+
     #[tokio::test]
     async fn done_or_a_finish_reason_ends_the_call() {
         let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n";
