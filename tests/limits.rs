@@ -215,6 +215,38 @@ async fn runs_beyond_the_limit_are_resource_exhausted_with_a_retry_hint() {
     assert_eq!(answer(&mut s.engine, execute(&quick, "now")).await, "quick");
 }
 
+/// A retry of a run (its message id again) takes no room of `runs.max_active`: with no
+/// room left, it still gets its run back rather than `RESOURCE_EXHAUSTED`.
+#[tokio::test]
+async fn a_retry_gets_its_run_back_when_no_room_is_left() {
+    let mut s = stack(&["--max-active-runs", "1"]).await;
+    let slow = engine_for(&mut s.service, "slow").await;
+    let request = v1::ExecuteRequest {
+        message_id: "order-17".into(),
+        ..execute(&slow, "take your time")
+    };
+    let mut running = s
+        .engine
+        .execute(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let first = running.next().await.unwrap().unwrap();
+    let mut retried = s
+        .engine
+        .execute(request)
+        .await
+        .expect("a retry is not refused for room")
+        .into_inner();
+    let again = retried.next().await.unwrap().unwrap();
+    assert_eq!(again.run_id, first.run_id, "the same run");
+    assert_eq!(
+        final_text(Some(again), retried).await,
+        "a slow answer, one character at a time"
+    );
+    drop(running);
+}
+
 #[tokio::test]
 async fn streams_per_connection_are_capped_and_queue_until_one_ends() {
     let mut s = stack(&["--max-concurrent-streams", "1"]).await;

@@ -177,6 +177,9 @@ pub struct RunControl {
     /// Set when the run is about to wait for answers, or goes on after a wait: its client
     /// going away no longer cancels it.
     waiting: AtomicBool,
+    /// Set when the run's task ended because the run waits for answers (it was let go,
+    /// not ended).
+    parked: AtomicBool,
 }
 
 impl RunControl {
@@ -226,6 +229,12 @@ impl RunControl {
     /// Whether the run went to wait for answers (or was about to).
     pub fn is_waiting(&self) -> bool {
         self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Whether the run's task ended with the run waiting for answers (not ended: it goes
+    /// on once answered, on any replica).
+    pub fn parked(&self) -> bool {
+        self.parked.load(Ordering::Acquire)
     }
 
     /// Whether the run was asked to stop.
@@ -788,6 +797,7 @@ async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metric
         Outcome::Waiting => {
             debug!(parent: &span, "run waits for tool outputs or approvals");
             emitter.park().await;
+            control.parked.store(true, Ordering::Release);
         }
     }
 }

@@ -1431,6 +1431,14 @@ impl RunStore for RedisRuns {
         })
     }
 
+    async fn holder(&self, session_id: &str, message_id: &str) -> StateResult<Option<String>> {
+        redis::cmd("GET")
+            .arg(self.message_key(session_id, message_id))
+            .query_async(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))
+    }
+
     async fn save(
         &self,
         record: &RunRecord,

@@ -277,6 +277,10 @@ pub trait RunStore: Send + Sync {
         replacing: Option<&str>,
     ) -> StateResult<Claim>;
 
+    /// The run that holds the message id `message_id` of `session_id`, if one does;
+    /// claims nothing.
+    async fn holder(&self, session_id: &str, message_id: &str) -> StateResult<Option<String>>;
+
     /// Writes `record`: the steps from `from_step` on, and the rest of the record (the
     /// steps before are as last saved), with `progress` when given. A record that has
     /// ended is kept for the retention (its progress is dropped). With an `owner`, the
@@ -959,6 +963,15 @@ impl RunStore for MemoryRunStore {
                 Ok(Claim::Claimed)
             }
         }
+    }
+
+    async fn holder(&self, session_id: &str, message_id: &str) -> StateResult<Option<String>> {
+        let mut inner = self.lock();
+        inner.expire(self.retention);
+        Ok(inner
+            .keys
+            .get(&key_digest(session_id, message_id))
+            .map(|holder| holder.to_string()))
     }
 
     async fn save(

@@ -442,6 +442,9 @@ where
         .collect();
     assert_eq!(claimed.len(), 1, "{claims:?}");
     let holder = format!("run-{}", claimed[0]);
+    // Read without claiming, from any replica.
+    assert_eq!(other.holder("s", "m").await.unwrap(), Some(holder.clone()));
+    assert_eq!(store.holder("s", "unclaimed").await.unwrap(), None);
     assert_eq!(
         other.claim("s", "m", "late", None).await.unwrap(),
         Claim::Taken(holder.clone())

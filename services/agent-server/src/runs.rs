@@ -647,14 +647,26 @@ impl RunManager {
             principal: agentrt_state::principal_of(&spec.session_id).to_owned(),
             bytes: spec_bytes(&spec),
         };
-        if let Err(refused) = self.charge(&charge, active < self.limits.max_active) {
-            self.release(&Charge::default());
-            return Err(refused);
+        let refused = match self.charge(&charge, active < self.limits.max_active) {
+            Err(refused) => {
+                self.release(&Charge::default());
+                Some(refused)
+            }
+            Ok(()) if active >= self.limits.max_active => {
+                self.release(&charge);
+                Some(RunStartError::Busy(active))
+            }
+            Ok(()) => None,
+        };
+        if let Some(refused) = refused {
+            // A retry of a run that exists takes no room: it gets the run back, however
+            // full this replica is.
+            return match self.existing(&spec).await? {
+                Some(run_id) => Ok(Started::Existing(run_id)),
+                None => Err(refused),
+            };
         }
         let slot = Slot(self, charge);
-        if active >= self.limits.max_active {
-            return Err(RunStartError::Busy(active));
-        }
         if let Some(existing) = self.claim(&spec).await? {
             return Ok(Started::Existing(existing));
         }
@@ -715,7 +727,7 @@ impl RunManager {
                 let outcome = std::panic::AssertUnwindSafe(started.run())
                     .catch_unwind()
                     .await;
-                let waits = outcome.is_ok() && task_control.is_waiting();
+                let waits = outcome.is_ok() && task_control.parked();
                 if outcome.is_err() {
                     error!(run_id = %task_run_id, "the run panicked");
                     manager.record_panic(&task_run_id).await;
@@ -729,6 +741,33 @@ impl RunManager {
     }
 
     /// Claims the run's message id; `Some` with the run that already has it.
+    /// The run a retry of `spec` would get back (the same message id, query and engine,
+    /// not given up by its client), claiming nothing.
+    async fn existing(&self, spec: &RunSpec) -> Result<Option<String>, RunStartError> {
+        let Some(holder) = self
+            .store
+            .holder(&spec.session_id, &spec.message_id)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let abandoned_here = self
+            .lock()
+            .get(&holder)
+            .is_some_and(|run| run.control.is_abandoned());
+        Ok(match self.store.load(&holder).await? {
+            Some(record)
+                if !record.abandoned
+                    && !abandoned_here
+                    && record.query == spec.query
+                    && record.engine_id == spec.engine_id =>
+            {
+                Some(holder)
+            }
+            _ => None,
+        })
+    }
+
     async fn claim(&self, spec: &RunSpec) -> Result<Option<String>, RunStartError> {
         let mut replacing: Option<String> = None;
         let mut waited = Duration::ZERO;
@@ -966,12 +1005,37 @@ impl RunManager {
         run_id: &str,
         wait: Duration,
     ) -> Result<Option<RunRecord>, StateError> {
-        let Some(record) = self.store.load(run_id).await? else {
+        let deadline = tokio::time::Instant::now() + wait;
+        let Some(mut record) = self.store.load(run_id).await? else {
             return Ok(None);
         };
-        if record.ended() {
-            return Ok(Some(record));
+        loop {
+            if record.ended() {
+                return Ok(Some(record));
+            }
+            let was_waiting = record.waiting();
+            record = self.cancel_once(run_id, record, deadline).await?;
+            // A run that began to wait as it was stopped (its wait was written first)
+            // waits still: its wait is cancelled next.
+            if record.ended()
+                || was_waiting
+                || !record.waiting()
+                || tokio::time::Instant::now() >= deadline
+            {
+                return Ok(Some(record));
+            }
         }
+    }
+
+    /// One try of [`RunManager::cancel`] at `record`, the run as it was last read: stops
+    /// it, or cancels its wait, and waits until `deadline` for it to end, or to begin to
+    /// wait. Answers its record then.
+    async fn cancel_once(
+        self: &Arc<Self>,
+        run_id: &str,
+        record: RunRecord,
+        deadline: tokio::time::Instant,
+    ) -> Result<RunRecord, StateError> {
         // Nobody executes a waiting run: cancelled, it ends here, or on whichever replica
         // takes it first, told so by the store. Not stopped besides: it publishes the
         // answers it accepted before it ends.
@@ -988,7 +1052,7 @@ impl RunManager {
                 if !wait_cancelled {
                     control.stop(StopReason::Cancelled);
                 }
-                let _ = tokio::time::timeout(wait, ended.wait()).await;
+                let _ = tokio::time::timeout_at(deadline, ended.wait()).await;
             }
             None => {
                 if !wait_cancelled {
@@ -996,7 +1060,6 @@ impl RunManager {
                         .request_stop(run_id, StopReason::Cancelled)
                         .await?;
                 }
-                let deadline = tokio::time::Instant::now() + wait;
                 let mut asked = tokio::time::Instant::now();
                 // The owner stops the run within milliseconds: look soon, then less often.
                 let mut pause = Duration::from_millis(2);
@@ -1004,9 +1067,9 @@ impl RunManager {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(20));
                     if let Some(record) = self.store.load(run_id).await?
-                        && record.ended()
+                        && (record.ended() || (!wait_cancelled && record.waiting()))
                     {
-                        return Ok(Some(record));
+                        return Ok(record);
                     }
                     // A replica that took the run over as it was asked may have missed
                     // the request before it knew the run: ask again.
@@ -1019,7 +1082,7 @@ impl RunManager {
                 }
             }
         }
-        self.store.load(run_id).await.map(|r| r.or(Some(record)))
+        Ok(self.store.load(run_id).await?.unwrap_or(record))
     }
 
     /// Resolves once no run is in progress here.
@@ -1277,6 +1340,13 @@ mod tests {
             self.inner
                 .claim(session_id, message_id, run_id, replacing)
                 .await
+        }
+        async fn holder(
+            &self,
+            session_id: &str,
+            message_id: &str,
+        ) -> agentrt_state::StateResult<Option<String>> {
+            self.inner.holder(session_id, message_id).await
         }
         async fn save(
             &self,
