@@ -1163,6 +1163,22 @@ impl Engine {
                     ));
                 }
                 let cut_short = finish == FinishReason::Length;
+                if finish == FinishReason::ToolCalls && calls.is_empty() && parser.is_none() {
+                    // Its calls were lost (none readable, none named): the text beside them
+                    // ("let me look that up") is not an answer.
+                    return Err(Outcome::Failed(
+                        StopReason::ModelError,
+                        RunError {
+                            code: "MODEL_TOOL_CALLS_UNREADABLE".into(),
+                            message: "the model ended its reply to call tools \
+                                      (finish_reason: tool_calls), but gave no call this server \
+                                      could read"
+                                .into(),
+                            category: "model",
+                            retryable: true,
+                        },
+                    ));
+                }
                 let Some(mut parser) = parser else {
                     if !calls.is_empty() {
                         return Ok(Reply::Tools {

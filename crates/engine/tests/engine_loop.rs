@@ -1497,6 +1497,21 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
 }
 
 #[tokio::test]
+async fn a_reply_for_tool_calls_without_a_readable_call_is_a_model_error_not_an_answer() {
+    let (data, record) = failed_round(vec![
+        ChatDelta::Content("Let me look that up.".into()),
+        ChatDelta::Finish {
+            reason: FinishReason::ToolCalls,
+            usage: None,
+        },
+    ])
+    .await;
+    assert_eq!(data["code"], "MODEL_TOOL_CALLS_UNREADABLE", "{data}");
+    assert_eq!(record.stop_reason, Some(StopReason::ModelError));
+    assert_eq!(record.final_answer, "", "not an answer");
+}
+
+#[tokio::test]
 async fn a_refusal_is_a_model_error_that_says_it_and_is_not_retried() {
     let (data, record) = failed_round(vec![
         ChatDelta::Refusal("I cannot help with that.".into()),

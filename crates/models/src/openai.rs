@@ -790,6 +790,10 @@ where
 /// a line with [`ModelError::Incomplete`] (the parser would drop that line silently).
 /// Chunks pass uncopied; each is scanned backwards to its last line end, which for a chunk
 /// of whole events is its last byte.
+/// Most tool calls one reply may make: a model looping on calls (or a server sending
+/// thousands in one event) ends the call instead of making them all.
+const MAX_CALLS_PER_REPLY: usize = 128;
+
 struct Bounded<S> {
     inner: S,
     limit: usize,
@@ -1045,6 +1049,15 @@ where
                         Ok(error) => *error,
                         Err(e) => ModelError::Lost(error_chain(&*e)),
                     });
+                    continue;
+                }
+                Err(sse_stream::Error::UnknownField) => {
+                    this.state = DecodeState::Ended;
+                    this.failure = Some(ModelError::Stream(
+                        "the stream carried a line that is neither data nor another SSE field \
+                         (llama.cpp reports a failure mid-answer as an `error:` line)"
+                            .into(),
+                    ));
                     continue;
                 }
                 Err(e) => {
@@ -1342,6 +1355,11 @@ impl Assembler {
                         ) =>
                     {
                         slot
+                    }
+                    _ if self.calls.len() >= MAX_CALLS_PER_REPLY => {
+                        return Err(ModelError::InvalidResponse(format!(
+                            "the reply has more than {MAX_CALLS_PER_REPLY} tool calls"
+                        )));
                     }
                     _ => {
                         self.calls.push((index, PartialCall::default()));
@@ -1872,6 +1890,39 @@ mod tests {
 
     /// `[DONE]` without a finish reason ends the call, as `Unknown`; a finish reason without
     /// `[DONE]` ends it with that reason.
+    #[tokio::test]
+    async fn a_reply_of_too_many_calls_ends_the_call() {
+        let calls: Vec<String> = (0..=MAX_CALLS_PER_REPLY)
+            .map(|i| format!("{{\"index\":{i},\"id\":\"c{i}\",\"function\":{{\"name\":\"t\",\"arguments\":\"{{}}\"}}}}"))
+            .collect();
+        let sse = format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"tool_calls\":[{}]}},\"finish_reason\":\"tool_calls\"}}]}}\n\n",
+            calls.join(",")
+        );
+        let deltas = run(&sse).await;
+        assert!(
+            matches!(deltas.last(), Some(Err(ModelError::InvalidResponse(m))) if m.contains("more than 128 tool calls")),
+            "{deltas:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_error_line_in_the_stream_is_no_answer() {
+        // As llama.cpp's server reports a failure after part of the answer.
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hal\"}}]}\n\nerror: {\"code\":500,\"message\":\"context shift disabled\"}\n\ndata: [DONE]\n\n";
+        let deltas = run(sse).await;
+        assert!(
+            matches!(deltas.last(), Some(Err(ModelError::Stream(m))) if m.contains("`error:` line")),
+            "{deltas:?}"
+        );
+        assert!(
+            !deltas
+                .iter()
+                .any(|d| matches!(d, Ok(ChatDelta::Finish { .. }))),
+            "{deltas:?}"
+        );
+    }
+
     #[tokio::test]
     async fn a_finish_reason_that_says_the_provider_stopped_is_no_answer() {
         for (reason, ends) in [
