@@ -97,6 +97,29 @@ pub struct OpenAiChat {
     retry: RetryPolicy,
     limits: ResponseLimits,
     site: std::sync::Arc<Site>,
+    /// The bound on generated tokens is sent as `max_completion_tokens` (OpenAI's and
+    /// Azure OpenAI's name, which their reasoning models require) rather than
+    /// `max_tokens` (every other server's).
+    completion_tokens: bool,
+}
+
+/// Whether `url` is OpenAI's or Azure OpenAI's API, whose reasoning models refuse
+/// `max_tokens` and take `max_completion_tokens`.
+fn takes_max_completion_tokens(url: &str) -> bool {
+    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let host = after_scheme
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default()
+        .rsplit('@')
+        .next()
+        .unwrap_or_default();
+    let host = host
+        .split(':')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    host == "api.openai.com" || host.ends_with(".openai.azure.com")
 }
 
 /// Who the calls go to, as errors and logs name it.
@@ -214,6 +237,7 @@ impl OpenAiChat {
             retry,
             limits: ResponseLimits::default(),
             site: std::sync::Arc::new(site),
+            completion_tokens: takes_max_completion_tokens(&url),
         })
     }
 
@@ -422,7 +446,7 @@ impl ChatModel for OpenAiChat {
     where
         'a: 'f,
     {
-        let body = held(request_body(&request));
+        let body = held(request_body(&request, self.completion_tokens));
         let deadline = request.deadline;
         let offered = request.tools.clone();
         // The body is all that is sent; the messages need not wait with it for the reply.
@@ -609,7 +633,7 @@ fn held(body: Vec<u8>) -> bytes::Bytes {
     }
 }
 
-pub(crate) fn request_body(request: &ChatRequest) -> Vec<u8> {
+pub(crate) fn request_body(request: &ChatRequest, completion_tokens: bool) -> Vec<u8> {
     let body = Body {
         model: &request.model,
         messages: request.messages.iter().map(WireMessage).collect(),
@@ -620,7 +644,8 @@ pub(crate) fn request_body(request: &ChatRequest) -> Vec<u8> {
         tools: request.tools.iter().map(WireTool::new).collect(),
         parallel_tool_calls: (!request.tools.is_empty()).then_some(request.parallel_tool_calls),
         temperature: request.temperature,
-        max_tokens: request.max_tokens,
+        max_tokens: request.max_tokens.filter(|_| !completion_tokens),
+        max_completion_tokens: request.max_tokens.filter(|_| completion_tokens),
         stop: &request.stop,
     };
     // Serializing borrowed strings, numbers and JSON values into a Vec cannot fail.
@@ -641,6 +666,8 @@ struct Body<'a> {
     temperature: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_completion_tokens: Option<u32>,
     #[serde(skip_serializing_if = "<[String]>::is_empty")]
     stop: &'a [String],
 }
@@ -2166,36 +2193,39 @@ mod tests {
 
     #[test]
     fn request_bodies_follow_the_api() {
-        let body = request_body(&ChatRequest {
-            model: "m".into(),
-            messages: vec![
-                ChatMessage::System("s".into()),
-                ChatMessage::User("u".into()),
-                ChatMessage::Assistant {
-                    content: String::new(),
-                    tool_calls: vec![ModelToolCall {
-                        id: "c".into(),
-                        name: "t".into(),
-                        arguments: "{}".into(),
-                    }],
-                },
-                ChatMessage::Tool {
-                    call_id: "c".into(),
-                    content: "42".into(),
-                },
-            ],
-            tools: [ToolDefinition {
-                name: "t".into(),
-                description: "d".into(),
-                parameters: json!({"type": "object"}).into(),
-            }]
-            .into(),
-            parallel_tool_calls: true,
-            temperature: Some(0.5),
-            max_tokens: Some(10),
-            stop: vec!["Observation:".into()],
-            deadline: None,
-        });
+        let body = request_body(
+            &ChatRequest {
+                model: "m".into(),
+                messages: vec![
+                    ChatMessage::System("s".into()),
+                    ChatMessage::User("u".into()),
+                    ChatMessage::Assistant {
+                        content: String::new(),
+                        tool_calls: vec![ModelToolCall {
+                            id: "c".into(),
+                            name: "t".into(),
+                            arguments: "{}".into(),
+                        }],
+                    },
+                    ChatMessage::Tool {
+                        call_id: "c".into(),
+                        content: "42".into(),
+                    },
+                ],
+                tools: [ToolDefinition {
+                    name: "t".into(),
+                    description: "d".into(),
+                    parameters: json!({"type": "object"}).into(),
+                }]
+                .into(),
+                parallel_tool_calls: true,
+                temperature: Some(0.5),
+                max_tokens: Some(10),
+                stop: vec!["Observation:".into()],
+                deadline: None,
+            },
+            false,
+        );
         let body: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(body["stream"], true);
         assert_eq!(body["model"], "m");
@@ -2226,22 +2256,50 @@ mod tests {
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["stop"][0], "Observation:");
         assert_eq!(body["max_tokens"], 10);
+        assert!(body.get("max_completion_tokens").is_none());
 
         // Nothing optional is sent when the request leaves it out.
-        let plain = request_body(&ChatRequest {
-            model: "m".into(),
-            messages: vec![ChatMessage::Assistant {
-                content: "a".into(),
-                tool_calls: Vec::new(),
-            }],
-            ..ChatRequest::default()
-        });
+        let plain = request_body(
+            &ChatRequest {
+                model: "m".into(),
+                messages: vec![ChatMessage::Assistant {
+                    content: "a".into(),
+                    tool_calls: Vec::new(),
+                }],
+                ..ChatRequest::default()
+            },
+            false,
+        );
         let plain: Value = serde_json::from_slice(&plain).unwrap();
         assert_eq!(
             plain,
             json!({"model": "m", "messages": [{"role": "assistant", "content": "a"}],
                 "stream": true, "stream_options": {"include_usage": true}})
         );
+
+        // OpenAI's and Azure's API take the bound under its newer name (their reasoning
+        // models refuse the other).
+        let bounded = ChatRequest {
+            model: "o3".into(),
+            max_tokens: Some(10),
+            ..ChatRequest::default()
+        };
+        let body: Value = serde_json::from_slice(&request_body(&bounded, true)).unwrap();
+        assert_eq!(body["max_completion_tokens"], 10);
+        assert!(body.get("max_tokens").is_none());
+        for (url, takes) in [
+            ("https://api.openai.com/v1/chat/completions", true),
+            (
+                "https://me.openai.azure.com/openai/deployments/d/chat/completions",
+                true,
+            ),
+            ("https://API.OpenAI.com:443/v1", true),
+            ("http://127.0.0.1:8000/v1/chat/completions", false),
+            ("https://openrouter.ai/api/v1/chat/completions", false),
+            ("https://api.openai.com.evil.test/v1", false),
+        ] {
+            assert_eq!(takes_max_completion_tokens(url), takes, "{url}");
+        }
     }
 
     #[tokio::test]
