@@ -205,6 +205,10 @@ fn refused_as_invalid(message: &str) -> bool {
         .any(|marker| message.contains(marker))
 }
 
+/// The code of a `429` that is no rate limit but an account out of quota (OpenAI's and
+/// Azure's): asking again gets it again.
+pub const QUOTA_EXHAUSTED: &str = "insufficient_quota";
+
 impl ModelError {
     /// Whether sending the same request again may succeed. Deterministic refusals are not
     /// retried: a 4xx other than 408 and 429, a redirect, a 5xx whose message says the
@@ -217,7 +221,9 @@ impl ModelError {
             Self::Http {
                 status, message, ..
             } => {
-                *status == 408 || *status == 429 || (*status >= 500 && !refused_as_invalid(message))
+                *status == 408
+                    || (*status == 429 && !message.contains(QUOTA_EXHAUSTED))
+                    || (*status >= 500 && !refused_as_invalid(message))
             }
             Self::Stream(_)
             | Self::Lost(_)
@@ -303,6 +309,15 @@ mod tests {
                 false,
             ),
             (http(502, "Invalid request: messages[2]"), false),
+            (http(429, "Rate limit reached for requests"), true),
+            (
+                http(
+                    429,
+                    "You exceeded your current quota, please check your plan and billing \
+                     details. (insufficient_quota)",
+                ),
+                false,
+            ),
             (ModelError::Connect("refused".into()), true),
             (ModelError::Incomplete("cut".into()), false),
             (

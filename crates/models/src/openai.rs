@@ -573,8 +573,9 @@ where
         };
     }
     let (text, cut) = read_bounded(chunks, limits.max_error_body_bytes).await;
-    let mut message = serde_json::from_str::<Value>(&text)
-        .ok()
+    let parsed = serde_json::from_str::<Value>(&text).ok();
+    let mut message = parsed
+        .as_ref()
         .and_then(|v| {
             v["error"]["message"]
                 .as_str()
@@ -584,6 +585,15 @@ where
                 .map(str::to_owned)
         })
         .unwrap_or_else(|| text.trim().chars().take(500).collect());
+    // The error's code says what its status does not: a 429 of `insufficient_quota` (a
+    // billing matter, not a rate) is not retried.
+    if let Some(code) = parsed
+        .as_ref()
+        .and_then(|v| v["error"]["code"].as_str())
+        .filter(|code| !code.is_empty() && code.len() <= 64 && !message.contains(code))
+    {
+        message.push_str(&format!(" ({code})"));
+    }
     if cut {
         message.push_str(&format!(
             " [error body cut at {} bytes]",
@@ -2317,6 +2327,35 @@ mod tests {
                 arguments: r#"{"x":[1,"two"]}"#.into(),
             })
         );
+    }
+
+    #[tokio::test]
+    async fn an_account_out_of_quota_is_not_a_rate_limit() {
+        let body = |text: &'static str| {
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(text))])
+        };
+        let quota = http_error(
+            429,
+            &HeaderMap::new(),
+            body(r#"{"error": {"message": "You exceeded your current quota.", "type": "insufficient_quota", "code": "insufficient_quota"}}"#),
+            &Site::default(),
+            &ResponseLimits::default(),
+        )
+        .await;
+        assert!(
+            quota.to_string().contains("(insufficient_quota)"),
+            "{quota}"
+        );
+        assert!(!quota.is_retryable());
+        let rate = http_error(
+            429,
+            &HeaderMap::new(),
+            body(r#"{"error": {"message": "Rate limit reached.", "code": "rate_limit_exceeded"}}"#),
+            &Site::default(),
+            &ResponseLimits::default(),
+        )
+        .await;
+        assert!(rate.is_retryable(), "{rate}");
     }
 
     #[test]
