@@ -867,11 +867,23 @@ async fn sigterm_hands_the_run_over_at_once_and_ends_the_streams_with_unavailabl
     let end = read_to_end(&mut stream, &mut received).await;
     let stream_ended = terminated.elapsed();
     match &end {
-        End::Status(status) => assert_eq!(
-            status.code(),
-            Code::Unavailable,
-            "the Execute stream on the draining replica ends with UNAVAILABLE: {status:?}"
-        ),
+        End::Status(status) => {
+            assert_eq!(
+                status.code(),
+                Code::Unavailable,
+                "the Execute stream on the draining replica ends with UNAVAILABLE: {status:?}"
+            );
+            // Where to resume, also for a program to read.
+            use tonic_types::StatusExt;
+            let info = status.get_error_details().error_info().cloned().unwrap();
+            assert_eq!(info.reason, "REPLICA_SHUTTING_DOWN");
+            assert_eq!(
+                info.metadata["after_sequence"],
+                received.last().unwrap().sequence.to_string(),
+                "{status:?}"
+            );
+            assert_eq!(info.metadata["run"], run_id);
+        }
         other => panic!(
             "the Execute stream on the draining replica ended with {other:?}, not \
              UNAVAILABLE, after {received:#?}"

@@ -133,6 +133,17 @@ pub fn out_of_range(reason: &str, message: String, of: Option<(&str, &str)>) -> 
     Status::with_error_details(Code::OutOfRange, message, details)
 }
 
+/// `INTERNAL` with an `ErrorInfo`: what no client did wrong and no retry mends (state
+/// that cannot be read, a broken invariant).
+pub fn internal(reason: &str, message: String) -> Status {
+    let details = ErrorDetails::with_error_info(
+        reason,
+        ERROR_DOMAIN,
+        std::collections::HashMap::<String, String>::new(),
+    );
+    Status::with_error_details(Code::Internal, message, details)
+}
+
 /// `UNAVAILABLE` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn unavailable(reason: &str, message: String, retry_after: Duration) -> Status {
     unavailable_about(reason, message, retry_after, &[])

@@ -1359,13 +1359,15 @@ impl Assembler {
                 }
                 self.refusal.push_str(&text[..cut]);
             }
-            for text in [delta.reasoning_content, delta.reasoning]
-                .into_iter()
-                .flatten()
+            // One name or the other: servers that send the text under both (mlx, some
+            // proxies) send it once.
+            if let Some(text) = delta
+                .reasoning_content
+                .filter(|t| !t.is_empty())
+                .or(delta.reasoning)
+                .filter(|t| !t.is_empty())
             {
-                if !text.is_empty() {
-                    out.push_back(ChatDelta::Reasoning(text.into_owned()));
-                }
+                out.push_back(ChatDelta::Reasoning(text.into_owned()));
             }
             if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
                 self.think
@@ -1887,6 +1889,9 @@ mod tests {
     async fn reasoning_and_think_tags_become_reasoning() {
         let sse = concat!(
             "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"hmm\"}}]}\n\n",
+            // The same text under both names is the same text.
+            "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"!\",\"reasoning\":\"!\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"reasoning\":\"?\"}}]}\n\n",
             "data: {\"choices\":[{\"delta\":{\"content\":\"<think>more\"}}]}\n\n",
             "data: {\"choices\":[{\"delta\":{\"content\":\"</think>Four.\"},\"finish_reason\":\"stop\"}]}\n\n",
         );
@@ -1894,6 +1899,8 @@ mod tests {
             ok(run(sse).await),
             [
                 ChatDelta::Reasoning("hmm".into()),
+                ChatDelta::Reasoning("!".into()),
+                ChatDelta::Reasoning("?".into()),
                 ChatDelta::Reasoning("more".into()),
                 ChatDelta::Content("Four.".into()),
                 STOPPED,

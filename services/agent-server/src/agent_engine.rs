@@ -290,12 +290,14 @@ impl RunIds {
     }
 }
 
+/// `after`: the sequence the stream starts after (a `Subscribe`'s `after_sequence`).
 fn stream_events(
     events: EventStream,
     run: RunIds,
     mut guard: Option<CancelOnDisconnect>,
     draining: Option<tokio_util::sync::CancellationToken>,
     ticket: Option<StreamTicket>,
+    after: u64,
 ) -> EventResponseStream {
     let run_id = run.run_id.clone();
     let ids = Arc::new((
@@ -314,7 +316,7 @@ fn stream_events(
     // With shared state, a replica that shuts down ends its streams (its runs go on
     // elsewhere): the client resumes with `Subscribe` on another replica.
     Box::pin(futures_util::stream::unfold(
-        (Box::pin(events), Some(draining), 0_u64, run_id),
+        (Box::pin(events), Some(draining), after, run_id),
         |(mut events, draining, mut last, run_id)| async move {
             let draining = draining?;
             tokio::select! {
@@ -563,6 +565,7 @@ impl AgentEngine for AgentEngineImpl {
             guard,
             self.runs.draining(),
             ticket,
+            0,
         )))
     }
 
@@ -581,6 +584,7 @@ impl AgentEngine for AgentEngineImpl {
             None,
             self.runs.draining(),
             ticket,
+            request.after_sequence,
         )))
     }
 

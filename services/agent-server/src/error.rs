@@ -147,7 +147,9 @@ impl From<Error> for Status {
             | Error::Bus(BusError::Unavailable(message)) => {
                 status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))
             }
-            Error::State(error @ StateError::Corrupt { .. }) => Status::internal(error.to_string()),
+            Error::State(error @ StateError::Corrupt { .. }) => {
+                status::internal("STATE_CORRUPT", error.to_string())
+            }
             Error::State(error @ StateError::OverBudget { .. }) => status::resource_exhausted(
                 "BUDGET_EXCEEDED",
                 error.to_string(),
@@ -169,7 +171,9 @@ impl From<Error> for Status {
             Error::EventsLagged { ref run_id, .. } => {
                 status::out_of_range("EVENTS_LAGGED", error.to_string(), Some(("run", run_id)))
             }
-            Error::Bus(error @ BusError::DuplicateRun(_)) => Status::internal(error.to_string()),
+            Error::Bus(error @ BusError::DuplicateRun(_)) => {
+                status::internal("DUPLICATE_RUN", error.to_string())
+            }
             Error::EventsExpired(ref run_id) => {
                 status::out_of_range("EVENTS_EXPIRED", error.to_string(), Some(("run", run_id)))
             }
@@ -185,10 +189,11 @@ impl From<Error> for Status {
             error @ Error::WrongAnswer { .. } => {
                 status::failed_precondition("WRONG_ANSWER_KIND", error.to_string())
             }
-            error @ Error::ShuttingDown { .. } => status::unavailable(
+            Error::ShuttingDown { ref run_id, after } => status::unavailable_about(
                 "REPLICA_SHUTTING_DOWN",
                 error.to_string(),
                 Duration::from_millis(100),
+                &[("run", run_id), ("after_sequence", &after.to_string())],
             ),
             Error::RunStart(error) => match error {
                 RunStartError::Busy(active) => status::resource_exhausted(
