@@ -487,10 +487,12 @@ impl OpenAiChat {
                         };
                         match first {
                             Ok(()) => return Ok(Box::pin(deltas) as ChatStream),
-                            Err(lost) => ModelError::LostBeforeAnswer(format!(
+                            Err(ModelError::Lost(lost)) => ModelError::LostBeforeAnswer(format!(
                                 "{}: the connection was lost before the answer began: {lost}",
                                 self.site.who()
                             )),
+                            // An error the provider sent before the answer began.
+                            Err(error) => error,
                         }
                     }
                     Err(error) => error,
@@ -969,18 +971,22 @@ where
     S: Stream<Item = Result<bytes::Bytes, ModelError>> + Unpin,
 {
     /// Waits for the first delta, or the end, and leaves it to be taken; the connection's
-    /// loss (the text of [`ModelError::Lost`]) when it came first.
+    /// loss ([`ModelError::Lost`]), or an error a retry may mend (one the provider sent
+    /// in the stream with a rate limit's or an overloaded server's code), when it came
+    /// first.
     fn poll_first(
         &mut self,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Result<(), String>> {
+    ) -> std::task::Poll<Result<(), ModelError>> {
         use std::task::Poll;
         if !self.ready.is_empty() {
             return Poll::Ready(Ok(()));
         }
         match std::task::ready!(std::pin::Pin::new(&mut *self).poll_next(cx)) {
             Some(Ok(delta)) => self.ready.push_front(delta),
-            Some(Err(ModelError::Lost(lost))) => return Poll::Ready(Err(lost)),
+            // Nothing streamed yet: as transient as before the answer began.
+            Some(Err(error @ ModelError::Lost(_))) => return Poll::Ready(Err(error)),
+            Some(Err(error)) if error.is_retryable() => return Poll::Ready(Err(error)),
             // Given by the next poll, as it would have been.
             Some(Err(error)) => self.failure = Some(error),
             None => {}
@@ -1323,6 +1329,29 @@ struct Assembler {
     finished: bool,
 }
 
+/// The HTTP status an error object sent in the stream stands for, when it says one: its
+/// `code` as a status, or a code or type that names a rate limit or an overloaded server.
+fn in_stream_status(error: &Value) -> Option<u16> {
+    if let Some(code) = error["code"].as_u64().and_then(|c| u16::try_from(c).ok())
+        && (400..600).contains(&code)
+    {
+        return Some(code);
+    }
+    let named = |key: &str| error[key].as_str().unwrap_or_default().to_ascii_lowercase();
+    [named("code"), named("type")]
+        .iter()
+        .find_map(|name| match name.as_str() {
+            "rate_limit_exceeded" | "rate_limit_error" | "too_many_requests" => Some(429),
+            "server_error"
+            | "overloaded"
+            | "overloaded_error"
+            | "service_unavailable"
+            | "internal_server_error"
+            | "api_error" => Some(503),
+            _ => None,
+        })
+}
+
 /// What is kept of a refusal's text: it is said in an error message, not streamed.
 const MAX_REFUSAL_BYTES: usize = 4096;
 
@@ -1332,9 +1361,18 @@ impl Assembler {
             let message = error["message"]
                 .as_str()
                 .map_or_else(|| error.to_string(), str::to_owned);
-            return Err(ModelError::Stream(format!(
-                "provider reported an error: {message}"
-            )));
+            let message = format!("provider reported an error: {message}");
+            // One a status would have said (a rate limit, an overloaded server, as
+            // OpenRouter, Azure and LiteLLM send them in a stream already begun) is that
+            // status: before anything streamed, the call is tried again.
+            return Err(match in_stream_status(&error) {
+                Some(status) => ModelError::Http {
+                    status,
+                    message,
+                    retry_after: None,
+                },
+                None => ModelError::Stream(message),
+            });
         }
         if let Some(usage) = chunk.usage {
             // Both figures, or none: a missing one is not zero, and servers that do not
@@ -2206,6 +2244,28 @@ mod tests {
     async fn in_stream_errors_are_reported() {
         let deltas = run("data: {\"error\":{\"message\":\"overloaded\"}}\n\n").await;
         assert!(matches!(&deltas[0], Err(ModelError::Stream(m)) if m.contains("overloaded")));
+        // With a code a status would have said: that status, retried before any text.
+        for (error, status) in [
+            (r#"{"message": "Rate limit exceeded", "code": 429}"#, 429),
+            (r#"{"message": "busy", "code": "rate_limit_exceeded"}"#, 429),
+            (
+                r#"{"message": "Overloaded", "type": "overloaded_error"}"#,
+                503,
+            ),
+            (r#"{"message": "oops", "code": 502}"#, 502),
+        ] {
+            let deltas = run(&format!("data: {{\"error\": {error}}}\n\n")).await;
+            assert!(
+                matches!(&deltas[0], Err(e @ ModelError::Http { status: s, .. }) if *s == status && e.is_retryable()),
+                "{error}: {deltas:?}"
+            );
+        }
+        let deltas =
+            run("data: {\"error\": {\"message\": \"no\", \"code\": \"invalid_prompt\"}}\n\n").await;
+        assert!(
+            matches!(&deltas[0], Err(ModelError::Stream(_))),
+            "{deltas:?}"
+        );
     }
 
     #[test]
