@@ -400,6 +400,44 @@ async fn a_client_that_disconnects_cancels_its_run_unless_detached() {
     );
 }
 
+/// A retry with `detach` of a run started without it keeps the run going when the first
+/// client goes away: the retry's stream gets the run's answer, not a cancel.
+#[tokio::test]
+async fn a_detached_retry_keeps_its_run_when_the_first_client_leaves() {
+    let mut s = stack().await;
+    let engine_id = s.engine_for(agent("slow", &[])).await;
+    let request = v1::ExecuteRequest {
+        engine_id,
+        query: "stay".into(),
+        message_id: "m-detached-retry".into(),
+        ..Default::default()
+    };
+    let mut first = s
+        .engine
+        .execute(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    let run_id = first.next().await.unwrap().unwrap().run_id;
+    let retried = s
+        .engine
+        .execute(v1::ExecuteRequest {
+            detach: true,
+            ..request
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    drop(first);
+    let events = collect(retried).await;
+    assert!(events.iter().all(|e| e.run_id == run_id), "the same run");
+    assert_eq!(
+        done(&events)["stop_reason"],
+        "final_answer",
+        "the run outlives the client that left: {events:#?}"
+    );
+}
+
 /// Starts a run of `engine_id` with `message_id` and retries it at once: both streams,
 /// and the retry's first event (checked to be the first run's).
 async fn execute_and_retry(

@@ -555,6 +555,10 @@ impl AgentEngine for AgentEngineImpl {
             }
         };
         let guard = if request.detach {
+            // A retry with `detach` of a run started without: it now outlives its clients.
+            if !first {
+                self.runs.keep(&run.run_id);
+            }
             None
         } else {
             CancelOnDisconnect::attach(&self.runs, &run.run_id, first)

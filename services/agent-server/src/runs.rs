@@ -872,6 +872,14 @@ impl RunManager {
         }
     }
 
+    /// A retry of `run_id` with `detach` asks that it outlive its clients: disconnects no
+    /// longer cancel it (the first stream's broken connection, noticed later, included).
+    pub fn keep(&self, run_id: &str) {
+        if let Some(run) = self.lock().get_mut(run_id) {
+            run.kept = true;
+        }
+    }
+
     /// A stream counted by [`RunManager::attach`] ended: its client went away (`gone`),
     /// which cancels the run when no other such stream is left, or it ended otherwise,
     /// after which disconnects no longer cancel the run.
