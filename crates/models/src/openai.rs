@@ -186,11 +186,25 @@ pub(crate) fn request_headers(
     headers.insert(ACCEPT, HeaderValue::from_static(accept));
     let key = settings.api_key.expose();
     if !key.is_empty() {
-        let mut value = HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+        let (name, value) = match settings.api_key_header.as_deref() {
+            Some(name) => (
+                http::header::HeaderName::from_bytes(name.as_bytes())
+                    .ok()
+                    .filter(|name| *name != CONTENT_TYPE && *name != ACCEPT)
+                    .ok_or_else(|| {
+                        ModelError::Misconfigured(format!(
+                            "api_key_header {name:?} is not a header the key can go in"
+                        ))
+                    })?,
+                key.to_owned(),
+            ),
+            None => (AUTHORIZATION, format!("Bearer {key}")),
+        };
+        let mut value = HeaderValue::try_from(value).map_err(|_| {
             ModelError::Connect("the API key holds characters a header cannot carry".into())
         })?;
         value.set_sensitive(true);
-        headers.insert(AUTHORIZATION, value);
+        headers.insert(name, value);
     }
     Ok(headers)
 }
@@ -2394,6 +2408,32 @@ mod tests {
                 arguments: r#"{"x":[1,"two"]}"#.into(),
             })
         );
+    }
+
+    #[test]
+    fn the_key_goes_in_the_header_the_provider_names() {
+        let settings = |header: Option<&str>| ProviderSettings {
+            kind: crate::ProviderKind::Openai,
+            base_url: "https://me.openai.azure.com/openai/deployments/d".into(),
+            api_key: agentrt_core::Secret::new("k3y"),
+            api_key_env: None,
+            api_key_header: header.map(str::to_owned),
+            http2_prior_knowledge: false,
+            http_client: crate::HttpClient::Lean,
+        };
+        let bearer = request_headers(&settings(None), "text/event-stream").unwrap();
+        assert_eq!(bearer[AUTHORIZATION], "Bearer k3y");
+        // Azure OpenAI's way: the key as it is, in `api-key`.
+        let azure = request_headers(&settings(Some("api-key")), "text/event-stream").unwrap();
+        assert_eq!(azure["api-key"], "k3y");
+        assert!(azure[&"api-key".parse::<http::header::HeaderName>().unwrap()].is_sensitive());
+        assert!(azure.get(AUTHORIZATION).is_none());
+        for bad in ["bad header", "content-type"] {
+            assert!(
+                matches!(request_headers(&settings(Some(bad)), "x"), Err(ModelError::Misconfigured(m)) if m.contains("api_key_header")),
+                "{bad}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -28,6 +28,10 @@ pub struct ProviderSettings {
     /// Name of an environment variable holding the API key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key_env: Option<String>,
+    /// The header the key goes in, as it is (Azure OpenAI's `api-key`); by default
+    /// `Authorization: Bearer <key>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_key_header: Option<String>,
     /// Speak HTTP/2 from the first byte on a plain `http://` URL (h2c with prior
     /// knowledge), for servers that accept it, such as the simulator. One connection then
     /// carries every call at once. `https://` URLs negotiate HTTP/2 by themselves.
@@ -85,6 +89,14 @@ pub enum ProviderError {
     /// A provider name is empty or malformed.
     #[error("provider name {0:?} must be non-empty letters, digits, '_' or '-'")]
     BadName(String),
+    /// The header named for the key is not one it can go in.
+    #[error("provider {name:?}: api_key_header {header:?} is not a header the key can go in")]
+    BadKeyHeader {
+        /// The provider.
+        name: String,
+        /// The header given.
+        header: String,
+    },
 }
 
 /// The providers of this server, by name, with the one used when a config names none.
@@ -114,6 +126,7 @@ impl ProviderRegistry {
                         base_url: base_url.unwrap_or_else(|| "https://api.openai.com/v1".into()),
                         api_key: api_key.map(Secret::new).unwrap_or_default(),
                         api_key_env: None,
+                        api_key_header: None,
                         http2_prior_knowledge: false,
                         http_client: HttpClient::Lean,
                     },
@@ -151,6 +164,15 @@ impl ProviderRegistry {
                 return Err(invalid(
                     "has a fragment (`#...`), which no request sends".to_owned(),
                 ));
+            }
+            if let Some(header) = &settings.api_key_header
+                && !http::header::HeaderName::from_bytes(header.as_bytes())
+                    .is_ok_and(|h| h != http::header::CONTENT_TYPE && h != http::header::ACCEPT)
+            {
+                return Err(ProviderError::BadKeyHeader {
+                    name: name.clone(),
+                    header: header.clone(),
+                });
             }
             if settings.api_key.is_empty()
                 && let Some(var) = &settings.api_key_env
@@ -248,6 +270,7 @@ mod tests {
             base_url: "http://localhost:11434/v1".into(),
             api_key: Secret::default(),
             api_key_env: Some("LOCAL_KEY".into()),
+            api_key_header: None,
             http2_prior_knowledge: false,
             http_client: HttpClient::Lean,
         };
@@ -288,6 +311,28 @@ mod tests {
             let error = ProviderRegistry::new(providers.clone(), None, env_of(&[])).unwrap_err();
             assert!(error.to_string().contains(says), "{url}: {error}");
         }
+        providers.remove("ftp");
+        providers.insert(
+            "azure".into(),
+            ProviderSettings {
+                api_key_header: Some("api key".into()),
+                ..local.clone()
+            },
+        );
+        assert_eq!(
+            ProviderRegistry::new(providers.clone(), None, env_of(&[]))
+                .unwrap_err()
+                .to_string(),
+            "provider \"azure\": api_key_header \"api key\" is not a header the key can go in"
+        );
+        providers.insert(
+            "azure".into(),
+            ProviderSettings {
+                api_key_header: Some("api-key".into()),
+                ..local
+            },
+        );
+        assert!(ProviderRegistry::new(providers, None, env_of(&[])).is_ok());
     }
 
     #[test]

@@ -73,6 +73,7 @@ fn client_of(url: &str, http2_prior_knowledge: bool, http_client: HttpClient) ->
         base_url: url.into(),
         api_key: Secret::new("k"),
         api_key_env: None,
+        api_key_header: None,
         http2_prior_knowledge,
         http_client,
     };
@@ -785,6 +786,7 @@ mod rerank {
             base_url: url.into(),
             api_key: Secret::new("k"),
             api_key_env: None,
+            api_key_header: None,
             http2_prior_knowledge,
             http_client: HttpClient::Lean,
         })

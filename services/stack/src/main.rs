@@ -93,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
                 base_url: format!("http://{}/v1", listener.local_addr()?),
                 api_key: agentrt_core::Secret::default(),
                 api_key_env: None,
+                api_key_header: None,
                 http2_prior_knowledge: true,
                 http_client: agentrt_models::HttpClient::Lean,
             },
