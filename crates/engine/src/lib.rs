@@ -1163,6 +1163,28 @@ impl Engine {
                     ));
                 }
                 let cut_short = finish == FinishReason::Length;
+                if cut_short
+                    && let Some(call) = calls
+                        .iter()
+                        .find(|call| parse_arguments(&call.arguments).is_err())
+                {
+                    // Cut off inside a call's arguments: not the model's mistake to show it,
+                    // and the next round would be cut the same way.
+                    return Err(Outcome::Failed(
+                        StopReason::MaxTokens,
+                        RunError {
+                            code: "MODEL_MAX_TOKENS".into(),
+                            message: format!(
+                                "the model reached its token limit (finish_reason: length) \
+                                 inside the arguments of its call of {:?}; raise \
+                                 model.max_tokens",
+                                call.name.chars().take(64).collect::<String>()
+                            ),
+                            category: "model",
+                            retryable: false,
+                        },
+                    ));
+                }
                 if finish == FinishReason::ToolCalls && calls.is_empty() && parser.is_none() {
                     // Its calls were lost (none readable, none named): the text beside them
                     // ("let me look that up") is not an answer.

@@ -1497,6 +1497,33 @@ async fn an_answer_the_content_filter_stopped_is_a_model_error_not_an_answer() {
 }
 
 #[tokio::test]
+async fn a_reply_cut_at_max_tokens_inside_a_calls_arguments_ends_the_run_so() {
+    let (data, record) = failed_round(vec![
+        call(
+            "c1",
+            "write",
+            r#"{"path": "a.txt", "text": "once upon a ti"#,
+        ),
+        ChatDelta::Finish {
+            reason: FinishReason::Length,
+            usage: None,
+        },
+    ])
+    .await;
+    assert_eq!(data["code"], "MODEL_MAX_TOKENS", "{data}");
+    assert_eq!(data["stop_reason"], "max_tokens", "{data}");
+    assert!(
+        data["message"].as_str().unwrap().contains("\"write\""),
+        "{data}"
+    );
+    assert_eq!(record.stop_reason, Some(StopReason::MaxTokens));
+    assert!(
+        record.steps.iter().all(|s| s.tool_calls.is_empty()),
+        "nothing ran"
+    );
+}
+
+#[tokio::test]
 async fn a_reply_for_tool_calls_without_a_readable_call_is_a_model_error_not_an_answer() {
     let (data, record) = failed_round(vec![
         ChatDelta::Content("Let me look that up.".into()),
