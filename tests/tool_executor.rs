@@ -169,6 +169,25 @@ async fn unknown_tools_and_missing_names_are_told_apart() {
         status.get_details_bad_request().unwrap().field_violations[0].field,
         "tool_name"
     );
+
+    // Names and ids past 256 bytes are refused before anything runs, each named.
+    let status = client
+        .execute_tool(v1::ExecuteToolRequest {
+            call_id: "c".repeat(300),
+            ..call(&"t".repeat(1000), json!({}))
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().len() < 1024, "{}", status.message());
+    let fields: Vec<String> = status
+        .get_details_bad_request()
+        .unwrap()
+        .field_violations
+        .iter()
+        .map(|v| v.field.clone())
+        .collect();
+    assert_eq!(fields, ["tool_name", "call_id"]);
 }
 
 /// A client without a timer of its own: tonic's `Channel` also ends a call locally when its

@@ -2055,6 +2055,11 @@ async fn read_reply(
 /// that sends two calls under one id, or none, would otherwise make their results and
 /// answers indistinguishable.
 fn add_call(calls: &mut Vec<ModelToolCall>, mut call: ModelToolCall) {
+    // An id longer than any provider's (they are a few dozen characters) is the model's
+    // invention: it would go into every event, key and answer; it is replaced.
+    if call.id.len() > MAX_CALL_ID_BYTES {
+        call.id.clear();
+    }
     if call.id.is_empty() || calls.iter().any(|c| c.id == call.id) {
         let stem = if call.id.is_empty() { "call" } else { &call.id };
         let mut n = calls.len();
@@ -2067,6 +2072,9 @@ fn add_call(calls: &mut Vec<ModelToolCall>, mut call: ModelToolCall) {
     }
     calls.push(call);
 }
+
+/// Longest call id kept as the model gave it, in bytes.
+const MAX_CALL_ID_BYTES: usize = 64;
 
 /// Tokens a model generated, counted by the server for a provider that reports none.
 fn estimate_completion(reasoning: &str, content: &str, calls: &[ModelToolCall]) -> u64 {
@@ -2178,6 +2186,20 @@ fn stopped_error(reason: StopReason) -> RunError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn call_ids_past_their_bound_are_replaced() {
+        let call = |id: String| ModelToolCall {
+            id,
+            name: "t".into(),
+            arguments: "{}".into(),
+        };
+        let mut calls = Vec::new();
+        add_call(&mut calls, call("x".repeat(MAX_CALL_ID_BYTES + 1)));
+        add_call(&mut calls, call("x".repeat(MAX_CALL_ID_BYTES)));
+        assert_eq!(calls[0].id, "call_0");
+        assert_eq!(calls[1].id, "x".repeat(MAX_CALL_ID_BYTES));
+    }
 
     #[test]
     fn an_output_cut_twice_keeps_the_size_the_tool_executor_named() {

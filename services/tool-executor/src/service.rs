@@ -88,6 +88,26 @@ impl ToolExecutor for ToolExecutorService {
                 &[Violation::new("tool_name", "required")],
             ));
         }
+        // Names and ids go into logs, metrics, errors and the calls' headers: bounded,
+        // and refused before anything runs.
+        let too_long: Vec<Violation> = [
+            ("tool_name", &request.tool_name),
+            ("call_id", &request.call_id),
+            ("run_id", &request.run_id),
+            ("session_id", &request.session_id),
+        ]
+        .into_iter()
+        .filter(|(_, value)| value.len() > MAX_ID_BYTES)
+        .map(|(field, value)| {
+            Violation::new(
+                field,
+                format!("at most {MAX_ID_BYTES} bytes, got {}", value.len()),
+            )
+        })
+        .collect();
+        if !too_long.is_empty() {
+            return Err(status::invalid_argument("invalid tool call", &too_long));
+        }
         let arguments = request
             .arguments
             .as_ref()
@@ -140,6 +160,14 @@ impl ToolExecutor for ToolExecutorService {
                 ExecuteError::Unavailable { .. } => "unavailable",
                 ExecuteError::NotFound(_) | ExecuteError::InvalidArguments { .. } => "error",
             };
+            // A name the caller made up (none listed, or under a source that is down) is
+            // no series of its own: callers cannot use up the metric's tool names.
+            if matches!(
+                e,
+                ExecuteError::NotFound(_) | ExecuteError::Unavailable { .. }
+            ) {
+                ended.tool = "unknown";
+            }
             execute_error_to_status(&e)
         })?;
         ended.outcome = match (output.timed_out, output.is_error) {
@@ -173,6 +201,9 @@ impl ToolExecutor for ToolExecutorService {
         Ok(Response::new(answer))
     }
 }
+
+/// Longest tool name, call id, run id or session id a call may give, in bytes.
+const MAX_ID_BYTES: usize = 256;
 
 /// A tool call as it ends: logged and counted by outcome when dropped.
 struct Ended<'a> {
