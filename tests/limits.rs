@@ -185,6 +185,11 @@ async fn messages_beyond_the_size_limit_are_refused_and_the_server_goes_on() {
             && status.message().contains("the limit is: 4096 bytes"),
         "{status:?}"
     );
+    assert_eq!(
+        status.get_details_error_info().unwrap().reason,
+        "MESSAGE_TOO_LARGE",
+        "{status:?}"
+    );
     // The same connection still serves calls within the limit.
     let small = execute(&engine_id, &"q".repeat(3000));
     assert_eq!(answer(&mut s.engine, small).await, "quick");

@@ -173,9 +173,13 @@ fn oversize_is_resource_exhausted(headers: &mut HeaderMap) -> bool {
     let Some(found) = status.message().strip_prefix(TONIC_TOO_LARGE) else {
         return false;
     };
-    let exhausted = tonic::Status::resource_exhausted(format!(
-        "request message larger than the server accepts (server.max_message_bytes): {found}"
-    ));
+    // With the reason an oversized answer has, for clients that branch on it.
+    let exhausted = crate::status::resource_exhausted_for_good(
+        "MESSAGE_TOO_LARGE",
+        format!(
+            "request message larger than the server accepts (server.max_message_bytes): {found}"
+        ),
+    );
     exhausted.add_header(headers).is_ok()
 }
 
