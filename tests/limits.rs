@@ -98,11 +98,15 @@ async fn start_slow(
     engine: &mut AgentEngineClient<Channel>,
     engine_id: &str,
 ) -> (v1::AgentStreamEvent, Streaming<v1::AgentStreamEvent>) {
-    let mut running = engine
-        .execute(execute(engine_id, "take your time"))
-        .await
-        .unwrap()
-        .into_inner();
+    start(engine, execute(engine_id, "take your time")).await
+}
+
+/// Starts `request`: its first event and the rest of its stream.
+async fn start(
+    engine: &mut AgentEngineClient<Channel>,
+    request: v1::ExecuteRequest,
+) -> (v1::AgentStreamEvent, Streaming<v1::AgentStreamEvent>) {
+    let mut running = engine.execute(request).await.unwrap().into_inner();
     let first = running.next().await.unwrap().unwrap();
     (first, running)
 }
@@ -230,20 +234,18 @@ async fn a_retry_gets_its_run_back_when_no_room_is_left() {
         message_id: "order-17".into(),
         ..execute(&slow, "take your time")
     };
-    let mut running = s
+    let (first, running) = start(&mut s.engine, request.clone()).await;
+    // The same key with another query is another request: refused as such, not for room.
+    let status = s
         .engine
-        .execute(request.clone())
+        .execute(v1::ExecuteRequest {
+            query: "something else".into(),
+            ..request.clone()
+        })
         .await
-        .unwrap()
-        .into_inner();
-    let first = running.next().await.unwrap().unwrap();
-    let mut retried = s
-        .engine
-        .execute(request)
-        .await
-        .expect("a retry is not refused for room")
-        .into_inner();
-    let again = retried.next().await.unwrap().unwrap();
+        .unwrap_err();
+    assert_eq!(status.code(), Code::AlreadyExists, "{status:?}");
+    let (again, retried) = start(&mut s.engine, request).await;
     assert_eq!(again.run_id, first.run_id, "the same run");
     assert_eq!(
         final_text(Some(again), retried).await,

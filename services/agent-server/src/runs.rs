@@ -177,6 +177,16 @@ struct LocalRun {
     kept: bool,
 }
 
+/// What the run holding a message id's key is to a request with that key.
+enum Holder {
+    /// The same request's run: the request gets it back.
+    Same(String),
+    /// A run its client gave up: a new run replaces it.
+    GivenUp(String),
+    /// A run whose record is not written (yet, or ever).
+    Unwritten(String),
+}
+
 /// Whether a run's task ended, and its waiters. (A `watch` channel did this in 344 bytes
 /// per run in flight, for its eight wait lists; this takes 48.)
 #[derive(Default)]
@@ -740,9 +750,8 @@ impl RunManager {
         );
     }
 
-    /// Claims the run's message id; `Some` with the run that already has it.
-    /// The run a retry of `spec` would get back (the same message id, query and engine,
-    /// not given up by its client), claiming nothing.
+    /// The run a retry of `spec` would get back, claiming nothing; `MESSAGE_ID_REUSED`
+    /// when its key is another request's.
     async fn existing(&self, spec: &RunSpec) -> Result<Option<String>, RunStartError> {
         let Some(holder) = self
             .store
@@ -751,23 +760,41 @@ impl RunManager {
         else {
             return Ok(None);
         };
+        Ok(match self.judge(spec, holder).await? {
+            Holder::Same(holder) => Some(holder),
+            Holder::GivenUp(_) | Holder::Unwritten(_) => None,
+        })
+    }
+
+    /// What the run `holder`, which holds the key of `spec`, is to a request of `spec`.
+    async fn judge(&self, spec: &RunSpec, holder: String) -> Result<Holder, RunStartError> {
         let abandoned_here = self
             .lock()
             .get(&holder)
             .is_some_and(|run| run.control.is_abandoned());
         Ok(match self.store.load(&holder).await? {
-            Some(record)
-                if !record.abandoned
-                    && !abandoned_here
-                    && record.query == spec.query
-                    && record.engine_id == spec.engine_id =>
-            {
-                Some(holder)
+            Some(record) if !record.abandoned && !abandoned_here => {
+                // A repeat gets the run back, provided it asks the same.
+                if record.query == spec.query && record.engine_id == spec.engine_id {
+                    Holder::Same(holder)
+                } else {
+                    return Err(RunStartError::MessageIdReused {
+                        message_id: spec.message_id.clone(),
+                        run_id: holder,
+                        what: if record.query == spec.query {
+                            "on another engine"
+                        } else {
+                            "with another query"
+                        },
+                    });
+                }
             }
-            _ => None,
+            Some(_) => Holder::GivenUp(holder),
+            None => Holder::Unwritten(holder),
         })
     }
 
+    /// Claims the run's message id; `Some` with the run that already has it.
     async fn claim(&self, spec: &RunSpec) -> Result<Option<String>, RunStartError> {
         let mut replacing: Option<String> = None;
         let mut waited = Duration::ZERO;
@@ -785,36 +812,18 @@ impl RunManager {
                 Claim::Claimed => return Ok(None),
                 Claim::Taken(holder) => holder,
             };
-            let abandoned_here = self
-                .lock()
-                .get(&holder)
-                .is_some_and(|run| run.control.is_abandoned());
-            match self.store.load(&holder).await? {
-                Some(record) if !record.abandoned && !abandoned_here => {
-                    // A repeat gets the run back, provided it asks the same.
-                    if record.query == spec.query && record.engine_id == spec.engine_id {
-                        return Ok(Some(holder));
-                    }
-                    return Err(RunStartError::MessageIdReused {
-                        message_id: spec.message_id.clone(),
-                        run_id: holder,
-                        what: if record.query == spec.query {
-                            "on another engine"
-                        } else {
-                            "with another query"
-                        },
-                    });
-                }
+            match self.judge(spec, holder).await? {
+                Holder::Same(holder) => return Ok(Some(holder)),
                 // Given up by its client: a retry gets a new run (the old one stays
                 // readable by its id).
-                Some(_) => replacing = Some(holder),
+                Holder::GivenUp(holder) => replacing = Some(holder),
                 // Claimed a moment ago, its record not written yet; or its replica died
                 // before writing it.
-                None if waited < CLAIM_PATIENCE => {
+                Holder::Unwritten(_) if waited < CLAIM_PATIENCE => {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                     waited += Duration::from_millis(20);
                 }
-                None => replacing = Some(holder),
+                Holder::Unwritten(holder) => replacing = Some(holder),
             }
         }
     }
