@@ -1,6 +1,6 @@
 //! The HTTP client outside tool sources are reached with.
 
-use std::time::Duration;
+use std::{error::Error as StdError, time::Duration};
 
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -17,4 +17,48 @@ pub(crate) fn client() -> Result<reqwest::Client, String> {
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .map_err(|e| format!("cannot build the HTTP client: {e}"))
+}
+
+/// What went wrong with a request to a tool source, in words: its kind and its cause,
+/// never the error's own text, where reqwest names the URL (whose query may hold the
+/// source's secrets: the words reach the model and the logs).
+pub(crate) fn request_error(error: &reqwest::Error) -> String {
+    if error.is_timeout() {
+        return "the request timed out".into();
+    }
+    let what = if error.is_connect() {
+        "it cannot be reached"
+    } else {
+        "the request failed"
+    };
+    match error.source() {
+        Some(cause) => format!("{what} ({})", quoted(&innermost(cause))),
+        None => what.into(),
+    }
+}
+
+/// The message of the last error in `error`'s chain: the cause, without the wrappers.
+pub(crate) fn innermost(error: &(dyn StdError + 'static)) -> String {
+    let mut error = error;
+    while let Some(source) = error.source() {
+        error = source;
+    }
+    error.to_string()
+}
+
+/// Longest text of a server's quoted in a message, in bytes.
+const MAX_QUOTED_BYTES: usize = 200;
+
+/// `text` from a server, on one line and cut to [`MAX_QUOTED_BYTES`].
+pub(crate) fn quoted(text: &str) -> String {
+    let mut text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if text.len() > MAX_QUOTED_BYTES {
+        let mut end = MAX_QUOTED_BYTES;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
 }

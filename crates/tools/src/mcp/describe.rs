@@ -10,8 +10,7 @@ use rmcp::{
     transport::streamable_http_client::{HttpStatusError, StreamableHttpError},
 };
 
-/// Longest piece of a server's own text (an unexpected answer's body) quoted.
-const MAX_QUOTED_BYTES: usize = 200;
+use crate::http::{innermost, quoted, request_error};
 
 /// Why a request failed, as a clause about the server: "it answered HTTP 502".
 pub(super) fn service_error(error: &ServiceError) -> String {
@@ -138,39 +137,6 @@ fn http_error(error: &StreamableHttpError<reqwest::Error>) -> String {
         StreamableHttpError::Deserialize(_) => "its answer is not valid JSON-RPC".into(),
         _ => format!("the request failed ({})", quoted(&innermost(error))),
     }
-}
-
-fn request_error(error: &reqwest::Error) -> String {
-    if error.is_timeout() {
-        "the request timed out".into()
-    } else if error.is_connect() {
-        format!("it cannot be reached ({})", quoted(&innermost(error)))
-    } else {
-        format!("the request failed ({})", quoted(&innermost(error)))
-    }
-}
-
-/// The message of the last error in `error`'s chain: the cause, without the wrappers.
-fn innermost(error: &(dyn StdError + 'static)) -> String {
-    let mut error = error;
-    while let Some(source) = error.source() {
-        error = source;
-    }
-    error.to_string()
-}
-
-/// `text` from a server, on one line and cut to [`MAX_QUOTED_BYTES`].
-fn quoted(text: &str) -> String {
-    let mut text = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    if text.len() > MAX_QUOTED_BYTES {
-        let mut end = MAX_QUOTED_BYTES;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-        text.push('…');
-    }
-    text
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use tracing::{info, warn};
 
 use crate::{
     CallError, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset, check_source_name,
-    offered_name, secret::SecretRef, truncate_text,
+    http::request_error, offered_name, secret::SecretRef, truncate_text,
 };
 use document::{Location, Operation, Parameter, Style};
 
@@ -623,7 +623,7 @@ impl OpenApiToolset {
                 if let Some(body) = body {
                     request = request.body(body);
                 }
-                let response = request.send().await.map_err(request_failure)?;
+                let response = request.send().await.map_err(|e| request_error(&e))?;
                 let mut reply = Reply {
                     status: response.status(),
                     location: response
@@ -649,7 +649,7 @@ impl OpenApiToolset {
                 let mut stream = response.bytes_stream();
                 while let Some(chunk) = stream.next().await {
                     let chunk =
-                        chunk.map_err(|e| format!("reading the body: {}", request_failure(e)))?;
+                        chunk.map_err(|e| format!("reading the body: {}", request_error(&e)))?;
                     if reply.body.len() + chunk.len() > self.max_response_bytes {
                         reply.too_large = true;
                         return Ok(reply);
@@ -714,23 +714,6 @@ impl OpenApiToolset {
     }
 }
 
-/// What went wrong with a request, without its URL: its query may hold the source's
-/// secrets (reqwest names the URL in its errors), and the output goes to the model.
-fn request_failure(error: reqwest::Error) -> String {
-    let kind = if error.is_timeout() {
-        "timed out"
-    } else if error.is_connect() {
-        "could not connect"
-    } else {
-        "failed"
-    };
-    let error = error.without_url();
-    let mut cause: &(dyn std::error::Error + 'static) = &error;
-    while let Some(source) = cause.source() {
-        cause = source;
-    }
-    format!("the request {kind} ({cause})")
-}
 /// `url` parsed as a base URL: absolute, `http` or `https`, with a host.
 fn check_base_url(url: &str) -> std::result::Result<reqwest::Url, String> {
     let parsed = reqwest::Url::parse(url).map_err(|e| e.to_string())?;

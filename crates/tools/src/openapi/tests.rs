@@ -684,7 +684,7 @@ async fn failures_never_show_the_sources_secret_query() {
         .await
         .unwrap();
     assert!(out.is_error, "{out:?}");
-    assert!(out.text.contains("could not connect"), "{}", out.text);
+    assert!(out.text.contains("it cannot be reached"), "{}", out.text);
     assert!(!out.text.contains("k3y"), "{}", out.text);
 
     let redirect = Reply {
