@@ -106,20 +106,10 @@ pub struct OpenAiChat {
 /// Whether `url` is OpenAI's or Azure OpenAI's API, whose reasoning models refuse
 /// `max_tokens` and take `max_completion_tokens`.
 fn takes_max_completion_tokens(url: &str) -> bool {
-    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let host = after_scheme
-        .split(['/', '?', '#'])
-        .next()
-        .unwrap_or_default()
-        .rsplit('@')
-        .next()
-        .unwrap_or_default();
-    let host = host
-        .split(':')
-        .next()
-        .unwrap_or_default()
-        .to_ascii_lowercase();
-    host == "api.openai.com" || host.ends_with(".openai.azure.com")
+    reqwest::Url::parse(url)
+        .ok()
+        .and_then(|url| url.host_str().map(str::to_ascii_lowercase))
+        .is_some_and(|host| host == "api.openai.com" || host.ends_with(".openai.azure.com"))
 }
 
 /// Who the calls go to, as errors and logs name it.
