@@ -212,7 +212,16 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
                      operation is one tool, named by its operationId"
                 ));
             }
-            match operation(&doc, legacy, path, method, &item, op, id) {
+            match operation(
+                &doc,
+                first_server.as_deref(),
+                legacy,
+                path,
+                method,
+                &item,
+                op,
+                id,
+            ) {
                 Ok((operation, external)) => {
                     if !external.is_empty() {
                         loose.push(format!(
@@ -235,8 +244,10 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
     })
 }
 
+#[allow(clippy::too_many_arguments)] // the document, once read, and the operation's place in it
 fn operation(
     doc: &Value,
+    first_server: Option<&str>,
     legacy: bool,
     path: &str,
     method: &str,
@@ -253,7 +264,7 @@ fn operation(
         .find_map(|at| at["servers"].get(0))
         .and_then(server_url);
     if let Some(own) = own_server
-        && Some(&own) != doc["servers"].get(0).and_then(server_url).as_ref()
+        && Some(own.as_str()) != first_server
     {
         return Err(format!(
             "it is served from {own:?}, not from the document's server, which is the one \
