@@ -837,12 +837,31 @@ impl Engine {
             timeout: config.timeouts.model_call,
             cancel,
         };
-        let system = strategy.system_message(config, &spec.tools).map(|m| {
-            let tokens = counter.message(&m);
-            (m, tokens)
-        });
+        // Always sent: the system prompt, and the system messages a client's context
+        // starts with (its instructions, never the first thing dropped to fit).
+        let mut pinned: Vec<(ChatMessage, u32)> = strategy
+            .system_message(config, &spec.tools)
+            .into_iter()
+            .chain(spec.llm_context.iter().flat_map(|messages| {
+                messages
+                    .iter()
+                    .take_while(|m| matches!(m, ChatMessage::System(_)))
+                    .cloned()
+            }))
+            .map(|m| {
+                let tokens = counter.message(&m);
+                (m, tokens)
+            })
+            .collect();
+        pinned.shrink_to_fit();
         let history = match &spec.llm_context {
-            Some(messages) => Exchange::group(messages.clone(), counter),
+            Some(messages) => {
+                let leading = messages
+                    .iter()
+                    .take_while(|m| matches!(m, ChatMessage::System(_)))
+                    .count();
+                Exchange::group(messages[leading..].to_vec(), counter)
+            }
             None => {
                 let mut history = self
                     .sessions
@@ -903,19 +922,22 @@ impl Engine {
                         );
                     }
                     let fitted = fit(
-                        system.as_ref().map(|(m, t)| (m, *t)),
+                        &pinned,
                         &history,
                         &state.messages,
                         if with_tools { reserved } else { 0 },
                         config.context.max_prompt_tokens,
+                        counter,
                     );
                     if asked {
                         state.messages.pop();
                     }
-                    if fitted.dropped > 0 {
+                    if fitted.dropped + fitted.compacted + fitted.shortened > 0 {
                         debug!(
                             dropped = fitted.dropped,
-                            "history trimmed to the token budget"
+                            compacted = fitted.compacted,
+                            shortened = fitted.shortened,
+                            "prompt fitted to the token budget"
                         );
                     }
                     let tools = if with_tools {

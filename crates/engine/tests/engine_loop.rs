@@ -838,6 +838,43 @@ async fn long_tool_outputs_are_cut_with_a_marker_before_the_model_sees_them() {
     assert_eq!(step.tool_calls[0].output, *outputs[0]);
 }
 
+#[tokio::test]
+async fn a_turn_over_the_token_budget_sends_its_tool_results_shortened_not_whole() {
+    let h = harness(calls_then_done(vec![call(
+        "big",
+        "calc",
+        r#"{"output_bytes":40000}"#,
+    )]));
+    let mut config = config(Strategy::FunctionCall, &["calc"]);
+    config.context.max_prompt_tokens = 2000;
+    let (events, _) = h.run("r1", config, Arc::default()).await;
+    assert_well_formed(&events);
+    let requests = h.model.requests.lock().unwrap();
+    let counter = agentrt_context::TokenCounter::shared();
+    let sent: u32 = requests[1]
+        .messages
+        .iter()
+        .map(|m| counter.message(m))
+        .sum();
+    assert!(
+        sent <= 2000,
+        "{sent} tokens of messages for a budget of 2000"
+    );
+    let output = requests[1]
+        .messages
+        .iter()
+        .find_map(|m| match m {
+            ChatMessage::Tool { call_id, content } if call_id == "big" => Some(content),
+            _ => None,
+        })
+        .expect("the call keeps its result");
+    assert!(output.starts_with("éé"), "{output:.20}");
+    assert!(
+        output.ends_with("left out to fit the context budget]"),
+        "{output}"
+    );
+}
+
 fn deltas_then(finish: FinishReason, usage: Option<Usage>, texts: &[&str]) -> Vec<ChatDelta> {
     let mut deltas: Vec<ChatDelta> = texts
         .iter()
