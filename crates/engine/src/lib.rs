@@ -624,6 +624,40 @@ impl Engine {
                 _ => {}
             }
         }
+        // Its `done` is in its log already: it ended where it was (its replica saw its
+        // first write fail, the write having landed all the same, and ended its events).
+        // Its record is made to say so, and it does not go on: a second end after the
+        // first would be a run its clients saw fail, succeeding unseen.
+        if let Some(done) = resumed.tail.iter().find(|e| e.done) {
+            let summary = match done.data.as_deref() {
+                Some(EventData::End(summary)) => Some(summary),
+                _ => None,
+            };
+            let reason = summary
+                .and_then(|s| StopReason::from_name(s.stop_reason))
+                .unwrap_or(StopReason::InternalError);
+            record.status = reason.status();
+            record.stop_reason = Some(reason);
+            record.error = summary.and_then(|s| s.error.as_ref()).map(|f| RunError {
+                code: f.code.clone(),
+                message: f.message.clone(),
+                category: f.category,
+                retryable: f.retryable,
+            });
+            record.last_sequence = last;
+            record.update_time = std::time::SystemTime::now();
+            let at = done.sequence;
+            store
+                .save(&record, 0, None)
+                .await
+                .map_err(|e| corrupt("end", &e))?;
+            return Err(RunError {
+                code: "RUN_ENDED".into(),
+                message: format!("the run had ended: its log holds its done event ({at})"),
+                category: "internal",
+                retryable: false,
+            });
+        }
         let saved_messages = state.messages.len();
         let iteration = state.iteration.max(1);
         let started_ms = record

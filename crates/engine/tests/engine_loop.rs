@@ -875,6 +875,59 @@ async fn a_turn_over_the_token_budget_sends_its_tool_results_shortened_not_whole
     );
 }
 
+#[tokio::test]
+async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
+    let h = harness(Scripted::default());
+    // Leases of 50 ms: the run's first replica never runs it (its first write's answer
+    // was lost, say), and the run lapses at once.
+    let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+        Duration::from_secs(600),
+        Duration::from_millis(50),
+    )));
+    let publisher = h.bus.open("r1", "a.1").await.unwrap();
+    let started = h
+        .engine
+        .start(
+            spec("r1", config(Strategy::FunctionCall, &[])),
+            "a.1",
+            publisher,
+            store.clone(),
+            Arc::default(),
+        )
+        .await
+        .unwrap();
+    // Dropped unrun: its events end with the bus's own `done`.
+    drop(started);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let taken = store
+        .take_over("r1", "b.1")
+        .await
+        .unwrap()
+        .expect("its lease lapsed");
+    let resumed = h
+        .engine
+        .resume(taken, false, &h.bus, store.clone(), Arc::default())
+        .await;
+    let error = resumed.err().expect("it is not continued");
+    assert_eq!(error.code, "RUN_ENDED", "{error:?}");
+    let record = store.load("r1").await.unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.stop_reason),
+        (RunStatus::Failed, Some(StopReason::InternalError))
+    );
+    assert!(h.model.requests.lock().unwrap().is_empty(), "no model call");
+    let events: Vec<Arc<RunEvent>> = h
+        .bus
+        .subscribe("r1", 0)
+        .await
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    assert_eq!(events.iter().filter(|e| e.done).count(), 1, "{events:?}");
+    assert!(store.take_over("r1", "c.1").await.unwrap().is_none());
+}
+
 fn deltas_then(finish: FinishReason, usage: Option<Usage>, texts: &[&str]) -> Vec<ChatDelta> {
     let mut deltas: Vec<ChatDelta> = texts
         .iter()

@@ -695,23 +695,30 @@ fn claim_script() -> &'static redis::Script {
     SCRIPT.get_or_init(|| redis::Script::new(CLAIM))
 }
 
-/// `may_write(record, owner_key, owner, opening)` answers 1 when `owner` may write the run:
+/// `may_write(record, owner_key, owner, opening, claim_key, run)` answers 1 when `owner` may write the run:
 /// it holds the lease, or the run has no owner, or this is the run's opening save (the one
 /// that takes the lease) and nothing of the run is written yet. It answers 0 when another
 /// replica holds the lease (the writer stops its copy, fenced off), and 2 when the run is
 /// gone: its owner key is not there although the run was opened (Redis lost its data,
 /// restarted empty or failed over to an empty replica, or evicted the keys). A gone run
 /// is not written back piece by piece (keys without a time to live, a record that fences
-/// off its own writer): its writer stops it, and its readers find it unknown.
+/// off its own writer): its writer stops it, and its readers find it unknown. An opening
+/// save is refused (0) when its message id (`claim_key`) names another run than `run`: a
+/// retry elsewhere took the claim over while this opening write was on its way, and the
+/// message id makes one run, the other's.
 const FENCE: &str = r"
-local function may_write(record, owner_key, owner, opening)
+local function may_write(record, owner_key, owner, opening, claim_key, run)
   if owner == '' then return 1 end
   local holder = redis.call('GET', owner_key)
   if holder then
     if holder == owner then return 1 end
     return 0
   end
-  if opening and redis.call('EXISTS', record) == 0 then return 1 end
+  if opening and redis.call('EXISTS', record) == 0 then
+    local claimed = redis.call('GET', claim_key)
+    if claimed and claimed ~= run then return 0 end
+    return 1
+  end
   return 2
 end
 local function now_ms()
@@ -735,7 +742,7 @@ end
 /// save that begins a wait, whether its principal has room for one more (`KEYS[9]`, the
 /// bound `ARGV[8]`; 3 when not).
 const SAVE_FENCE: &str = r"
-local allowed = may_write(KEYS[1], KEYS[2], ARGV[2], string.find(ARGV[5], 'o', 1, true))
+local allowed = may_write(KEYS[1], KEYS[2], ARGV[2], string.find(ARGV[5], 'o', 1, true), KEYS[5], ARGV[1])
 if allowed ~= 1 then return allowed end
 allowed = may_wait(ARGV[1], KEYS[9], ARGV[7], ARGV[8])
 if allowed ~= 1 then return allowed end
@@ -1952,7 +1959,7 @@ const DELTA_BUFFER: usize = 128;
 
 /// Whether the publish may write (see [`FENCE`]; never an opening save).
 const PUBLISH_FENCE: &str = r"
-local allowed = may_write(KEYS[3], KEYS[2], ARGV[2], false)
+local allowed = may_write(KEYS[3], KEYS[2], ARGV[2], false, nil, nil)
 if allowed ~= 1 then return allowed end
 ";
 
@@ -1992,7 +1999,7 @@ end
 for i = 2, #ARGV do
   if i <= published + 1 then publish_args[i - 1] = ARGV[i] else save_args[i - published - 1] = ARGV[i] end
 end
-local allowed = may_write(save_keys[1], save_keys[2], save_args[2], string.find(save_args[5], 'o', 1, true))
+local allowed = may_write(save_keys[1], save_keys[2], save_args[2], string.find(save_args[5], 'o', 1, true), save_keys[5], save_args[1])
 if allowed ~= 1 then return allowed end
 allowed = may_wait(save_args[1], save_keys[9], save_args[7], save_args[8])
 if allowed ~= 1 then return allowed end

@@ -287,7 +287,7 @@ pub trait RunStore: Send + Sync {
     /// first save takes the run's lease for it, and a save from an owner that no longer
     /// holds the lease (or of a run that ended meanwhile, or whose keys the store lost)
     /// fails with [`StateError::Fenced`](agentrt_core::StateError::Fenced), writing
-    /// nothing.
+    /// nothing; so does the first save of a run whose message id another run holds.
     async fn save(
         &self,
         record: &RunRecord,
@@ -989,6 +989,15 @@ impl RunStore for MemoryRunStore {
                     }
                     Some(_) => {}
                     None if inner.records.contains_key(&record.run_id) => {
+                        return Err(StateError::Fenced(record.run_id.clone()));
+                    }
+                    // Its message id went to another run (a retry took the claim over
+                    // while this opening save was on its way): that one is the run.
+                    None if inner
+                        .keys
+                        .get(&key_digest(&record.session_id, &record.message_id))
+                        .is_some_and(|holder| **holder != *record.run_id) =>
+                    {
                         return Err(StateError::Fenced(record.run_id.clone()));
                     }
                     None => {

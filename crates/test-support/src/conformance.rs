@@ -467,6 +467,19 @@ where
         Claim::Claimed,
         "another message id is another key"
     );
+    // A run whose claim was taken over (its opening write slow, a retry elsewhere gave
+    // up on it) is not written: the message id makes one run, the one that holds it.
+    let mut replaced = RunRecord::new("late", "e", "s", "m", "q");
+    replaced.owner = "a.9".into();
+    assert_eq!(
+        store.save(&replaced, 0, None).await,
+        Err(StateError::Fenced("late".into()))
+    );
+    assert!(other.load("late").await.unwrap().is_none());
+    let mut holding = RunRecord::new("new", "e", "s", "m", "q");
+    holding.owner = "b.9".into();
+    other.save(&holding, 0, None).await.unwrap();
+    assert_eq!(store.load("new").await.unwrap().unwrap(), holding);
 
     // Records round-trip, saved round by round, read from any replica.
     assert!(other.load("r").await.unwrap().is_none());

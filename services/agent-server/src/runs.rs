@@ -487,6 +487,11 @@ impl RunManager {
                 self.spawn(started, &run_id, control, token, slot);
                 Ok(true)
             }
+            // Its log held its end already: its record now says so too.
+            Err(error) if error.code == "RUN_ENDED" => {
+                info!(%run_id, "{}", error.message);
+                Ok(false)
+            }
             Err(error) => {
                 // Left to lapse again: another replica, or this one later, tries.
                 warn!(%run_id, error = %error.message, "cannot continue a run taken over");
@@ -689,11 +694,26 @@ impl RunManager {
         let control = Arc::new(RunControl::default());
         let run_id = spec.run_id.clone();
         let session_id = spec.session_id.clone();
-        let started = self
+        let message_id = spec.message_id.clone();
+        let started = match self
             .engine
             .start(spec, &token, publisher, self.store.clone(), control.clone())
             .await
-            .map_err(RunStartError::Failed)?;
+        {
+            Ok(started) => started,
+            Err(error) => {
+                // A retry on another replica took the message id over while this run's
+                // first write was on its way (refused then): the id makes one run, that
+                // one, and this client follows it.
+                if let Ok(Some(holder)) = self.store.holder(&session_id, &message_id).await
+                    && holder != run_id
+                {
+                    info!(%run_id, %holder, "the message id went to another run; following it");
+                    return Ok(Started::Existing(holder));
+                }
+                return Err(RunStartError::Failed(error));
+            }
+        };
         info!(%run_id, %session_id, "run started");
         self.spawn(started, &run_id, control, token, slot);
         Ok(Started::New(run_id))
