@@ -38,7 +38,7 @@ use rmcp::{
         CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation,
         PaginatedRequestParams, RequestMetaObject,
     },
-    service::{NotificationContext, Peer, RunningService, ServiceError},
+    service::{ClientCacheConfig, NotificationContext, Peer, RunningService, ServiceError},
     transport::{
         StreamableHttpClientTransport, async_rw::AsyncRwTransport,
         streamable_http_client::StreamableHttpClientTransportConfig,
@@ -74,6 +74,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// then is reached again at once, one that fails soon after each start waits longer each
 /// time. (At 60 s, a server that failed every minute was down 30 s each time.)
 const STABLE: Duration = Duration::from_secs(10);
+
+/// How long after a failed `tools/list` (asked for by `notifications/tools/list_changed`)
+/// it is asked again.
+const RELIST_RETRY: Duration = Duration::from_secs(2);
 /// How long a child process may take to exit once its stdin is closed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 /// When a client may try a server's tool again while the server is being connected (the
@@ -672,13 +676,14 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
     let mut first = Some(first);
     let mut backoff = FIRST_BACKOFF;
     loop {
-        let started = Instant::now();
         let attempt = tokio::select! {
             () = stop.cancelled() => return,
             attempt = tokio::time::timeout(shared.config.connect_timeout, connect(&shared)) => attempt,
         };
         match attempt {
             Ok(Ok(connection)) => {
+                // How long the connection lasted, not how long it took to make.
+                let started = Instant::now();
                 info!("connected to the MCP server");
                 if let Some(first) = first.take() {
                     let _ = first.send(());
@@ -814,6 +819,13 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             (service, None)
         }
     };
+    // Every `tools/list` asks the server: rmcp's response cache would answer the health
+    // checks and the probe of a hung server from memory (for a server that gives its
+    // lists a `ttlMs`), and keep a stale list when a refresh fails.
+    service
+        .peer()
+        .set_response_cache_config(ClientCacheConfig::disabled())
+        .await;
     let tools = list_tools(shared, service.peer()).await?;
     install(shared, service.peer().clone(), tools);
     Ok(Connection { service, child })
@@ -957,6 +969,8 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
         HTTP_CHECK_EVERY,
     );
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A list asked for after `list_changed` that failed, asked for again at this time.
+    let mut relist_again: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     let reason = loop {
         tokio::select! {
             () = stop.cancelled() => {
@@ -1002,11 +1016,26 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     ),
                 }
             }
-            () = shared.relist.notified() => {
-                match tokio::time::timeout(shared.config.connect_timeout, list_tools(shared, &peer)).await {
+            () = async {
+                match relist_again.as_mut() {
+                    Some(at) => at.await,
+                    None => shared.relist.notified().await,
+                }
+            } => {
+                relist_again = None;
+                let limit = shared.config.connect_timeout;
+                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
-                    Ok(Err(reason)) => warn!(%reason, "cannot list the tools again"),
-                    Err(_) => warn!("`tools/list` did not answer in time"),
+                    // Asked again until it answers: the list changed, and the catalogue
+                    // would otherwise keep the old one until the next change.
+                    Ok(Err(reason)) => {
+                        warn!(%reason, retry_in = ?RELIST_RETRY, "cannot list the tools again");
+                        relist_again = Some(Box::pin(tokio::time::sleep(RELIST_RETRY)));
+                    }
+                    Err(_) => {
+                        warn!(retry_in = ?RELIST_RETRY, "`tools/list` did not answer within {limit:?}");
+                        relist_again = Some(Box::pin(tokio::time::sleep(RELIST_RETRY)));
+                    }
                 }
             }
         }

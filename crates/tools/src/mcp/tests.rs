@@ -58,9 +58,16 @@ for line in sys.stdin:
             "capabilities": {"tools": {"listChanged": True}},
             "serverInfo": {"name": "fake", "version": "1"}}})
     elif method == "tools/list":
+        if mode == "relist-fails" and extra and not os.path.exists(os.path.join(state, "refused")):
+            # The first listing after the change fails.
+            open(os.path.join(state, "refused"), "w").close()
+            send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32603, "message": "busy"}})
+            continue
+        # Mode `ttl`: lists a client may keep for five minutes (MCP 2026-07-28's `ttlMs`).
+        ttl = {"ttlMs": 300000} if mode == "ttl" else {}
         if params.get("cursor") is None:
-            send({"jsonrpc": "2.0", "id": mid, "result": {
-                "tools": [tool("echo"), tool("slow")], "nextCursor": "page-2"}})
+            send({"jsonrpc": "2.0", "id": mid, "result": dict({
+                "tools": [tool("echo"), tool("slow")], "nextCursor": "page-2"}, **ttl)})
         else:
             tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
             if extra:
@@ -76,7 +83,7 @@ for line in sys.stdin:
                 # whose arguments could never be an object.
                 tools.append(tool("odd_name"))
                 tools.append({"name": "list", "inputSchema": {"type": "array"}})
-            send({"jsonrpc": "2.0", "id": mid, "result": {"tools": tools}})
+            send({"jsonrpc": "2.0", "id": mid, "result": dict({"tools": tools}, **ttl)})
     elif method == "tools/call":
         name, args = params["name"], params.get("arguments") or {}
         if name == "echo":
@@ -302,6 +309,30 @@ async fn a_list_change_refreshes_the_tools() {
     tokio::time::timeout(Duration::from_secs(5), changes.changed())
         .await
         .expect("the catalogue is told of the change");
+    assert!(names(&toolset).await.contains(&"fake__added".to_owned()));
+    toolset.shutdown().await;
+}
+
+/// A listing asked for by `list_changed` that fails is asked for again: the new tools
+/// are found without another change.
+#[tokio::test]
+async fn a_failed_listing_after_a_change_is_asked_for_again() {
+    let fake = Fake::new("relist");
+    let changes = Changes::new();
+    let toolset = McpToolset::start(fake.config("relist-fails"), changes.clone())
+        .await
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(1), changes.changed())
+        .await
+        .unwrap();
+    toolset
+        .call("change", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    eventually("the refused listing", || fake.dir.join("refused").exists()).await;
+    tokio::time::timeout(Duration::from_secs(8), changes.changed())
+        .await
+        .expect("the listing is asked for again, and the catalogue told");
     assert!(names(&toolset).await.contains(&"fake__added".to_owned()));
     toolset.shutdown().await;
 }
@@ -1007,7 +1038,9 @@ fn a_chattering_server_is_logged_within_a_budget_that_says_what_it_left_out() {
 #[tokio::test]
 async fn a_hung_stdio_server_is_started_again() {
     let fake = Fake::new("hang");
-    let mut config = fake.config("good");
+    // A server whose lists may be kept: the probe asks it all the same (rmcp's cache
+    // would answer for the hung server).
+    let mut config = fake.config("ttl");
     config.timeout = Duration::from_secs(1);
     config.connect_timeout = Duration::from_secs(1);
     let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
