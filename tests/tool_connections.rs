@@ -232,6 +232,27 @@ async fn a_call_that_ran_past_the_tool_executor_timeout_before_it_died_goes_agai
     .await;
 }
 
+/// A tool executor that shuts down (SIGTERM) stops a call that would outlast its drain
+/// grace and answers `UNAVAILABLE` (`TOOL_EXECUTOR_DRAINING`): the call goes again, with
+/// its call_id, to the tool executor that replaces it, and the model reads its result
+/// (it read "the tool executor is shutting down" as the tool's failure).
+#[tokio::test]
+async fn a_call_stopped_by_the_tool_executors_drain_goes_again_to_its_replacement() {
+    let model = simulator(SCENARIOS, &[]).await;
+    let mut tools = Server::start("tool-executor", &["--drain-grace", "1s"], &[]).await;
+    let listen = tools.addr.to_string();
+    let agents = agent_server_with_model(&tools.url(), &format!("{}/v1", model.url()), &[]).await;
+    let engine_id = engine_of(&agents, "long_nap", &["sleep"]).await;
+    let restart = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        tools.terminate();
+        assert!(tools.wait(Duration::from_secs(10)).await.success());
+        Server::start("tool-executor", &["--listen", &listen], &[]).await
+    });
+    run_making(&agents, engine_id, 1).await;
+    drop(restart.await.unwrap());
+}
+
 #[tokio::test]
 async fn a_connection_count_out_of_range_is_refused_at_start() {
     for count in ["0", "65"] {

@@ -262,9 +262,15 @@ async fn sigterm_lets_calls_in_progress_finish_within_the_grace() {
         elapsed >= Duration::from_secs(3) && elapsed < Duration::from_secs(6),
         "the long call was stopped within the grace, not at once: {elapsed:?}"
     );
-    let out = stopped.unwrap().into_inner();
-    assert!(out.is_error, "{}", out.output);
-    assert!(out.output.contains("shutting down"), "{}", out.output);
+    // Not the tool's failure: UNAVAILABLE, saying the call may have run, for the caller
+    // to send again (with its call_id) to another tool executor.
+    let status = stopped.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("shutting down"), "{status:?}");
+    let details = tonic_types::StatusExt::get_error_details(&status);
+    let info = details.error_info().expect("an ErrorInfo");
+    assert_eq!(info.reason, "TOOL_EXECUTOR_DRAINING");
+    assert_eq!(info.metadata["sent"], "true");
     assert!(server.wait(Duration::from_secs(20)).await.success());
 }
 

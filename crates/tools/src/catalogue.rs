@@ -41,6 +41,8 @@ pub enum ExecuteError {
         reason: String,
         /// When the source may be back.
         retry_after: std::time::Duration,
+        /// Whether the call reached the source (and so may have run) before it failed.
+        sent: bool,
     },
 }
 
@@ -263,11 +265,13 @@ impl Catalogue {
                     source_name,
                     reason,
                     retry_after,
+                    sent,
                 } => ExecuteError::Unavailable {
                     tool: name.to_owned(),
                     source_name,
                     reason,
                     retry_after,
+                    sent,
                 },
                 CallError::Gone(_) => ExecuteError::NotFound(name.to_owned()),
             })
@@ -291,11 +295,13 @@ impl Catalogue {
                 source_name,
                 reason,
                 retry_after,
+                ..
             }) => ExecuteError::Unavailable {
                 tool: name.to_owned(),
                 source_name,
                 reason: format!("{reason}; its tools are known once it is up"),
                 retry_after,
+                sent: false,
             },
             _ => ExecuteError::NotFound(name.to_owned()),
         }
@@ -489,6 +495,7 @@ mod tests {
                 source_name: "late".into(),
                 reason: "MCP server \"late\" is down: not connected yet".into(),
                 retry_after: std::time::Duration::from_secs(4),
+                sent: false,
             })
         }
     }

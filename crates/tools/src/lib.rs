@@ -111,6 +111,10 @@ pub struct ToolOutput {
     /// Whether it failed by taking longer than its source allows (the source's own
     /// `timeout`): counted as a `timeout`, not an `error`.
     pub timed_out: bool,
+    /// Whether the call was stopped before it finished because the tool executor is
+    /// shutting down (it may have done part of its work): its caller sends it again, with
+    /// its `call_id`, to a tool executor that is not.
+    pub stopped: bool,
 }
 
 impl ToolOutput {
@@ -143,10 +147,13 @@ impl ToolOutput {
     /// The result of a call stopped before it finished: the tool executor is shutting
     /// down (a caller that went away reads no result).
     pub fn stopped() -> Self {
-        Self::error(
-            "the call was stopped before it finished: the tool executor is shutting down \
-             (the tool may have done part of its work)",
-        )
+        Self {
+            stopped: true,
+            ..Self::error(
+                "the call was stopped before it finished: the tool executor is shutting down \
+                 (the tool may have done part of its work)",
+            )
+        }
     }
 }
 

@@ -84,6 +84,8 @@ pub enum CallError {
         reason: String,
         /// When the source may be back: its next reconnect, as far as it knows.
         retry_after: std::time::Duration,
+        /// Whether the call reached the source (and so may have run) before it failed.
+        sent: bool,
     },
     /// The source no longer has the tool.
     #[error("tool {0:?} is no longer offered by its source")]

@@ -74,6 +74,45 @@ enum Unsent {
     /// the call went out on a connection it had just closed): the call may have run. It
     /// goes again with its `call_id`, the idempotency key, as after a replica's take-over.
     Lost,
+    /// The tool executor stopped the call as it shut down, or lost its source's connection
+    /// under it (`UNAVAILABLE`, `ErrorInfo` `sent` true): the call may have run, and goes
+    /// again once with its `call_id`, as a lost one does.
+    Stopped,
+    /// The tool's source is down and the call never reached it (`UNAVAILABLE`, `ErrorInfo`
+    /// `TOOL_SOURCE_UNAVAILABLE` with `sent` false): it goes again once the `RetryInfo`'s
+    /// wait is over, while the call's deadline allows.
+    SourceDown(Duration),
+}
+
+/// Waits before a call whose source is down goes again: the tool executor's `RetryInfo`,
+/// within these bounds.
+const SOURCE_DOWN_WAIT: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(100)..=Duration::from_secs(5);
+
+/// What the tool executor said of a call it did not run to its end (see [`Unsent`]).
+fn unsent_by_executor(status: &Status) -> Option<Unsent> {
+    use tonic_types::StatusExt;
+    if status.code() != Code::Unavailable {
+        return None;
+    }
+    let details = status.get_error_details();
+    let info = details.error_info()?;
+    let sent = info.metadata.get("sent").map(String::as_str);
+    match (info.reason.as_str(), sent) {
+        ("TOOL_EXECUTOR_DRAINING", _) | ("TOOL_SOURCE_UNAVAILABLE", Some("true")) => {
+            Some(Unsent::Stopped)
+        }
+        ("TOOL_SOURCE_UNAVAILABLE", Some("false")) => {
+            let wait = details
+                .retry_info()
+                .and_then(|r| r.retry_delay)
+                .unwrap_or(*SOURCE_DOWN_WAIT.start());
+            Some(Unsent::SourceDown(
+                wait.clamp(*SOURCE_DOWN_WAIT.start(), *SOURCE_DOWN_WAIT.end()),
+            ))
+        }
+        _ => None,
+    }
 }
 
 /// Whether `status` says the call is to go again, and why: it never reached the tool
@@ -85,6 +124,9 @@ fn causes(status: &Status) -> impl Iterator<Item = &(dyn std::error::Error + 'st
 }
 
 fn unsent(status: &Status) -> Option<Unsent> {
+    if let Some(why) = unsent_by_executor(status) {
+        return Some(why);
+    }
     for current in causes(status) {
         if let Some(unary::NotReceived(why)) = current.downcast_ref::<unary::NotReceived>() {
             return Some(*why);
@@ -312,6 +354,14 @@ impl GrpcToolClient {
                 Some(Unsent::Lost) if !lost => {
                     lost = true;
                     tracing::info!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), "the connection to the tool executor broke under a call; it goes again, once, with its call_id");
+                }
+                Some(Unsent::Stopped) if !lost => {
+                    lost = true;
+                    tracing::info!(status = %status.message(), "the tool executor stopped a call it may have run; it goes again, once, with its call_id");
+                }
+                Some(Unsent::SourceDown(wait)) if Instant::now() + wait < deadline => {
+                    tracing::debug!(status = %status.message(), ?wait, "the tool's source is down; calling again");
+                    tokio::time::sleep(wait).await;
                 }
                 Some(Unsent::Unreachable) if Instant::now() + wait < until.min(deadline) => {
                     tracing::debug!(endpoint = %agentrt_core::mask_url_credentials(&self.endpoint), ?wait, "tool executor unreachable; calling again");
@@ -558,5 +608,53 @@ impl GrpcToolClient {
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_the_tool_executor_says_of_a_call_it_did_not_run_is_read() {
+        let down = |sent: &str, retry: Duration| {
+            agentrt_grpc::status::unavailable_about(
+                "TOOL_SOURCE_UNAVAILABLE",
+                "tool \"docs__search\" is unavailable".into(),
+                retry,
+                &[("tool", "docs__search"), ("source", "docs"), ("sent", sent)],
+            )
+        };
+        // Never sent: again after the RetryInfo's wait, within bounds.
+        assert_eq!(
+            unsent(&down("false", Duration::from_secs(1))),
+            Some(Unsent::SourceDown(Duration::from_secs(1)))
+        );
+        assert_eq!(
+            unsent(&down("false", Duration::from_secs(60))),
+            Some(Unsent::SourceDown(Duration::from_secs(5)))
+        );
+        // Sent, then the source went away: it may have run.
+        assert_eq!(
+            unsent(&down("true", Duration::from_secs(1))),
+            Some(Unsent::Stopped)
+        );
+        let draining = agentrt_grpc::status::unavailable_about(
+            "TOOL_EXECUTOR_DRAINING",
+            "stopped".into(),
+            Duration::ZERO,
+            &[("tool", "sleep"), ("sent", "true")],
+        );
+        assert_eq!(unsent(&draining), Some(Unsent::Stopped));
+        // Anything else the tool executor says is final.
+        assert_eq!(unsent(&Status::unavailable("no reason given")), None);
+        assert_eq!(
+            unsent(&agentrt_grpc::status::not_found(
+                "TOOL_NOT_FOUND",
+                "tool",
+                "x"
+            )),
+            None
+        );
     }
 }

@@ -170,6 +170,22 @@ impl ToolExecutor for ToolExecutorService {
             }
             execute_error_to_status(&e)
         })?;
+        // Stopped by this server's shutdown, not by the tool: the caller is to send it
+        // again elsewhere (with its call_id), not to read it as the tool's failure.
+        if output.stopped {
+            ended.outcome = "unavailable";
+            return Err(status::unavailable_about(
+                "TOOL_EXECUTOR_DRAINING",
+                format!(
+                    "tool {:?} was stopped before it finished: the tool executor is shutting \
+                     down (the tool may have done part of its work); send it again, with its \
+                     call_id, to another tool executor",
+                    request.tool_name
+                ),
+                Duration::ZERO,
+                &[("tool", &request.tool_name), ("sent", "true")],
+            ));
+        }
         ended.outcome = match (output.timed_out, output.is_error) {
             (true, _) => "timeout",
             (false, true) => "error",
@@ -239,11 +255,17 @@ fn execute_error_to_status(error: &ExecuteError) -> Status {
             source_name,
             reason,
             retry_after,
+            sent,
         } => status::unavailable_about(
             "TOOL_SOURCE_UNAVAILABLE",
             format!("tool {tool:?} is unavailable: {reason}"),
             *retry_after,
-            &[("tool", tool), ("source", source_name)],
+            // `sent`: whether the call reached the source, and so may have run.
+            &[
+                ("tool", tool),
+                ("source", source_name),
+                ("sent", if *sent { "true" } else { "false" }),
+            ],
         ),
     }
 }

@@ -122,6 +122,7 @@ pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: us
         references,
         is_error: result.is_error.unwrap_or(false),
         timed_out: false,
+        stopped: false,
     }
 }
 

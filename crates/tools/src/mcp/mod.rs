@@ -358,6 +358,7 @@ impl Shared {
             source_name: self.name().to_owned(),
             reason: format!("MCP server {:?} is down: {}", self.name(), state.down),
             retry_after,
+            sent: false,
         }
     }
 
@@ -562,6 +563,7 @@ impl Toolset for McpToolset {
                             .unwrap_or_else(|| describe::service_error(&error))
                     ),
                     retry_after: RETRY_WHILE_CONNECTING,
+                    sent: true,
                 })
             }
             Ok(Err(error)) => Ok(ToolOutput::error(format!(

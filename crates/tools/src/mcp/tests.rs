@@ -412,6 +412,7 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
         source_name,
         reason,
         retry_after,
+        sent,
     } = &err
     else {
         panic!("{err:?}");
@@ -419,16 +420,21 @@ async fn a_crashed_server_is_unavailable_then_restarted() {
     assert_eq!(source_name, "fake");
     assert!(reason.contains("\"fake\""), "{reason}");
     assert!(*retry_after <= Duration::from_secs(1), "{retry_after:?}");
+    assert!(*sent, "the call reached the server: it may have run");
     // Meanwhile calls are refused at once, naming the server, saying when it is tried
     // again; the tools stay listed.
     let err = toolset
         .call("echo", json!({}), &ToolContext::default())
         .await
         .unwrap_err();
-    let CallError::Unavailable { retry_after, .. } = &err else {
+    let CallError::Unavailable {
+        retry_after, sent, ..
+    } = &err
+    else {
         panic!("{err:?}");
     };
     assert!(*retry_after <= RETRY_WHILE_CONNECTING, "{retry_after:?}");
+    assert!(!*sent, "the call was not sent: the server is down");
     assert_eq!(names(&toolset).await.len(), 7);
     eventually("the restart", || {
         toolset.is_connected() && fake.pid() != first

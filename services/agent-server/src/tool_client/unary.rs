@@ -32,6 +32,8 @@ impl std::fmt::Display for NotReceived {
             Unsent::Unreachable => f.write_str("no connection could be made"),
             Unsent::Refused => f.write_str("the call was refused unprocessed"),
             Unsent::Lost => f.write_str("the connection broke under the call"),
+            Unsent::Stopped => f.write_str("the tool executor stopped the call"),
+            Unsent::SourceDown(_) => f.write_str("the tool's source is down"),
         }
     }
 }
@@ -234,7 +236,15 @@ fn status_of(headers: &HeaderMap) -> Option<Result<(), Status>> {
         .get("grpc-message")
         .map(|m| percent_decode(m.as_bytes()))
         .unwrap_or_default();
-    Some(Err(Status::new(code, message)))
+    // With its details (`grpc-status-details-bin`: the ErrorInfo that says whether an
+    // unavailable call may have run, and the RetryInfo that says when to try again).
+    let details = headers
+        .contains_key("grpc-status-details-bin")
+        .then(|| Status::from_header_map(headers))
+        .flatten()
+        .map(|status| status.details().to_vec())
+        .unwrap_or_default();
+    Some(Err(Status::with_details(code, message, details.into())))
 }
 
 /// `grpc-message` as sent: percent-encoded UTF-8.
@@ -515,5 +525,16 @@ mod tests {
             status_of(&headers).unwrap().unwrap_err().code(),
             Code::Unknown
         );
+        // Details (ErrorInfo, RetryInfo) come with the status.
+        let sent = agentrt_grpc::status::unavailable_about(
+            "TOOL_SOURCE_UNAVAILABLE",
+            "down".into(),
+            Duration::from_secs(2),
+            &[("sent", "false")],
+        );
+        let headers = sent.clone().into_http::<()>().headers().clone();
+        let read = status_of(&headers).unwrap().unwrap_err();
+        assert_eq!((read.code(), read.message()), (Code::Unavailable, "down"));
+        assert_eq!(read.details(), sent.details());
     }
 }
