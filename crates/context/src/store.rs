@@ -13,8 +13,12 @@ use crate::{ChatMessage, Exchange};
 /// replicas serve the same sessions.
 #[async_trait::async_trait]
 pub trait SessionStore: Send + Sync {
-    /// The session's exchanges, oldest first; empty for an unknown session.
+    /// The session's exchanges, oldest first; empty for an unknown session. Reading a
+    /// session uses it: its life is extended as by an append (a run of it is under way).
     async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>>;
+    /// Keeps the session at least `wait` longer than its time to live from now: a run of
+    /// it waits that long (for answers) before it reads the history again.
+    async fn keep(&self, session_id: &str, wait: Duration) -> StateResult<()>;
     /// Appends an exchange to the session, creating it if needed, and extends the
     /// session's life. Appends of one session land in the order they are made, also when
     /// several replicas append at once; the oldest exchanges beyond the bound go.
@@ -135,6 +139,21 @@ impl Inner {
         }
     }
 
+    /// Keeps session `id`, if there is one, until `until` at least; it is then the most
+    /// recently used.
+    fn extend(&mut self, id: &str, until: Instant) {
+        let Some(session) = self.sessions.get_mut(id) else {
+            return;
+        };
+        let previous = session.expires_at;
+        if previous >= until {
+            return;
+        }
+        session.expires_at = until;
+        self.by_expiry.remove(&(previous, id.to_owned()));
+        self.by_expiry.insert((until, id.to_owned()));
+    }
+
     /// Drops session `id` from the map and the total (not from `by_expiry`).
     fn forget(&mut self, id: &str) {
         if let Some(session) = self.sessions.remove(id) {
@@ -147,13 +166,23 @@ impl Inner {
 #[async_trait::async_trait]
 impl SessionStore for InMemorySessionStore {
     async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>> {
+        let now = Instant::now();
         let mut inner = self.lock();
-        inner.expire(Instant::now());
+        inner.expire(now);
+        inner.extend(session_id, now + self.limits.ttl);
         Ok(inner
             .sessions
             .get(session_id)
             .map(|s| s.exchanges.iter().map(|(e, _)| e.clone()).collect())
             .unwrap_or_default())
+    }
+
+    async fn keep(&self, session_id: &str, wait: Duration) -> StateResult<()> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner.expire(now);
+        inner.extend(session_id, now + wait + self.limits.ttl);
+        Ok(())
     }
 
     async fn append(&self, session_id: &str, exchange: Arc<Exchange>) -> StateResult<()> {
@@ -162,6 +191,8 @@ impl SessionStore for InMemorySessionStore {
         let mut inner = self.lock();
         inner.expire(now);
         let previous = inner.sessions.get(session_id).map(|s| s.expires_at);
+        // Never shorter than it was kept for (a run of it may wait).
+        let expires_at = previous.map_or(expires_at, |previous| previous.max(expires_at));
         if let Some(previous) = previous {
             inner.by_expiry.remove(&(previous, session_id.to_owned()));
         } else {

@@ -801,6 +801,7 @@ async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metric
         engine,
         mut emitter,
         control,
+        spec,
         ..
     } = *parts;
     if control.is_let_go() {
@@ -830,6 +831,16 @@ async fn end(parts: Box<RunParts>, outcome: Outcome, span: tracing::Span, metric
         }
         Outcome::Waiting => {
             debug!(parent: &span, "run waits for tool outputs or approvals");
+            // Its session's history outlives the wait: the run reads it again when it
+            // goes on (a session is otherwise kept for its time to live from last use).
+            if spec.llm_context.is_none()
+                && let Err(error) = engine
+                    .sessions
+                    .keep(&spec.session_id, spec.config.timeouts.action)
+                    .await
+            {
+                tracing::warn!(parent: &span, %error, "cannot keep the session of a waiting run for its wait");
+            }
             emitter.park().await;
             control.parked.store(true, Ordering::Release);
         }

@@ -630,13 +630,54 @@ impl EngineStore for RedisEngines {
 
 struct RedisSessions(Arc<Shared>);
 
+/// Extends session `KEYS[1]`'s time to live to `ARGV[1]` ms when it has less left (never
+/// shortens it: a run of it may wait longer).
+const SESSION_KEEP: &str = r"
+local left = redis.call('PTTL', KEYS[1])
+if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 0
+";
+
+/// Session `KEYS[1]`'s exchanges, keeping it as [`SESSION_KEEP`] does for `ARGV[1]` ms.
+const SESSION_READ: &str = r"
+local left = redis.call('PTTL', KEYS[1])
+if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return {redis.call('LRANGE', KEYS[1], 0, -1)}
+";
+
+/// Appends exchange `ARGV[1]` to session `KEYS[1]`, keeping its last `ARGV[2]`, for at
+/// least `ARGV[3]` ms from now (a longer time to live it has is kept).
+const SESSION_APPEND: &str = r"
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+return 0
+";
+
+fn session_append_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(SESSION_APPEND))
+}
+
+fn session_keep_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(SESSION_KEEP))
+}
+
+fn session_read_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(SESSION_READ))
+}
+
 #[async_trait]
 impl SessionStore for RedisSessions {
     async fn history(&self, session_id: &str) -> StateResult<Vec<Arc<Exchange>>> {
-        let items: Vec<String> = self
-            .0
-            .connection()
-            .lrange(self.0.key("session", session_id), 0, -1)
+        // Read, and kept for its time to live from now (a run of it is under way), in
+        // one round trip.
+        let (items,): (Vec<String>,) = ScriptCall::new(session_read_script(), 1)
+            .key(self.0.key("session", session_id))
+            .arg(millis(self.0.limits.session_ttl))
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         items
@@ -649,24 +690,29 @@ impl SessionStore for RedisSessions {
             .collect()
     }
 
+    async fn keep(&self, session_id: &str, wait: Duration) -> StateResult<()> {
+        let ttl = millis(self.0.limits.session_ttl.saturating_add(wait));
+        let _: u8 = ScriptCall::new(session_keep_script(), 1)
+            .key(self.0.key("session", session_id))
+            .arg(ttl)
+            .invoke(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+
     async fn append(&self, session_id: &str, exchange: Arc<Exchange>) -> StateResult<()> {
         let key = self.0.key("session", session_id);
         let json = serde_json::to_string(&exchange).map_err(|e| corrupt("exchange", &e))?;
         let keep = isize::try_from(self.0.limits.max_exchanges.max(1)).unwrap_or(isize::MAX);
-        // One transaction: the push lands whole, in the order appends reach Redis, and
-        // the trim and the TTL with it.
-        let _: () = redis::pipe()
-            .atomic()
-            .rpush(&key, json)
-            .ignore()
-            .ltrim(&key, -keep, -1)
-            .ignore()
-            .pexpire(
-                &key,
-                i64::try_from(millis(self.0.limits.session_ttl)).unwrap_or(i64::MAX),
-            )
-            .ignore()
-            .query_async(&mut self.0.connection())
+        // One script: the push lands whole, in the order appends reach Redis, and the
+        // trim and the time to live with it.
+        let _: u8 = ScriptCall::new(session_append_script(), 1)
+            .key(&key)
+            .arg(json)
+            .arg(keep)
+            .arg(millis(self.0.limits.session_ttl))
+            .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
         Ok(())
@@ -778,7 +824,10 @@ if string.find(ARGV[5], 't', 1, true) then
   if redis.call('HSETNX', KEYS[1], '!turn', '1') == 1 then
     redis.call('RPUSH', KEYS[10], ARGV[last + 1])
     redis.call('LTRIM', KEYS[10], -tonumber(ARGV[last + 2]), -1)
-    redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
+    -- Never shorter than it was kept for (a run of it may wait).
+    if redis.call('PTTL', KEYS[10]) < tonumber(ARGV[last + 3]) then
+      redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
+    end
   end
 end
 local agent = nil

@@ -85,6 +85,35 @@ async fn redis_session_store() {
 }
 
 #[tokio::test]
+async fn memory_session_lifetimes() {
+    conformance::session_lifetimes(|| async {
+        let store: Arc<dyn SessionStore> = Arc::new(InMemorySessionStore::new(SessionLimits {
+            ttl: Duration::from_secs(1),
+            ..SessionLimits::default()
+        }));
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_session_lifetimes() {
+    conformance::session_lifetimes(|| async {
+        let prefix = redis_prefix("session-lifetimes");
+        let connect = || {
+            let limits = RedisLimits {
+                session_ttl: Duration::from_secs(1),
+                ..limits(100)
+            };
+            Redis::connect(&redis_url(), &prefix, limits).unwrap()
+        };
+        let (a, b) = (connect(), connect());
+        (a.sessions(), b.sessions())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn memory_engine_store() {
     conformance::engine_store(|| async {
         let store: Arc<dyn EngineStore> = Arc::new(MemoryEngineStore::new(HOUR, 100));

@@ -262,6 +262,53 @@ where
     assert!(history.iter().all(|e| e.messages.len() == 1));
 }
 
+/// Session lifetimes, for stores whose sessions live 1 s from their last use: reading a
+/// session uses it, `keep` holds it through a run's wait, and an append never shortens
+/// what `keep` asked for.
+pub async fn session_lifetimes<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn SessionStore>, Arc<dyn SessionStore>)>,
+{
+    let (store, other) = new().await;
+    let exchange = |n: u32| {
+        Arc::new(Exchange {
+            messages: vec![agentrt_models_message(n)],
+            tokens: n,
+            kept_ms: 0,
+        })
+    };
+    let sleep = |ms: u64| tokio::time::sleep(Duration::from_millis(ms));
+    store.append("read", exchange(1)).await.unwrap();
+    sleep(600).await;
+    assert_eq!(other.history("read").await.unwrap().len(), 1);
+    sleep(600).await;
+    assert_eq!(
+        store.history("read").await.unwrap().len(),
+        1,
+        "a session read (a run of it started) lives its time to live from then"
+    );
+    sleep(1300).await;
+    assert!(
+        store.history("read").await.unwrap().is_empty(),
+        "then it goes"
+    );
+
+    store.append("waits", exchange(1)).await.unwrap();
+    other.keep("waits", Duration::from_secs(2)).await.unwrap();
+    sleep(1500).await;
+    // Another turn of it meanwhile does not cut the wait short.
+    other.append("waits", exchange(2)).await.unwrap();
+    sleep(1200).await;
+    assert_eq!(
+        store.history("waits").await.unwrap().len(),
+        2,
+        "kept through the wait and its time to live after"
+    );
+    store.keep("unknown", Duration::from_secs(1)).await.unwrap();
+    assert!(store.history("unknown").await.unwrap().is_empty());
+}
+
 fn agentrt_models_message(n: u32) -> agentrt_models::ChatMessage {
     agentrt_models::ChatMessage::User(format!("turn {n}"))
 }
