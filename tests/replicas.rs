@@ -333,6 +333,35 @@ async fn redis_stopped_and_started_again() {
     assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
 
+/// A replica is not ready until its Redis has answered: one started against a Redis that
+/// accepts connections but answers nothing (an address that black-holes, a wrong host
+/// behind a proxy) says `NOT_SERVING` from its first answer on, so that a rollout does not
+/// count it available.
+#[tokio::test]
+async fn a_replica_is_not_ready_before_its_redis_has_answered() {
+    const NOT_SERVING: i32 = 2;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}/0", silent.local_addr().unwrap());
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((connection, _)) = silent.accept().await {
+            connections.push(connection);
+        }
+    });
+    let agents = Server::start("agent-server", &["--state", url.as_str()], &[]).await;
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(1500) {
+        assert_eq!(
+            readiness(&agents.url()).await,
+            NOT_SERVING,
+            "ready after {:?} though Redis never answered",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    held.abort();
+}
+
 /// `run_id`'s log from its start, as `engine`'s replica serves it.
 async fn subscribe(
     engine: &mut AgentEngineClient<Channel>,

@@ -99,10 +99,16 @@ impl GrpcServer {
         let _metrics_stop = metrics_stop.clone().drop_guard();
         let health = tonic_health::server::HealthReporter::new();
         let health_service = crate::health::service(health.clone(), drain.clone());
+        // A server whose readiness follows a check (agent-server's Redis) is not ready
+        // until the check has passed once: a new pod that cannot reach its state must not
+        // count as available (and let a rollout stop an old one).
+        let initially = if self.readiness.is_some() {
+            ServingStatus::NotServing
+        } else {
+            ServingStatus::Serving
+        };
         for service in &self.services {
-            health
-                .set_service_status(*service, ServingStatus::Serving)
-                .await;
+            health.set_service_status(*service, initially).await;
         }
         let readiness_stop = CancellationToken::new();
         let _readiness_stop = readiness_stop.clone().drop_guard();
@@ -111,7 +117,7 @@ impl GrpcServer {
             let services = self.services.clone();
             let stop = readiness_stop.clone();
             tokio::spawn(async move {
-                let mut ready = true;
+                let mut ready = false;
                 loop {
                     let now_ready = tokio::select! {
                         () = stop.cancelled() => return,

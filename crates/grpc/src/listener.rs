@@ -95,9 +95,30 @@ impl Limits {
     }
 }
 
-/// The soft limit on open files of this process, when the platform says.
+/// The soft limit on open files of this process, when the platform says; raised first to
+/// the hard limit, as far as the process may (a container often starts with a soft limit
+/// of 1,024 under a far higher hard one, and nothing else in a pod can raise it).
 fn descriptor_limit() -> Option<u64> {
-    rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    static RAISED: std::sync::Once = std::sync::Once::new();
+    RAISED.call_once(|| {
+        let limit = getrlimit(Resource::Nofile);
+        if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+            && current < maximum
+        {
+            let raised = rustix::process::Rlimit {
+                current: Some(maximum),
+                maximum: Some(maximum),
+            };
+            match setrlimit(Resource::Nofile, raised) {
+                Ok(()) => tracing::debug!(from = current, to = maximum, "open-files limit raised"),
+                Err(error) => {
+                    tracing::debug!(%error, current, maximum, "cannot raise the open-files limit");
+                }
+            }
+        }
+    });
+    getrlimit(Resource::Nofile).current
 }
 
 /// A source of connections: a TCP listener, or a fake one in tests.

@@ -57,9 +57,9 @@ async fn main() -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", cli.listen))?;
     // With no model endpoint configured, the simulator stands in for one.
-    let simulator = if std::env::var_os("OPENAI_BASE_URL").is_none()
-        && std::env::var_os("OPENAI_API_KEY").is_none()
-    {
+    // Set but empty counts as unset, as agent-server reads them.
+    let unset = |name: &str| std::env::var_os(name).is_none_or(|v| v.is_empty());
+    let simulator = if unset("OPENAI_BASE_URL") && unset("OPENAI_API_KEY") {
         let listener = tokio::net::TcpListener::bind(cli.simulator_listen)
             .await
             .with_context(|| format!("cannot listen on {}", cli.simulator_listen))?;
