@@ -66,6 +66,45 @@ pub struct RunEvent {
 }
 
 impl RunEvent {
+    /// About how many bytes the event holds (its text and data, and what every event
+    /// costs), as a bound on what the logs of ended runs keep counts it.
+    pub fn weight(&self) -> usize {
+        const EVENT: usize = 160;
+        let data = match self.data.as_deref() {
+            None => 0,
+            Some(EventData::ToolCall {
+                id,
+                name,
+                arguments,
+            }) => id.len() + name.len() + arguments.as_str().len(),
+            Some(EventData::ToolResult {
+                id, name, output, ..
+            }) => id.len() + name.len() + output.len(),
+            Some(EventData::References {
+                tool_call_id,
+                references,
+                ..
+            }) => {
+                tool_call_id.len()
+                    + references
+                        .iter()
+                        .map(|r| r.to_string().len() * 4)
+                        .sum::<usize>()
+            }
+            Some(EventData::RunStarted { engine_id, agent }) => engine_id.len() + agent.len(),
+            Some(EventData::RoundRestarted { reason, .. }) => reason.len(),
+            Some(EventData::ActionRequired { tool_calls }) => tool_calls
+                .iter()
+                .map(|c| EVENT + c.id.len() + c.name.len() + c.arguments.as_str().len())
+                .sum(),
+            Some(EventData::End(summary)) => summary
+                .error
+                .as_ref()
+                .map_or(0, |e| e.code.len() + e.message.len()),
+        };
+        EVENT + self.content.len() + data
+    }
+
     /// The `done` event a bus publishes for a run whose publisher went away without one
     /// (a bug, or a panic in the run), so that no reader waits forever.
     pub fn ended_without_end() -> Self {
@@ -559,6 +598,10 @@ pub struct BusLimits {
     /// the logs of the runs that ended first are dropped before their retention is over.
     /// Readers already following a dropped log still read it to its end.
     pub retained_events: usize,
+    /// Bytes of the events (their text and data, about) kept in the logs of finished runs,
+    /// all together; beyond, the logs of the runs that ended first are dropped as with
+    /// `retained_events`.
+    pub retained_bytes: usize,
 }
 
 impl Default for BusLimits {
@@ -567,6 +610,7 @@ impl Default for BusLimits {
             events_per_run: 10_000,
             retention: Duration::from_secs(600),
             retained_events: 1_000_000,
+            retained_bytes: 128 * 1024 * 1024,
         }
     }
 }
@@ -584,12 +628,15 @@ struct BusState {
     finished: VecDeque<Finished>,
     /// Events in the logs of `finished`, all together.
     retained: usize,
+    /// Bytes ([`RunEvent::weight`]) of the events in `finished`.
+    retained_bytes: usize,
 }
 
 struct Finished {
     at: Instant,
     run_id: String,
     events: usize,
+    bytes: usize,
 }
 
 impl BusState {
@@ -598,6 +645,7 @@ impl BusState {
         if let Some(oldest) = self.finished.pop_front() {
             self.runs.remove(oldest.run_id.as_str());
             self.retained = self.retained.saturating_sub(oldest.events);
+            self.retained_bytes = self.retained_bytes.saturating_sub(oldest.bytes);
         }
     }
 }
@@ -893,7 +941,7 @@ impl EventBus for InMemoryBus {
         Ok(Box::new(Publisher {
             log,
             bus: self.inner.clone(),
-            retained_events: self.limits.retained_events,
+            limits: self.limits,
         }))
     }
 
@@ -912,7 +960,7 @@ impl EventBus for InMemoryBus {
             publisher: Box::new(Publisher {
                 log,
                 bus: self.inner.clone(),
-                retained_events: self.limits.retained_events,
+                limits: self.limits,
             }),
         })
     }
@@ -937,7 +985,7 @@ impl EventBus for InMemoryBus {
 struct Publisher {
     log: Arc<RunLog>,
     bus: Arc<Mutex<BusState>>,
-    retained_events: usize,
+    limits: BusLimits,
 }
 
 impl Publisher {
@@ -957,8 +1005,14 @@ impl Publisher {
                 state.events.pop_front();
                 state.first += 1;
             }
-            state.events.len()
+            let bytes = if done {
+                state.events.iter().map(|e| e.weight()).sum()
+            } else {
+                0
+            };
+            (state.events.len(), bytes)
         };
+        let (kept, bytes) = kept;
         if done {
             let mut bus = lock(&self.bus);
             // A run that ends as it begins to wait: the bus holds its log again.
@@ -972,9 +1026,13 @@ impl Publisher {
                 at: Instant::now(),
                 run_id: self.log.run_id.to_string(),
                 events: kept,
+                bytes,
             });
             bus.retained += kept;
-            while bus.retained > self.retained_events {
+            bus.retained_bytes += bytes;
+            while bus.retained > self.limits.retained_events
+                || bus.retained_bytes > self.limits.retained_bytes
+            {
                 bus.drop_oldest();
             }
         }
@@ -1297,6 +1355,40 @@ mod tests {
             "running runs never expire"
         );
         assert_eq!(bus.runs(), 1);
+    }
+
+    #[tokio::test]
+    async fn ended_logs_beyond_the_bytes_bound_are_dropped_oldest_first() {
+        // Room for about two logs of a 40 KB output each, not three.
+        let bus = InMemoryBus::new(BusLimits {
+            retained_bytes: 100_000,
+            ..BusLimits::default()
+        });
+        let output = "x".repeat(40_000);
+        for run in ["first", "second", "third"] {
+            let publisher = bus.open(run, "").await.unwrap();
+            let result = RunEvent::new(
+                EventKind::ToolResult,
+                1,
+                String::new(),
+                Some(EventData::ToolResult {
+                    id: "c".into(),
+                    name: "search".into(),
+                    output: output.clone(),
+                    is_error: false,
+                    duration_ms: 1,
+                }),
+            );
+            assert!(result.weight() > 40_000);
+            publisher.publish(vec![result, done()]).await.unwrap();
+        }
+        assert_eq!(
+            bus.subscribe("first", 0).await.err(),
+            Some(BusError::UnknownRun("first".into())),
+            "the oldest goes"
+        );
+        assert!(bus.subscribe("second", 0).await.is_ok());
+        assert!(bus.subscribe("third", 0).await.is_ok());
     }
 
     #[tokio::test]

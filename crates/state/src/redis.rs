@@ -196,6 +196,7 @@ impl Redis {
                     events_per_run: limits.events_per_run,
                     retention: limits.run_retention,
                     retained_events: limits.retained_events,
+                    ..agentrt_events::BusLimits::default()
                 }),
                 flusher: Arc::default(),
                 agent_ids: AgentIds::default(),

@@ -102,6 +102,8 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     events_per_run: settings.runs.events_per_run,
                     retention: settings.runs.retention,
                     retained_events: settings.runs.retained_events,
+                    // Ended runs' logs are part of what `runs.retained_bytes` bounds.
+                    retained_bytes: settings.runs.retained_bytes,
                 })),
                 redis: None,
             }
