@@ -933,8 +933,11 @@ local lapses = now_ms() + tonumber(ARGV[2])
 local lost = {}
 for i = 3, #ARGV, 2 do
   local run, token = ARGV[i], ARGV[i + 1]
+  local score = redis.call('ZSCORE', KEYS[1], run)
+  -- A lease let go (scored 0) stays let go: renewing it would keep the run from the
+  -- replicas it was handed to.
   if redis.call('GET', ARGV[1] .. ':owner:' .. run) == token
-      and redis.call('ZSCORE', KEYS[1], run) then
+      and score and tonumber(score) > 0 then
     redis.call('ZADD', KEYS[1], 'XX', lapses, run)
   else
     lost[#lost + 1] = run

@@ -624,6 +624,11 @@ impl Leases {
         if token.is_some_and(|token| token != held) {
             return false;
         }
+        // A renewal (no `released` said) of a lease let go: it stays let go, for the
+        // replicas it was handed to.
+        if released.is_none() && *was {
+            return false;
+        }
         let previous = std::mem::replace(old, at);
         if let Some(released) = released {
             *was = released;

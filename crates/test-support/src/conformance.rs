@@ -695,6 +695,13 @@ where
     );
     other.release(&[lease("lr", &winner)]).await.unwrap();
     assert_eq!(store.lapsed(10).await.unwrap(), vec!["lr".to_owned()]);
+    // Let go, it stays let go: its renewal (the run still stopping there) is refused.
+    assert_eq!(
+        renewers.1.renew(&[lease("lr", &winner)]).await.unwrap(),
+        vec!["lr".to_owned()],
+        "a lease let go is not renewed"
+    );
+    assert_eq!(store.lapsed(10).await.unwrap(), vec!["lr".to_owned()]);
     let handed = store.take_over("lr", "c.1").await.unwrap().unwrap();
     assert!(handed.handed_over);
     assert_eq!(handed.previous_owner, winner);

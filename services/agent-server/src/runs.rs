@@ -160,6 +160,7 @@ struct Resuming<'a>(&'a RunManager, &'a str);
 impl Drop for Resuming<'_> {
     fn drop(&mut self) {
         self.0.resuming().remove(self.1);
+        self.0.held.early_stops().remove(self.1);
     }
 }
 
@@ -264,9 +265,18 @@ struct Held {
     /// tokens: their leases are renewed meanwhile, for resuming many runs at once can take
     /// longer than a lease, and a lapsed lease would let a third replica take them.
     resuming: Mutex<HashMap<String, String>>,
+    /// Stops requested for runs while they were resuming here (not in `local` yet): each
+    /// is applied once its run is (a request is heard once, and would be lost).
+    early_stops: Mutex<HashMap<String, StopReason>>,
 }
 
 impl Held {
+    fn early_stops(&self) -> MutexGuard<'_, HashMap<String, StopReason>> {
+        self.early_stops
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn local(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
         // Each critical section leaves the map consistent before anything can panic.
         self.local.lock().unwrap_or_else(PoisonError::into_inner)
@@ -361,9 +371,18 @@ impl RunManager {
                 let Some(manager) = weak.upgrade() else {
                     return;
                 };
-                if let Some(run) = manager.lock().get(&request.run_id) {
+                // Under the lock of the runs executing here: a run being taken over here
+                // (not among them yet) gets the stop as soon as it is.
+                let local = manager.lock();
+                if let Some(run) = local.get(&request.run_id) {
                     info!(run_id = %request.run_id, reason = request.reason.as_str(), "stop requested");
                     run.control.stop(request.reason);
+                } else if manager.resuming().contains_key(&request.run_id) {
+                    info!(run_id = %request.run_id, reason = request.reason.as_str(), "stop requested of a run being taken over here");
+                    manager
+                        .held
+                        .early_stops()
+                        .insert(request.run_id, request.reason);
                 }
             }
         });
@@ -485,6 +504,13 @@ impl RunManager {
                     info!(%run_id, previous_owner = %previous, handover, "run taken over");
                 }
                 self.spawn(started, &run_id, control, token, slot);
+                // A stop requested while it was being taken over.
+                let early = self.held.early_stops().remove(&run_id);
+                if let Some(reason) = early
+                    && let Some(run) = self.lock().get(&run_id)
+                {
+                    run.control.stop(reason);
+                }
                 Ok(true)
             }
             // Its log held its end already: its record now says so too.
