@@ -109,11 +109,13 @@ impl RunEvent {
     /// (a bug, or a panic in the run), so that no reader waits forever.
     pub fn ended_without_end() -> Self {
         let message = "the run ended without a final event";
+        // What the run used is not known here: not said to be nothing (estimated). Its
+        // iteration is 0, of no round: by the final answer rule, it ends with no answer.
         let data = EventData::End(RunSummary {
             stop_reason: "internal_error",
             prompt_tokens: 0,
             completion_tokens: 0,
-            usage_estimated: false,
+            usage_estimated: true,
             iterations: 0,
             note: None,
             error: Some(RunFailure {
