@@ -121,6 +121,11 @@ struct Shared {
     target: String,
     limits: RedisLimits,
     listeners: Arc<Mutex<Listeners>>,
+    /// Held while this process subscribes to or unsubscribes from a run's notices, and
+    /// decides to: an unsubscribe by a last reader never lands after the subscribe of a
+    /// new first one (whose reader would then hear no notices). Striped by channel, so
+    /// that readers of different runs subscribe at once.
+    subscribing: Arc<[tokio::sync::Mutex<()>]>,
     /// This replica's copies of the logs of the runs it executes.
     local: agentrt_events::InMemoryBus,
     /// Writes the events that publishers let wait.
@@ -192,6 +197,9 @@ impl Redis {
                 target,
                 limits,
                 listeners,
+                subscribing: (0..SUBSCRIBE_STRIPES)
+                    .map(|_| tokio::sync::Mutex::new(()))
+                    .collect(),
                 local: agentrt_events::InMemoryBus::new(agentrt_events::BusLimits {
                     events_per_run: limits.events_per_run,
                     retention: limits.run_retention,
@@ -2728,8 +2736,20 @@ impl Drop for RedisPublisher {
 }
 
 /// This process's interest in one run's notices, shared by its readers here.
+/// Gates of [`Shared::subscribing`].
+const SUBSCRIBE_STRIPES: usize = 64;
+
+/// The gate of `channel` among `gates`.
+fn gate_of<'a>(gates: &'a [tokio::sync::Mutex<()>], channel: &str) -> &'a tokio::sync::Mutex<()> {
+    let hash = channel.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    &gates[(hash % gates.len() as u64) as usize]
+}
+
 struct Follow {
     listeners: Arc<Mutex<Listeners>>,
+    subscribing: Arc<[tokio::sync::Mutex<()>]>,
     subscriptions: ConnectionManager,
     channel: String,
     notices: watch::Receiver<u64>,
@@ -2750,11 +2770,13 @@ impl Follow {
         };
         let follow = Self {
             listeners: shared.listeners.clone(),
+            subscribing: shared.subscribing.clone(),
             subscriptions: shared.subscriptions.clone(),
             channel: channel.to_owned(),
             notices,
         };
         if first {
+            let _gate = gate_of(&shared.subscribing, channel).lock().await;
             let mut subscriptions = shared.subscriptions.clone();
             match tokio::time::timeout(COMMAND_TIMEOUT, subscriptions.subscribe(channel)).await {
                 Ok(Ok(())) => {}
@@ -2786,7 +2808,15 @@ impl Drop for Follow {
         if last && let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let mut subscriptions = self.subscriptions.clone();
             let channel = std::mem::take(&mut self.channel);
+            let listeners = self.listeners.clone();
+            let gates = self.subscribing.clone();
             runtime.spawn(async move {
+                let _gate = gate_of(&gates, &channel).lock().await;
+                // A reader that came meanwhile follows the channel again (and subscribed,
+                // or waits to): it stays subscribed.
+                if lock(&listeners).events.contains_key(&channel) {
+                    return;
+                }
                 let _ = subscriptions.unsubscribe(&channel).await;
             });
         }
