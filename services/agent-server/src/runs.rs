@@ -531,31 +531,54 @@ impl RunManager {
     /// streams this replica serves end, so that their clients resume elsewhere.
     pub async fn hand_over_all(&self) {
         self.draining.cancel();
-        let runs: Vec<(Lease, Arc<RunControl>, Arc<RunEnd>)> = self
-            .lock()
-            .iter()
-            .map(|(run_id, run)| {
-                (
-                    Lease {
-                        run_id: run_id.clone(),
-                        token: run.token.clone(),
-                    },
-                    run.control.clone(),
-                    run.ended.clone(),
-                )
-            })
-            .collect();
-        if runs.is_empty() {
-            return;
-        }
         let started = tokio::time::Instant::now();
-        for (_, control, _) in &runs {
-            control.let_go();
+        let mut seen: HashSet<(String, String)> = HashSet::new();
+        let (mut total, mut handed_over) = (0, 0);
+        // Until a look finds no run it has not handed over: a run spawned as the drain
+        // began (a take-over, an answer, an `Execute` past its checks) is handed over too.
+        loop {
+            let runs: Vec<(Lease, Arc<RunControl>, Arc<RunEnd>)> = self
+                .lock()
+                .iter()
+                .filter(|(run_id, run)| !seen.contains(&((*run_id).clone(), run.token.clone())))
+                .map(|(run_id, run)| {
+                    (
+                        Lease {
+                            run_id: run_id.clone(),
+                            token: run.token.clone(),
+                        },
+                        run.control.clone(),
+                        run.ended.clone(),
+                    )
+                })
+                .collect();
+            if runs.is_empty() {
+                break;
+            }
+            total += runs.len();
+            for (lease, control, _) in &runs {
+                seen.insert((lease.run_id.clone(), lease.token.clone()));
+                control.let_go();
+            }
+            handed_over += self.release_once_stopped(runs).await;
         }
-        // Each lease is let go as soon as its run has stopped here (its last events
-        // written), in batches of the runs stopped meanwhile; the leases of runs still
-        // stopping are renewed meanwhile.
-        let total = runs.len();
+        if total > 0 {
+            info!(
+                runs = handed_over,
+                left_to_lapse = total - handed_over,
+                took = ?started.elapsed(),
+                "runs handed over to the other replicas"
+            );
+        }
+    }
+
+    /// Lets each lease of `runs` go as soon as its run has stopped here (its last events
+    /// written), in batches of the runs stopped meanwhile; the leases of runs still
+    /// stopping are renewed meanwhile. Answers how many were let go.
+    async fn release_once_stopped(
+        &self,
+        runs: Vec<(Lease, Arc<RunControl>, Arc<RunEnd>)>,
+    ) -> usize {
         let mut stopping: futures_util::stream::FuturesUnordered<_> = runs
             .into_iter()
             .map(|(lease, _, ended)| async move {
@@ -579,12 +602,7 @@ impl RunManager {
                 }
             }
         }
-        info!(
-            runs = handed_over,
-            left_to_lapse = total - handed_over,
-            took = ?started.elapsed(),
-            "runs handed over to the other replicas"
-        );
+        handed_over
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, LocalRun>> {
@@ -768,6 +786,10 @@ impl RunManager {
                 kept: false,
             },
         );
+        // Spawned as this replica hands its runs over: let go at once, for the others.
+        if self.draining.is_cancelled() && self.limits.takeover_after.is_some() {
+            task_control.let_go();
+        }
         // Given back by the run's task.
         let charge = std::mem::take(&mut slot.1);
         std::mem::forget(slot);
