@@ -230,6 +230,75 @@ async fn a_deadline_on_a_long_running_tool_cancels_it_at_the_server() {
     assert_eq!(out.output, "Echo: after");
 }
 
+/// A stdio MCP server that writes its pid to `argv[1]`, answers, and once its input ends
+/// does not exit (as a server may not).
+const STUBBORN_SERVER: &str = r#"
+import json, os, sys, time
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+for line in sys.stdin:
+    msg = json.loads(line)
+    mid, method = msg.get("id"), msg.get("method")
+    if method == "initialize":
+        result = {"protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
+                  "serverInfo": {"name": "stubborn", "version": "1"}}
+    elif method == "tools/list":
+        result = {"tools": [{"name": "noop", "inputSchema": {"type": "object"}}]}
+    elif mid is not None:
+        result = {}
+    else:
+        continue
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": mid, "result": result}) + "\n")
+    sys.stdout.flush()
+time.sleep(600)
+"#;
+
+/// A second SIGTERM exits at once, without the drain: the stdio servers the tool executor
+/// started go with it (they run in process groups of their own, which no signal to the
+/// tool executor reaches, and were left running).
+#[tokio::test]
+async fn a_second_sigterm_stops_the_stdio_servers_too() {
+    let dir = TempDir::new("second-sigterm");
+    let script = dir.write("stubborn.py", STUBBORN_SERVER);
+    let pid_file = dir.0.join("pid");
+    let config = format!(
+        "[[mcp_servers]]\nname = \"stubborn\"\ncommand = \"python3\"\nargs = [{:?}, {:?}]\n",
+        script.display().to_string(),
+        pid_file.display().to_string()
+    );
+    let (mut server, mut client) = executor_with(&dir, &config, &[]).await;
+    assert!(
+        tools(&mut client)
+            .await
+            .iter()
+            .any(|t| t.name == "stubborn__noop")
+    );
+    let pid: u32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| !stat.contains(") Z "))
+    };
+    assert!(alive(pid));
+    server.terminate();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.terminate();
+    let status = server.wait(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the stdio server {pid} outlived the tool executor"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test]
 async fn a_server_killed_mid_call_is_unavailable_then_restarted() {
     let dir = TempDir::new("killed");

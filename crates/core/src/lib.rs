@@ -3,6 +3,7 @@
 //! These types know nothing of Protobuf: the services convert wire messages into them at
 //! the edge, so that the engine and the tools never depend on generated code.
 
+pub mod children;
 mod config;
 pub mod duration;
 pub mod packed;

@@ -18,6 +18,13 @@ pub fn signal() -> impl Future<Output = ()> {
         tokio::spawn(async move {
             signals.recv().await;
             warn!("second shutdown signal, exiting without waiting for the drain");
+            // What it started (stdio MCP servers, in groups of their own) goes with it.
+            for group in agentrt_core::children::take() {
+                if let Some(group) = rustix::process::Pid::from_raw(group) {
+                    let _ =
+                        rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+                }
+            }
             std::process::exit(130);
         });
     }

@@ -654,6 +654,9 @@ impl ServerProcess {
             .id()
             .and_then(|id| i32::try_from(id).ok())
             .and_then(rustix::process::Pid::from_raw);
+        if let Some(group) = group {
+            agentrt_core::children::started(group.as_raw_nonzero().get());
+        }
         Self { child, group }
     }
 
@@ -663,6 +666,7 @@ impl ServerProcess {
         if let Some(group) = self.group.take() {
             // Fails (ESRCH) when no process is left.
             let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+            agentrt_core::children::ended(group.as_raw_nonzero().get());
         }
     }
 }
