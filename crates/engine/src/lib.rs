@@ -1642,7 +1642,15 @@ impl Engine {
             };
             let elapsed = started.elapsed();
             truncate_output(&mut result.output, max_output);
-            Metrics::global().tool_call(&calls[index].name, result.is_error, elapsed);
+            // A name the model made up (a refused call) is no series of its own: a query
+            // can steer the model, and the label's names are bounded.
+            let name = calls[index].name.as_str();
+            let label = if spec.tools.iter().any(|tool| tool.name == name) {
+                name
+            } else {
+                "unknown"
+            };
+            Metrics::global().tool_call(label, result.is_error, elapsed);
             let rerank = self
                 .rerank(config, &spec.query, &mut result.references, cancel)
                 .await;

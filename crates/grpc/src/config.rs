@@ -68,8 +68,23 @@ pub fn load_file<T: DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     })?;
     toml::from_str(&text).map_err(|e| ConfigError::Parse {
         path: path.display().to_string(),
-        message: e.to_string(),
+        message: parse_error(&e, &text),
     })
+}
+
+/// What is wrong with a config file, and where: never its text (toml's own message quotes
+/// the line, and a line that is wrong may hold a secret written where it must not be).
+fn parse_error(error: &toml::de::Error, text: &str) -> String {
+    let message = error.message().trim_end();
+    match error.span() {
+        Some(span) => {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!("line {line}, column {column}: {message}")
+        }
+        None => message.to_owned(),
+    }
 }
 
 /// The settings of `path` when one is given, else the defaults: the first two layers.
@@ -483,6 +498,16 @@ mod tests {
         assert_eq!(settings.metrics_listen, None);
         let bad = toml::from_str::<ServerSettings>("listen = \"nowhere\"\n").unwrap_err();
         assert!(bad.to_string().contains("HOST:PORT"), "{bad}");
+    }
+
+    #[test]
+    fn a_config_error_says_where_without_quoting_the_file() {
+        let text = "listen = \"127.0.0.1:9000\"\nnot_a_setting = \"sk-live-0123456789\"\n";
+        let error = toml::from_str::<ServerSettings>(text).unwrap_err();
+        let message = parse_error(&error, text);
+        assert!(message.starts_with("line 2, column 1: "), "{message}");
+        assert!(message.contains("not_a_setting"), "{message}");
+        assert!(!message.contains("sk-live"), "{message}");
     }
 
     #[test]

@@ -465,11 +465,19 @@ impl RunManager {
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
-        // Accepted before: charged, never refused.
         let charge = Charge {
             principal: agentrt_state::principal_of(&taken.record.session_id).to_owned(),
             bytes: taken.record.query.len(),
         };
+        // A run that goes on (answered, or its owner gone) counts against its principal's
+        // runs here as any: with them all taken, it is left to lapse again, and taken
+        // when the principal has room (its answers all at once must not run a principal's
+        // runs past its quota). One that ends at once always may.
+        if !ends && self.principal_full(&charge) {
+            debug!(%run_id, principal = %charge.principal, "its principal has no room for it here yet");
+            return Ok(false);
+        }
+        // Accepted before: charged, never refused.
         if self.charge(&charge, false).is_ok() {
             slot.1 = charge;
         }
@@ -645,6 +653,16 @@ impl RunManager {
 
     /// Charges a run to the budgets; with `check`, refuses it when it would take them past
     /// their bounds (a run taken over was accepted already: it is only charged).
+    /// Whether `charge`'s principal has all the runs in progress here it may.
+    fn principal_full(&self, charge: &Charge) -> bool {
+        !charge.principal.is_empty()
+            && self
+                .usage()
+                .per_principal
+                .get(&charge.principal)
+                .is_some_and(|running| *running >= self.limits.max_active_per_principal)
+    }
+
     fn charge(&self, charge: &Charge, check: bool) -> Result<(), RunStartError> {
         let mut usage = self.usage();
         if check {
