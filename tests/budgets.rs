@@ -16,7 +16,10 @@ use tonic::{Code, Request, Status, transport::Channel};
 
 const SCENARIOS: &str = r#"{"scenarios": {
   "count": {"turns": [{"content": "users={user_messages}"}]},
-  "slow": {"turns": [{"content": "slowly, slowly", "chunk_chars": 1, "chunk_delay_ms": 100}]}
+  "slow": {"turns": [{"content": "slowly, slowly", "chunk_chars": 1, "chunk_delay_ms": 100}]},
+  "client": {"turns": [
+    {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
+    {"content": "found: {tool_results}"}]}
 }}"#;
 
 /// A stack whose agent-server reads `toml` as its config file (and `tokens`, if any).
@@ -372,4 +375,103 @@ async fn get_run_as(
         .await
         .unwrap()
         .into_inner()
+}
+
+/// A run that waited goes on counted against its principal's runs, as any: answered while
+/// the principal has all the runs it may in progress, it goes on once one of them ended,
+/// not at once past the quota.
+#[tokio::test]
+async fn an_answered_run_waits_for_room_in_its_principals_quota() {
+    let dir = TempDir::new("budgets-answered");
+    let stack = stack(
+        &dir,
+        "[runs]\nmax_active_per_principal = 1\ntakeover_after = \"1s\"\n",
+        Some("alice-token-0123456789 principal=alice\n"),
+    )
+    .await;
+    let alice = "alice-token-0123456789";
+    let channel = agentrt_test_support::connect(&stack.agents.url()).await;
+    let mut service = AgentServiceClient::new(channel.clone());
+    let mut engine = AgentEngineClient::new(channel.clone());
+    let mut waiting_agent = agent("client", &[]);
+    waiting_agent.client_tools = vec![v1::ClientTool {
+        name: "lookup_order".into(),
+        description: "Finds an order by its id.".into(),
+        input_schema: None,
+    }];
+    let waits = service
+        .create_agent_engine(with_token(
+            v1::CreateAgentEngineRequest {
+                config: Some(waiting_agent),
+                session_id: String::new(),
+            },
+            alice,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .engine_id;
+    let slow = service
+        .create_agent_engine(with_token(create("slow", "", ""), alice))
+        .await
+        .unwrap()
+        .into_inner()
+        .engine_id;
+    // The first run waits for its client tool: it holds no run of Alice's meanwhile.
+    let mut first = engine
+        .execute(with_token(execute(&waits, "find A-17"), alice))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut run_id = String::new();
+    while let Some(event) = first.message().await.unwrap() {
+        run_id.clone_from(&event.run_id);
+        if event.r#type == v1::EventType::ActionRequired as i32 {
+            break;
+        }
+    }
+    // Her one run in progress: the slow one.
+    let second = when_room(|| {
+        let mut engine = engine.clone();
+        let request = with_token(execute(&slow, "take your time"), alice);
+        async move { engine.execute(request).await }
+    })
+    .await;
+    let slow_ended = tokio::spawn(async move {
+        collect(second).await;
+        tokio::time::Instant::now()
+    });
+    engine
+        .submit_tool_outputs(with_token(
+            v1::SubmitToolOutputsRequest {
+                run_id: run_id.clone(),
+                outputs: vec![v1::ToolOutput {
+                    tool_call_id: "k1".into(),
+                    output: "shipped".into(),
+                    is_error: false,
+                }],
+            },
+            alice,
+        ))
+        .await
+        .unwrap();
+    // The rest of the first run's stream, to its end.
+    let mut events = Vec::new();
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), first.message())
+        .await
+        .expect("a stalled stream")
+        .unwrap()
+    {
+        events.push(event);
+    }
+    let answered_ended = tokio::time::Instant::now();
+    assert!(
+        text(&events, v1::EventType::FinalAnswer).contains("shipped"),
+        "{events:#?}"
+    );
+    let slow_ended = slow_ended.await.unwrap();
+    assert!(
+        answered_ended >= slow_ended,
+        "the answered run went on past its principal's quota, while her slow run ran"
+    );
 }
