@@ -334,34 +334,16 @@ mod tests {
         // Its question and answer alone fit (measured), and the older one too.
         assert_eq!(fitted.dropped, 0);
         assert_eq!(fitted.compacted, 1);
-        assert_eq!(
-            fitted.messages,
-            [
-                ChatMessage::User("small old".into()),
-                ChatMessage::Assistant {
-                    content: String::new(),
-                    tool_calls: vec![ModelToolCall {
-                        id: "c".into(),
-                        name: "t".into(),
-                        arguments: "{}".into(),
-                    }],
-                },
-                ChatMessage::Tool {
-                    call_id: "c".into(),
-                    content: "r".into(),
-                },
-                ChatMessage::Assistant {
-                    content: "answer to small old".into(),
-                    tool_calls: vec![],
-                },
-                ChatMessage::User("big newer".into()),
-                ChatMessage::Assistant {
-                    content: "answer to big newer".into(),
-                    tool_calls: vec![],
-                },
-                ChatMessage::User("q".into()),
-            ]
-        );
+        let mut expected = exchange("small old", 5).messages.clone();
+        expected.extend([
+            ChatMessage::User("big newer".into()),
+            ChatMessage::Assistant {
+                content: "answer to big newer".into(),
+                tool_calls: vec![],
+            },
+            ChatMessage::User("q".into()),
+        ]);
+        assert_eq!(fitted.messages, expected);
         // With no room even for that, the history stops there, older exchanges too.
         let fitted = fit(
             &[],

@@ -312,16 +312,17 @@ mod tests {
                 .unwrap();
             tokio::time::advance(Duration::from_secs(1)).await;
         }
+        // Read (a run of it started): used last, then.
         store.history("a").await.unwrap();
         store
             .append("d", said(&"x".repeat(1000)).into())
             .await
             .unwrap();
         assert!(
-            store.history("a").await.unwrap().is_empty(),
-            "the least recently written session made room"
+            store.history("b").await.unwrap().is_empty(),
+            "the least recently used session made room"
         );
-        for session in ["b", "c", "d"] {
+        for session in ["a", "c", "d"] {
             assert_eq!(store.history(session).await.unwrap().len(), 1, "{session}");
         }
         // One session past the budget alone keeps its newest exchanges that fit.

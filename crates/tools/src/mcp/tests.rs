@@ -291,11 +291,11 @@ async fn lists_every_page_calls_and_maps_results() {
     assert!(matches!(err, CallError::Unavailable { .. }), "{err:?}");
 }
 
-#[tokio::test]
-async fn a_list_change_refreshes_the_tools() {
-    let fake = Fake::new("change");
+/// A toolset of `fake` in `mode` whose tool `change` was called: the server added a tool
+/// and sent `notifications/tools/list_changed`.
+async fn changed(fake: &Fake, mode: &str) -> (McpToolset, Changes) {
     let changes = Changes::new();
-    let toolset = McpToolset::start(fake.config("good"), changes.clone())
+    let toolset = McpToolset::start(fake.config(mode), changes.clone())
         .await
         .unwrap();
     // The first listing signalled a change already; take it.
@@ -306,6 +306,13 @@ async fn a_list_change_refreshes_the_tools() {
         .call("change", json!({}), &ToolContext::default())
         .await
         .unwrap();
+    (toolset, changes)
+}
+
+#[tokio::test]
+async fn a_list_change_refreshes_the_tools() {
+    let fake = Fake::new("change");
+    let (toolset, changes) = changed(&fake, "good").await;
     tokio::time::timeout(Duration::from_secs(5), changes.changed())
         .await
         .expect("the catalogue is told of the change");
@@ -318,17 +325,7 @@ async fn a_list_change_refreshes_the_tools() {
 #[tokio::test]
 async fn a_failed_listing_after_a_change_is_asked_for_again() {
     let fake = Fake::new("relist");
-    let changes = Changes::new();
-    let toolset = McpToolset::start(fake.config("relist-fails"), changes.clone())
-        .await
-        .unwrap();
-    tokio::time::timeout(Duration::from_secs(1), changes.changed())
-        .await
-        .unwrap();
-    toolset
-        .call("change", json!({}), &ToolContext::default())
-        .await
-        .unwrap();
+    let (toolset, changes) = changed(&fake, "relist-fails").await;
     eventually("the refused listing", || fake.dir.join("refused").exists()).await;
     tokio::time::timeout(Duration::from_secs(8), changes.changed())
         .await
