@@ -204,9 +204,8 @@ impl EngineStore for MemoryEngineStore {
             return Err(StateError::OverBudget {
                 budget: "engines.max_bytes",
                 message: format!(
-                    "the engines kept take {} of their {} bytes and this one takes {bytes}; \
-                     delete engines, or wait for unused ones to expire",
-                    inner.bytes, self.budgets.max_bytes
+                    "no room is left among the engines kept for this one's {bytes} bytes; \
+                     delete engines, or wait for unused ones to expire"
                 ),
             });
         }

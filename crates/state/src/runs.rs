@@ -792,11 +792,9 @@ impl Inner {
         if self.parked_bytes >= retention.max_waiting_bytes {
             return Err(StateError::OverBudget {
                 budget: "runs.max_waiting_bytes",
-                message: format!(
-                    "the runs waiting for answers here hold {} bytes, their most; answer or \
-                     cancel some",
-                    self.parked_bytes
-                ),
+                message: "no room is left among the runs waiting for answers here; answer or \
+                     cancel some"
+                    .to_owned(),
             });
         }
         let principal = principal_of(session_id);
@@ -1237,10 +1235,9 @@ impl RunStore for MemoryRunStore {
                 return Err(StateError::OverBudget {
                     budget: "runs.max_waiting_bytes",
                     message: format!(
-                        "the runs waiting for answers here hold {} bytes, and these answers \
-                         {added} more, past their most; answer all of the run's calls at \
-                         once, or cancel some runs",
-                        inner.parked_bytes
+                        "no room is left among the runs waiting for answers here for these \
+                         answers' {added} bytes; answer all of the run's calls at once, or \
+                         cancel some runs"
                     ),
                 });
             }

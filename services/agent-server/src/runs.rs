@@ -670,9 +670,9 @@ impl RunManager {
                 return Err(RunStartError::OverBudget {
                     budget: "runs.max_active_bytes",
                     message: format!(
-                        "the runs in progress here hold {} of their {} bytes of queries and \
-                         context, and this one {}; retry later",
-                        usage.bytes, self.limits.max_active_bytes, charge.bytes
+                        "no room is left among the runs in progress here for this one's {} \
+                         bytes of query and context; retry later",
+                        charge.bytes
                     ),
                 });
             }
