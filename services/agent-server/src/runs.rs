@@ -473,7 +473,20 @@ impl RunManager {
         // runs here as any: with them all taken, it is left to lapse again, and taken
         // when the principal has room (its answers all at once must not run a principal's
         // runs past its quota). One that ends at once always may.
-        if !ends && self.principal_full(&charge) {
+        // Ends at once, calling no model: cancelled or stopped, or a wait that ran out
+        // of time with calls unanswered.
+        let ends_here = ends
+            || stop.is_some()
+            || taken.stop.is_some()
+            || taken.waited.as_ref().is_some_and(|told| {
+                told.cancelled
+                    || taken
+                        .record
+                        .pending
+                        .iter()
+                        .any(|call| !told.answers.contains_key(&call.id))
+            });
+        if !ends_here && self.principal_full(&charge) {
             debug!(%run_id, principal = %charge.principal, "its principal has no room for it here yet");
             return Ok(false);
         }
