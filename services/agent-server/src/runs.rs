@@ -486,7 +486,9 @@ impl RunManager {
                         .iter()
                         .any(|call| !told.answers.contains_key(&call.id))
             });
-        if !ends_here && self.principal_full(&charge) {
+        if !ends_here
+            && principal_full(&self.usage(), &charge, self.limits.max_active_per_principal)
+        {
             debug!(%run_id, principal = %charge.principal, "its principal has no room for it here yet");
             return Ok(false);
         }
@@ -666,16 +668,6 @@ impl RunManager {
 
     /// Charges a run to the budgets; with `check`, refuses it when it would take them past
     /// their bounds (a run taken over was accepted already: it is only charged).
-    /// Whether `charge`'s principal has all the runs in progress here it may.
-    fn principal_full(&self, charge: &Charge) -> bool {
-        !charge.principal.is_empty()
-            && self
-                .usage()
-                .per_principal
-                .get(&charge.principal)
-                .is_some_and(|running| *running >= self.limits.max_active_per_principal)
-    }
-
     fn charge(&self, charge: &Charge, check: bool) -> Result<(), RunStartError> {
         let mut usage = self.usage();
         if check {
@@ -689,17 +681,12 @@ impl RunManager {
                     ),
                 });
             }
-            let running = usage
-                .per_principal
-                .get(&charge.principal)
-                .copied()
-                .unwrap_or(0);
-            if !charge.principal.is_empty() && running >= self.limits.max_active_per_principal {
+            if principal_full(&usage, charge, self.limits.max_active_per_principal) {
                 return Err(RunStartError::OverBudget {
                     budget: "runs.max_active_per_principal",
                     message: format!(
-                        "this principal has {running} runs in progress here, its most; retry \
-                         later"
+                        "this principal has {} runs in progress here, its most; retry later",
+                        self.limits.max_active_per_principal
                     ),
                 });
             }
@@ -1375,6 +1362,16 @@ async fn take_over_runs(manager: Weak<RunManager>, lease: Duration) {
             debug!(%error, "cannot look for runs to take over");
         }
     }
+}
+
+/// Whether `charge`'s principal has `most` runs in progress here (the anonymous principal
+/// has no bound of its own).
+fn principal_full(usage: &Usage, charge: &Charge, most: usize) -> bool {
+    !charge.principal.is_empty()
+        && usage
+            .per_principal
+            .get(&charge.principal)
+            .is_some_and(|running| *running >= most)
 }
 
 #[cfg(test)]
