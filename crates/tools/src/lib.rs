@@ -191,16 +191,27 @@ fn cut_at(text: &mut String, max: usize) {
 }
 
 /// `url` as errors and logs show it: a user and password in it (`http://user:pass@host`)
-/// masked.
+/// and the values of its query (where some servers take their keys) masked.
 pub(crate) fn shown_url(url: &str) -> String {
-    match reqwest::Url::parse(url) {
-        Ok(mut parsed) if !parsed.username().is_empty() || parsed.password().is_some() => {
-            let _ = parsed.set_password(None);
-            let _ = parsed.set_username("***");
-            parsed.to_string()
-        }
-        _ => url.to_owned(),
+    let Ok(mut parsed) = reqwest::Url::parse(url) else {
+        return url.to_owned();
+    };
+    if parsed.username().is_empty() && parsed.password().is_none() && parsed.query().is_none() {
+        return url.to_owned();
     }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        let _ = parsed.set_password(None);
+        let _ = parsed.set_username("***");
+    }
+    if parsed.query().is_some() {
+        let names: Vec<String> = parsed.query_pairs().map(|(name, _)| name.into()).collect();
+        let mut pairs = parsed.query_pairs_mut();
+        pairs.clear();
+        for name in &names {
+            pairs.append_pair(name, "***");
+        }
+    }
+    parsed.to_string()
 }
 
 /// Refuses a URL that carries credentials: they would sit in the config and in every log

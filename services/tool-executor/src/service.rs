@@ -285,6 +285,10 @@ fn tool_to_wire(spec: &ToolSpec) -> v1::Tool {
     }
 }
 
+/// How deep a call's structured output may nest (as a tool's input schema may, in the
+/// catalogue): the caller carries it on in its own messages, a few levels deeper.
+const MAX_STRUCTURED_DEPTH: usize = 24;
+
 fn output_to_wire(
     call_id: String,
     output: ToolOutput,
@@ -294,7 +298,14 @@ fn output_to_wire(
         call_id,
         output: output.text,
         is_error: output.is_error,
-        structured_output: output.structured.as_ref().map(json::json_to_value),
+        // Nested too deep for the callers' Protobuf decoders (each JSON level is up to
+        // three message levels, and they refuse more than 100), the structured copy is
+        // left out: the call's text still says what it answered.
+        structured_output: output
+            .structured
+            .as_ref()
+            .filter(|value| agentrt_core::json_depth(value) <= MAX_STRUCTURED_DEPTH)
+            .map(json::json_to_value),
         references: output
             .references
             .into_iter()
@@ -359,6 +370,34 @@ mod tests {
         assert_eq!(grpc_timeout(&metadata("5x")), None);
         assert_eq!(grpc_timeout(&metadata("S")), None);
         assert_eq!(grpc_timeout(&MetadataMap::new()), None);
+    }
+
+    /// A structured output nested deeper than callers' Protobuf decoders accept is left
+    /// out, the text kept; one within the bound goes as it is.
+    #[test]
+    fn structured_output_nested_too_deep_is_left_out_and_the_text_kept() {
+        let nested = |depth: usize| {
+            (0..depth).fold(
+                serde_json::json!(1),
+                |inner, _| serde_json::json!({"a": inner}),
+            )
+        };
+        let answer = |structured: serde_json::Value| {
+            let output = ToolOutput {
+                text: "the text".into(),
+                structured: Some(structured),
+                ..ToolOutput::default()
+            };
+            output_to_wire("c".into(), output, Duration::ZERO)
+        };
+        let deep = answer(nested(40));
+        assert_eq!(deep.output, "the text");
+        assert!(deep.structured_output.is_none());
+        let shallow = answer(nested(MAX_STRUCTURED_DEPTH - 1));
+        assert!(shallow.structured_output.is_some());
+        // What is sent decodes (prost refuses messages nested past 100 levels).
+        let bytes = prost::Message::encode_to_vec(&answer(nested(MAX_STRUCTURED_DEPTH - 1)));
+        <v1::ExecuteToolResponse as prost::Message>::decode(bytes.as_slice()).unwrap();
     }
 
     /// The service of the built-in tools, answering at most `max_answer_bytes`.

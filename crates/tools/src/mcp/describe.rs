@@ -97,6 +97,88 @@ pub(super) fn transport_error(error: &(dyn StdError + Send + Sync + 'static)) ->
     format!("the connection failed ({})", quoted(&innermost(error)))
 }
 
+/// What a request's failure to go through says of the connection it went on.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum SendFailure {
+    /// The server, or a proxy in front of it, answered this request alone with an error
+    /// (an HTTP status, a body that is not MCP, an answer over `max_message_bytes`): the
+    /// session goes on, and the other calls on it with it.
+    Answered {
+        /// What it answered, as a clause.
+        why: String,
+        /// Whether it is a refusal to serve for now (see [`Refusal`]) rather than an
+        /// answer to the call.
+        refusal: Option<Refusal>,
+    },
+    /// The request never reached the server: it cannot be reached (nothing ran).
+    Unreached(String),
+    /// The connection failed under the request (it may have run).
+    Connection,
+}
+
+/// A refusal to serve a request for now: HTTP 429 or 503 (nothing ran), or a proxy's 502
+/// or 504 (the server behind it may have run the call, or may not be there).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Refusal {
+    /// Whether the call may have run.
+    pub(super) sent: bool,
+    /// Whether the server is there, busy (429): it answers, and its session is kept.
+    pub(super) busy: bool,
+    /// The `Retry-After` it gave, in seconds.
+    pub(super) retry_after: Option<u64>,
+}
+
+/// Sorts a transport's error by what it says of the connection; anything it does not
+/// know is taken as the connection's failure.
+pub(super) fn send_failure(error: &(dyn StdError + Send + Sync + 'static)) -> SendFailure {
+    let mut current: Option<&(dyn StdError + 'static)> = Some(error);
+    while let Some(error) = current {
+        if let Some(http) = error.downcast_ref::<StreamableHttpError<reqwest::Error>>() {
+            return match http {
+                StreamableHttpError::HttpStatus(status) => answered_status(status),
+                StreamableHttpError::UnexpectedServerResponse(_)
+                | StreamableHttpError::UnexpectedContentType(_)
+                | StreamableHttpError::ResponseBodyTooLarge { .. }
+                | StreamableHttpError::InsufficientScope(_) => SendFailure::Answered {
+                    why: http_error(http),
+                    refusal: None,
+                },
+                StreamableHttpError::Client(client) if client.is_connect() => {
+                    SendFailure::Unreached(request_error(client))
+                }
+                _ => SendFailure::Connection,
+            };
+        }
+        if let Some(status) = error.downcast_ref::<HttpStatusError>() {
+            return answered_status(status);
+        }
+        if let Some(client) = error.downcast_ref::<reqwest::Error>() {
+            return if client.is_connect() {
+                SendFailure::Unreached(request_error(client))
+            } else {
+                SendFailure::Connection
+            };
+        }
+        current = error.source();
+    }
+    SendFailure::Connection
+}
+
+fn answered_status(status: &HttpStatusError) -> SendFailure {
+    let refusal = matches!(status.status, 429 | 502..=504).then(|| Refusal {
+        sent: matches!(status.status, 502 | 504),
+        busy: status.status == 429,
+        retry_after: status
+            .retry_after
+            .as_deref()
+            .and_then(|after| after.trim().parse::<u64>().ok()),
+    });
+    SendFailure::Answered {
+        why: format!("it answered HTTP {}", status.status),
+        refusal,
+    }
+}
+
 fn http_error(error: &StreamableHttpError<reqwest::Error>) -> String {
     match error {
         StreamableHttpError::HttpStatus(status) => format!("it answered HTTP {}", status.status),

@@ -25,7 +25,7 @@ use std::{
     process::Stdio,
     sync::{
         Arc, RwLock,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -127,9 +127,16 @@ pub struct McpServerConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// For streamable HTTP: headers sent with every request, their values read from the
-    /// environment or a file (`Authorization = { env = "DOCS_TOKEN", prefix = "Bearer " }`).
+    /// environment or a file (`Authorization = { env = "DOCS_TOKEN", prefix = "Bearer " }`),
+    /// again at each connection (a token rotated in its file is picked up when the server
+    /// is next connected to).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, SecretRef>,
+    /// For streamable HTTP: query parameters added to `url`, their values secrets read as
+    /// `headers`' are (`query = { apiKey = { env = "SEARCH_KEY" } }`), for servers that
+    /// take their key in the URL; messages and logs never show a URL's query values.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub query: BTreeMap<String, SecretRef>,
     /// Upper bound of one call (the caller's deadline may be shorter).
     #[serde(default = "default_timeout", with = "agentrt_core::duration")]
     pub timeout: Duration,
@@ -225,7 +232,7 @@ impl McpServerConfig {
                 secret.resolve_paths(dir);
             }
         }
-        for secret in self.headers.values_mut() {
+        for secret in self.headers.values_mut().chain(self.query.values_mut()) {
             secret.resolve_paths(dir);
         }
     }
@@ -245,8 +252,14 @@ impl McpServerConfig {
             }
             _ => return Err("give either `command` (stdio) or `url` (streamable HTTP)".into()),
         }
-        if self.url.is_none() && !self.headers.is_empty() {
-            return Err("`headers` apply to `url` servers only".into());
+        if self.url.is_none() && (!self.headers.is_empty() || !self.query.is_empty()) {
+            return Err("`headers` and `query` apply to `url` servers only".into());
+        }
+        for (name, secret) in &self.query {
+            if name.is_empty() {
+                return Err("a `query` parameter needs a name".into());
+            }
+            secret.check().map_err(|e| format!("query {name}: {e}"))?;
         }
         if self.url.is_some() && (!self.env.is_empty() || !self.args.is_empty()) {
             return Err("`args` and `env` apply to `command` servers only".into());
@@ -285,7 +298,7 @@ impl McpServerConfig {
     }
 }
 
-/// How to reach the server, with secrets read.
+/// How to reach the server (a stdio server's secrets read).
 enum Transport {
     Stdio {
         command: String,
@@ -293,9 +306,9 @@ enum Transport {
         env: Vec<(String, Secret)>,
         cwd: Option<PathBuf>,
     },
+    /// Its secrets are read at each connection (see [`http_endpoint`]).
     Http {
         url: String,
-        headers: HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>,
         client: reqwest::Client,
     },
 }
@@ -331,10 +344,12 @@ struct Shared {
     relist: Notify,
     /// A call saw the connection fail: drop it and connect again.
     reconnect: Notify,
-    /// A call timed out: ask a stdio server whether it still answers.
+    /// A call timed out: ask the server whether it still answers.
     probe: Notify,
     /// The connection the last such call saw fail (see [`State::connection`]).
     failed_connection: AtomicU64,
+    /// Calls in flight: while there are, an HTTP server is not checked (see [`serve`]).
+    calls: AtomicUsize,
     /// Why the stdio server's output was cut off, when this replica cut it (a message that
     /// would not end; see [`bounded::BoundedLines`]): said of the calls that fail with it,
     /// and of the connection's end, instead of "the connection closed".
@@ -385,23 +400,11 @@ impl McpToolset {
             .check()
             .map_err(|message| Error::source(&config.name, message))?;
         let transport = if let Some(url) = &config.url {
-            let mut headers = HashMap::new();
-            for (name, secret) in &config.headers {
-                let value = secret
-                    .read()
-                    .map_err(|e| Error::source(&config.name, format!("header {name}: {e}")))?;
-                let name = reqwest::header::HeaderName::from_bytes(name.as_bytes())
-                    .map_err(|e| Error::source(&config.name, e.to_string()))?;
-                let mut value =
-                    reqwest::header::HeaderValue::from_str(value.expose()).map_err(|_| {
-                        Error::source(&config.name, format!("header {name}: not a valid value"))
-                    })?;
-                value.set_sensitive(true);
-                headers.insert(name, value);
-            }
+            // Read now so that a missing secret fails the start, and again at each
+            // connection.
+            http_endpoint(&config, url).map_err(|e| Error::source(&config.name, e))?;
             Transport::Http {
                 url: url.clone(),
-                headers,
                 client: crate::http::client().map_err(|e| Error::source(&config.name, e))?,
             }
         } else {
@@ -438,6 +441,7 @@ impl McpToolset {
             probe: Notify::new(),
             reconnect: Notify::new(),
             failed_connection: AtomicU64::new(0),
+            calls: AtomicUsize::new(0),
             cut_off: bounded::CutOff::default(),
             config,
         });
@@ -508,6 +512,7 @@ impl Toolset for McpToolset {
         let timeout = shared.config.timeout;
         // Dropping the call (here on timeout or cancel, or by the caller) sends
         // `notifications/cancelled` for it.
+        let _in_flight = InFlight::new(&shared.calls);
         let outcome = tokio::select! {
             outcome = tokio::time::timeout(timeout, peer.call_tool(params)) => outcome,
             () = ctx.cancel.cancelled() => return Ok(ToolOutput::stopped()),
@@ -541,6 +546,12 @@ impl Toolset for McpToolset {
                 );
                 truncate_text(&mut message, shared.config.max_output_bytes);
                 Ok(ToolOutput::error(message))
+            }
+            Ok(Err(ServiceError::TransportSend(error)))
+                if let Some(outcome) =
+                    request_failed(shared, tool, connection, error.error.as_ref()) =>
+            {
+                outcome
             }
             Ok(Err(error @ (ServiceError::TransportClosed | ServiceError::TransportSend(_)))) => {
                 debug!(source = %shared.name(), %error, "the connection failed during a call");
@@ -739,6 +750,42 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
     }
 }
 
+/// The URL (`url` with the `query` secrets) and headers of an HTTP server's requests, their
+/// secrets read now.
+fn http_endpoint(
+    config: &McpServerConfig,
+    url: &str,
+) -> std::result::Result<
+    (
+        String,
+        HashMap<reqwest::header::HeaderName, reqwest::header::HeaderValue>,
+    ),
+    String,
+> {
+    let mut headers = HashMap::new();
+    for (name, secret) in &config.headers {
+        let value = secret.read().map_err(|e| format!("header {name}: {e}"))?;
+        let name =
+            reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|e| e.to_string())?;
+        let mut value = reqwest::header::HeaderValue::from_str(value.expose())
+            .map_err(|_| format!("header {name}: not a valid value"))?;
+        value.set_sensitive(true);
+        headers.insert(name, value);
+    }
+    if config.query.is_empty() {
+        return Ok((url.to_owned(), headers));
+    }
+    let mut parsed = reqwest::Url::parse(url).map_err(|e| e.to_string())?;
+    {
+        let mut pairs = parsed.query_pairs_mut();
+        for (name, secret) in &config.query {
+            let value = secret.read().map_err(|e| format!("query {name}: {e}"))?;
+            pairs.append_pair(name, value.expose());
+        }
+    }
+    Ok((parsed.into(), headers))
+}
+
 /// Starts (stdio) or reaches (HTTP) the server, initializes and lists its tools. Dropping
 /// the future part-way kills a child process it started.
 async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String> {
@@ -805,13 +852,10 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
                 .map_err(|e| describe::init_error(&e))?;
             (service, Some(process))
         }
-        Transport::Http {
-            url,
-            headers,
-            client,
-        } => {
-            let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
-                .custom_headers(headers.clone())
+        Transport::Http { url, client } => {
+            let (url, headers) = http_endpoint(&shared.config, url)?;
+            let config = StreamableHttpClientTransportConfig::with_uri(url)
+                .custom_headers(headers)
                 .max_json_response_size(shared.config.max_message_bytes)
                 .max_sse_event_size(shared.config.max_message_bytes);
             let transport = StreamableHttpClientTransport::with_client(
@@ -821,7 +865,13 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             let service = handler
                 .serve(lenient::Lenient(transport))
                 .await
-                .map_err(|e| format!("cannot connect to {url}: {}", describe::init_error(&e)))?;
+                .map_err(|e| {
+                    format!(
+                        "cannot connect to {}: {}",
+                        crate::shown_url(&shared.config.url.clone().unwrap_or_default()),
+                        describe::init_error(&e)
+                    )
+                })?;
             (service, None)
         }
     };
@@ -837,17 +887,34 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
     Ok(Connection { service, child })
 }
 
-/// Lists every tool, following pages up to the bounds. Tools that can only be called as
-/// tasks are left out: every plain call of one fails.
+/// Why a `tools/list` failed: said in words, and whether the server answered it (with an
+/// error), which shows it is there, or did not.
+struct Unlisted {
+    reason: String,
+    answered: bool,
+}
+
+impl From<Unlisted> for String {
+    fn from(unlisted: Unlisted) -> Self {
+        unlisted.reason
+    }
+}
+
+/// Lists every tool, following pages up to the bounds (and not a cursor the server gave
+/// before, nor a tool it listed before). Tools that can only be called as tasks are left
+/// out: every plain call of one fails. A tool's input schema without a `type` is offered
+/// as an object's (its arguments are one), which model APIs ask of every function.
 async fn list_tools(
     shared: &Shared,
     peer: &Peer<RoleClient>,
-) -> std::result::Result<Vec<ListedTool>, String> {
+) -> std::result::Result<Vec<ListedTool>, Unlisted> {
     let name = shared.name();
     let mut tools = Vec::new();
+    let mut listed = std::collections::HashSet::new();
+    let mut cursors = std::collections::HashSet::new();
     let mut task_only = Vec::new();
     let mut schemaless = Vec::new();
-    let mut cursor = None;
+    let mut cursor: Option<String> = None;
     let mut pages = 0;
     'pages: loop {
         if pages == MAX_PAGES {
@@ -859,11 +926,27 @@ async fn list_tools(
         }
         pages += 1;
         let params = PaginatedRequestParams::default().with_cursor(cursor);
-        let page = peer
-            .list_tools(Some(params))
-            .await
-            .map_err(|e| format!("`tools/list` failed: {}", describe::service_error(&e)))?;
+        let page = peer.list_tools(Some(params)).await.map_err(|e| Unlisted {
+            reason: format!("`tools/list` failed: {}", describe::service_error(&e)),
+            // A proxy's refusal (502, 503, 504) says the server behind it is not
+            // there; a 429, that it is, busy.
+            answered: match &e {
+                ServiceError::McpError(_) => true,
+                ServiceError::TransportSend(error) => {
+                    match describe::send_failure(error.error.as_ref()) {
+                        describe::SendFailure::Answered { refusal, .. } => {
+                            refusal.is_none_or(|refusal| refusal.busy)
+                        }
+                        _ => false,
+                    }
+                }
+                _ => false,
+            },
+        })?;
         for tool in page.tools {
+            if !listed.insert(tool.name.clone()) {
+                continue;
+            }
             if tools.len() == MAX_TOOLS {
                 warn!(
                     max = MAX_TOOLS,
@@ -894,7 +977,7 @@ async fn list_tools(
                 spec: ToolSpec {
                     name: offered_name(name, &tool.name),
                     description,
-                    input_schema: serde_json::Value::Object((*tool.input_schema).clone()).into(),
+                    input_schema: offered_schema(&tool.input_schema).into(),
                     source: ToolSource::Mcp,
                 },
                 origin: format!("MCP server {name:?}, tool {:?}", tool.name),
@@ -902,8 +985,16 @@ async fn list_tools(
             });
         }
         cursor = page.next_cursor;
-        if cursor.is_none() {
-            break;
+        match &cursor {
+            None => break,
+            Some(next) if !cursors.insert(next.clone()) => {
+                warn!(
+                    cursor = %crate::http::quoted(next),
+                    "the MCP server gave a `nextCursor` it gave before; its listing ends there"
+                );
+                break;
+            }
+            Some(_) => {}
         }
     }
     let mut state = shared.state.write().unwrap_or_else(|e| e.into_inner());
@@ -929,6 +1020,17 @@ async fn list_tools(
     Ok(tools)
 }
 
+/// A tool's input schema as offered: as listed, with `"type": "object"` when it names no
+/// type (`{}` for a tool without arguments is common; OpenAI refuses a function whose
+/// schema is not an object's, failing the whole request).
+fn offered_schema(schema: &serde_json::Map<String, serde_json::Value>) -> serde_json::Value {
+    let mut schema = schema.clone();
+    if !schema.contains_key("type") {
+        schema.insert("type".into(), "object".into());
+    }
+    serde_json::Value::Object(schema)
+}
+
 /// Whether `tool` can only be called as a task (MCP 2025-11-25), as kept in its `_meta`
 /// by [`lenient::mend_tool_list`].
 fn only_as_task(tool: &rmcp::model::Tool) -> bool {
@@ -937,6 +1039,69 @@ fn only_as_task(tool: &rmcp::model::Tool) -> bool {
         .and_then(|meta| meta.0.get(lenient::TASK_SUPPORT_META))
         .and_then(serde_json::Value::as_str)
         == Some("required")
+}
+
+/// One call counted in flight until it is dropped.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn new(calls: &'a AtomicUsize) -> Self {
+        calls.fetch_add(1, Ordering::AcqRel);
+        Self(calls)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The outcome of a call whose request failed on its own (see [`describe::SendFailure`]),
+/// or `None` when its connection failed under it. The server's error answer is the call's
+/// error result, and its session goes on. A refusal for now (429, 503, a proxy's 502 or
+/// 504) is `UNAVAILABLE`, saying whether the call may have run, its session kept (the
+/// checks of the server tell whether it is down). A server that cannot be reached is
+/// `UNAVAILABLE`, the call not sent, and the connection is made again.
+fn request_failed(
+    shared: &Shared,
+    tool: &str,
+    connection: u64,
+    error: &(dyn std::error::Error + Send + Sync + 'static),
+) -> Option<Result<ToolOutput, CallError>> {
+    let name = shared.name();
+    Some(match describe::send_failure(error) {
+        describe::SendFailure::Connection => return None,
+        describe::SendFailure::Answered { why, refusal: None } => {
+            debug!(source = %name, %why, "a call's request failed on its own");
+            let mut message = format!("the call of {tool:?} to MCP server {name:?} failed: {why}");
+            truncate_text(&mut message, shared.config.max_output_bytes);
+            Ok(ToolOutput::error(message))
+        }
+        describe::SendFailure::Answered {
+            why,
+            refusal: Some(refusal),
+        } => Err(CallError::Unavailable {
+            source_name: name.to_owned(),
+            reason: format!("MCP server {name:?} did not serve the call of {tool:?}: {why}"),
+            retry_after: refusal.retry_after.map_or(RETRY_WHILE_CONNECTING, |secs| {
+                Duration::from_secs(secs.min(MAX_BACKOFF.as_secs()))
+            }),
+            sent: refusal.sent,
+        }),
+        describe::SendFailure::Unreached(why) => {
+            shared
+                .failed_connection
+                .store(connection, Ordering::Release);
+            shared.reconnect.notify_one();
+            Err(CallError::Unavailable {
+                source_name: name.to_owned(),
+                reason: format!("MCP server {name:?} cannot be reached: {why}; reconnecting"),
+                retry_after: RETRY_WHILE_CONNECTING,
+                sent: false,
+            })
+        }
+    })
 }
 
 /// Makes `peer` the live connection with `tools`, and tells the catalogue when they changed.
@@ -1004,18 +1169,30 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                 }
             }
             _ = check.tick(), if http => {
+                // Calls in flight are bounded by their own timeouts, and one that times out
+                // has the server probed (below): a server busy with a long call (one that
+                // serves a call at a time, say) is not taken for one that stopped answering.
+                if shared.calls.load(Ordering::Acquire) > 0 {
+                    continue;
+                }
                 let limit = shared.config.connect_timeout;
                 match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
-                    Ok(Err(reason)) => break format!("the server stopped answering: {reason}"),
+                    // It answered (an HTTP 429, a JSON-RPC error): it is there, and its
+                    // session goes on; its list is asked for again at the next check.
+                    Ok(Err(Unlisted { reason, answered: true })) => {
+                        debug!(%reason, "the server answered the check with an error");
+                    }
+                    Ok(Err(Unlisted { reason, .. })) => break format!("the server stopped answering: {reason}"),
                     Err(_) => break format!("the server did not answer `tools/list` within {limit:?}"),
                 }
             }
-            () = shared.probe.notified(), if !http => {
+            () = shared.probe.notified() => {
                 let limit = shared.config.connect_timeout;
                 match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
-                    Ok(Err(reason)) => break format!("the server stopped answering: {reason}"),
+                    Ok(Err(Unlisted { answered: true, .. })) => {}
+                    Ok(Err(Unlisted { reason, .. })) => break format!("the server stopped answering: {reason}"),
                     Err(_) => break format!(
                         "a call timed out, and the server did not answer `tools/list` within \
                          {limit:?} either"
@@ -1034,7 +1211,7 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
                     // Asked again until it answers: the list changed, and the catalogue
                     // would otherwise keep the old one until the next change.
-                    Ok(Err(reason)) => {
+                    Ok(Err(Unlisted { reason, .. })) => {
                         warn!(%reason, retry_in = ?RELIST_RETRY, "cannot list the tools again");
                         relist_again = Some(Box::pin(tokio::time::sleep(RELIST_RETRY)));
                     }

@@ -162,6 +162,7 @@ impl Fake {
             cwd: None,
             url: None,
             headers: BTreeMap::new(),
+            query: BTreeMap::new(),
             timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
             max_output_bytes: default_max_output_bytes(),
@@ -689,13 +690,20 @@ async fn an_answer_over_max_message_bytes_is_a_prompt_error_naming_the_bound() {
 /// server that is down does) and `restart` (forgets every session, as a server restarted
 /// behind the same URL: it then refuses them with a 400 as server-everything does, which
 /// does not name the request). It
-/// lists `research` too, a tool that can only be called as a task. With `502`, every
-/// request is answered HTTP 502.
+/// lists `research` too, a tool that can only be called as a task, and `nothing`, whose
+/// schema is `{}`. It also serves `too_large` (answered HTTP 413 in HTML, as nginx answers a
+/// body over its limit), `rate_limited` (HTTP 429, `Retry-After: 3`) and `slow` (answered
+/// after a second). With `502`, every request is answered HTTP 502; with `loop`, every
+/// page of its tool list names the same `nextCursor`; with `key`, it refuses any request
+/// whose URL lacks `?apiKey=sesame`.
 const HTTP_FAKE_SERVER: &str = r#"
-import json, sys, uuid
+import json, sys, time, uuid
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+from urllib.parse import urlparse, parse_qs
 mode = sys.argv[1]
-down = sys.argv[2:] == ["502"]
+down = "502" in sys.argv[2:]
+loop = "loop" in sys.argv[2:]
+key = "key" in sys.argv[2:]
 sessions = set()
 
 class H(BaseHTTPRequestHandler):
@@ -729,6 +737,8 @@ class H(BaseHTTPRequestHandler):
         msg = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         if down:
             return self.bad_gateway()
+        if key and parse_qs(urlparse(self.path).query).get("apiKey") != ["sesame"]:
+            return self.body(401, "text/plain", b"no key")
         method, mid = msg.get("method"), msg.get("id")
         if method != "initialize" and self.headers.get("Mcp-Session-Id") not in sessions:
             # As server-everything: 400, without the request's id.
@@ -743,16 +753,28 @@ class H(BaseHTTPRequestHandler):
                 "protocolVersion": "2025-06-18", "capabilities": {"tools": {}},
                 "serverInfo": {"name": "fake", "version": "1"}}}, {"Mcp-Session-Id": session})
         if method == "tools/list":
-            return self.answer({"jsonrpc": "2.0", "id": mid, "result": {"tools": [
+            page = {"tools": [
                 {"name": "big", "inputSchema": {"type": "object"}},
                 {"name": "research", "inputSchema": {"type": "object"},
                  "execution": {"taskSupport": "required"}},
+                {"name": "nothing", "inputSchema": {}},
                 # Without the inputSchema MCP requires.
-                {"name": "bare"}]}})
+                {"name": "bare"}]}
+            if loop:
+                page["nextCursor"] = "again"
+            return self.answer({"jsonrpc": "2.0", "id": mid, "result": page})
         if method == "tools/call":
             name, args = msg["params"]["name"], msg["params"].get("arguments") or {}
             if name == "bad_gateway":
                 return self.bad_gateway()
+            if name == "too_large":
+                return self.body(413, "text/html", b"<html><h1>413 Request Entity Too Large</h1></html>")
+            if name == "rate_limited":
+                return self.body(429, "text/plain", b"slow down", {"Retry-After": "3"})
+            if name == "slow":
+                time.sleep(1)
+                return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
+                    "content": [{"type": "text", "text": "done"}]}})
             if name == "restart":
                 sessions.clear()
                 return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
@@ -909,8 +931,8 @@ async fn tools_that_can_only_be_called_as_tasks_are_left_out() {
 
     // Over streamable HTTP, answered as an event stream, and as a plain JSON body.
     for (mode, listed) in [
-        ("sse", &["fake__big", "fake__bare"][..]),
-        ("json", &["fake__big", "fake__bare"]),
+        ("sse", &["fake__big", "fake__nothing", "fake__bare"][..]),
+        ("json", &["fake__big", "fake__nothing", "fake__bare"]),
     ] {
         let (mut server, config) = http_fake(&fake, &[mode]).await;
         let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
@@ -1075,4 +1097,139 @@ async fn a_hung_stdio_server_is_started_again() {
             }
         }
     }
+}
+
+#[tokio::test]
+async fn one_request_answered_with_an_http_error_fails_that_call_alone() {
+    let fake = Fake::new("http-one-fails");
+    for mode in ["json", "sse"] {
+        let (mut server, config) = http_fake(&fake, &[mode]).await;
+        let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+        let connection = toolset.shared.state.read().unwrap().connection;
+        // A call in flight while others fail beside it, on the same session.
+        let ctx = ToolContext::default();
+        let slow = toolset.call("slow", json!({}), &ctx);
+        let failing = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let too_large = toolset
+                .call("too_large", json!({}), &ToolContext::default())
+                .await;
+            let limited = toolset
+                .call("rate_limited", json!({}), &ToolContext::default())
+                .await;
+            (too_large, limited)
+        };
+        let (slow, (too_large, limited)) = tokio::join!(slow, failing);
+        let slow = slow.unwrap();
+        assert!(!slow.is_error, "{mode}: {}", slow.text);
+        assert_eq!(slow.text, "done", "{mode}");
+        // A proxy's 413 answers that call: an error result naming the status, which
+        // the model reads, not a server down (which the caller would send again).
+        let too_large = too_large.unwrap();
+        assert!(too_large.is_error, "{mode}");
+        assert!(
+            too_large.text.contains("HTTP 413"),
+            "{mode}: {}",
+            too_large.text
+        );
+        names_no_rust_types(&too_large.text);
+        // A 429 ran nothing: UNAVAILABLE, not sent, after the server's Retry-After.
+        let Err(CallError::Unavailable {
+            reason,
+            retry_after,
+            sent,
+            ..
+        }) = &limited
+        else {
+            panic!("{mode}: {limited:?}");
+        };
+        assert!(reason.contains("HTTP 429"), "{mode}: {reason}");
+        assert_eq!(*retry_after, Duration::from_secs(3), "{mode}");
+        assert!(!sent, "{mode}");
+        // The session went on: the server is connected, on the same connection.
+        let out = toolset
+            .call("big", json!({"n": 3}), &ToolContext::default())
+            .await
+            .unwrap();
+        assert_eq!(out.text, "BBB", "{mode}");
+        assert!(toolset.is_connected(), "{mode}");
+        assert_eq!(
+            toolset.shared.state.read().unwrap().connection,
+            connection,
+            "{mode}: the connection was kept"
+        );
+        toolset.shutdown().await;
+        server.kill().await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_listing_ends_at_a_cursor_given_before_and_offers_schemaless_tools_as_objects() {
+    let fake = Fake::new("http-cursor-loop");
+    let (mut server, config) = http_fake(&fake, &["json", "loop"]).await;
+    let started = Instant::now();
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert!(toolset.is_connected());
+    // Two pages (the second names the first's cursor again), not a hundred.
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let tools = toolset.list().await.unwrap();
+    let mut names: Vec<&str> = tools.iter().map(|t| t.spec.name.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["fake__bare", "fake__big", "fake__nothing"]);
+    let nothing = tools
+        .iter()
+        .find(|t| t.spec.name == "fake__nothing")
+        .unwrap();
+    assert_eq!(*nothing.spec.input_schema, json!({"type": "object"}));
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_key_in_the_query_is_read_as_a_secret_and_never_shown() {
+    let fake = Fake::new("http-query-key");
+    let (mut server, mut config) = http_fake(&fake, &["json", "key"]).await;
+    let secret = fake.dir.join("key");
+    std::fs::write(&secret, "sesame\n").unwrap();
+    config.query.insert(
+        "apiKey".into(),
+        SecretRef {
+            env: None,
+            file: Some(secret.clone()),
+            prefix: String::new(),
+        },
+    );
+    config.check().unwrap();
+    let toolset = McpToolset::start(config.clone(), Changes::new())
+        .await
+        .unwrap();
+    assert!(toolset.is_connected());
+    let out = toolset
+        .call("big", json!({"n": 2}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert_eq!(out.text, "BB");
+    toolset.shutdown().await;
+
+    // A key given in the URL itself is masked wherever the URL is shown.
+    let url = config.url.clone().unwrap();
+    config.query.clear();
+    config.url = Some(format!("{url}?apiKey=wrong"));
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    assert!(!toolset.is_connected());
+    let err = toolset
+        .call("big", json!({"n": 2}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable { reason, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(reason.contains("apiKey=***"), "{reason}");
+    assert!(!reason.contains("wrong"), "{reason}");
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
 }
