@@ -59,7 +59,8 @@ pub struct ChatRequest {
     /// Tools offered for native calling; empty offers none. Shared: every round of a run
     /// offers the same tools.
     pub tools: std::sync::Arc<[ToolDefinition]>,
-    /// Whether the model may ask for several tools in one round.
+    /// Whether the model may ask for several tools in one round. Only `false` is sent (with
+    /// tools): `true` is what providers do when it is left out.
     pub parallel_tool_calls: bool,
     /// Sampling temperature; `None` leaves the provider's default.
     pub temperature: Option<f32>,

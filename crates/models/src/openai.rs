@@ -59,7 +59,8 @@ pub struct RetryPolicy {
     pub max_retries: u32,
     /// Backoff of the first retry; doubled each time, with full jitter.
     pub base_delay: Duration,
-    /// Longest wait between attempts, `Retry-After` included.
+    /// Longest wait between attempts. A provider that asks for a longer one (its
+    /// `Retry-After`) is not asked again: the call fails at once with its answer.
     pub max_delay: Duration,
 }
 
@@ -74,14 +75,18 @@ impl Default for RetryPolicy {
 }
 
 impl RetryPolicy {
-    /// The wait before retry number `attempt` (0-based): the provider's `Retry-After` when
-    /// given, otherwise exponential backoff with full jitter; never above `max_delay`.
-    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Duration {
-        let delay = retry_after.unwrap_or_else(|| {
-            let ceiling = self.base_delay.saturating_mul(1 << attempt.min(16));
-            ceiling.mul_f64(fastrand::f64())
-        });
-        delay.min(self.max_delay)
+    /// The wait before retry number `attempt` (0-based): the provider's `Retry-After` in
+    /// full when given, otherwise exponential backoff with full jitter, at most
+    /// `max_delay`. `None` when the `Retry-After` is longer than `max_delay`: there is no
+    /// retry, for one made sooner than the provider asked would be refused again.
+    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>) -> Option<Duration> {
+        match retry_after {
+            Some(wait) => (wait <= self.max_delay).then_some(wait),
+            None => {
+                let ceiling = self.base_delay.saturating_mul(1 << attempt.min(16));
+                Some(ceiling.mul_f64(fastrand::f64()).min(self.max_delay))
+            }
+        }
     }
 }
 
@@ -508,10 +513,24 @@ impl OpenAiChat {
                     ModelError::Http { retry_after, .. } => *retry_after,
                     _ => None,
                 };
-                let delay = self.retry.delay(attempt, retry_after);
+                // A wait longer than the policy allows, or past the deadline, is not
+                // waited for: the provider's answer is the call's, at once (a timeout
+                // later, or the same refusal after a shorter wait, would hide it).
+                let Some(delay) = self.retry.delay(attempt, retry_after) else {
+                    let why = format!(
+                        "the provider asked to wait {:?} before a retry, longer than the \
+                         longest wait between attempts ({:?})",
+                        retry_after.unwrap_or_default(),
+                        self.retry.max_delay
+                    );
+                    return Err(not_retried(error, &why));
+                };
                 if deadline.is_some_and(|deadline| tokio::time::Instant::now() + delay >= deadline)
                 {
-                    return Err(past_deadline(error, delay));
+                    let why = format!(
+                        "the wait before a retry ({delay:?}) would pass the call's deadline"
+                    );
+                    return Err(not_retried(error, &why));
                 }
                 warn!(error = %error, attempt = attempt + 1, ?delay, "model call failed, retrying");
                 tokio::select! {
@@ -525,9 +544,8 @@ impl OpenAiChat {
 }
 
 /// The error a retry would have followed, saying why it was not made.
-fn past_deadline(error: ModelError, delay: Duration) -> ModelError {
-    let why =
-        format!("not retried: the wait before a retry ({delay:?}) would pass the call's deadline");
+fn not_retried(error: ModelError, why: &str) -> ModelError {
+    let why = format!("not retried: {why}");
     match error {
         ModelError::Http {
             status,
@@ -558,10 +576,7 @@ pub(crate) async fn http_error<S, E>(
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
 {
-    let retry_after = headers
-        .get(RETRY_AFTER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(retry_after_delay);
+    let retry_after = retry_after_of(headers);
     if (300..400).contains(&status) {
         let location = headers
             .get(http::header::LOCATION)
@@ -622,6 +637,20 @@ where
     }
 }
 
+/// The header in which OpenAI and Azure OpenAI say the wait more precisely than in
+/// `Retry-After`, in milliseconds.
+const RETRY_AFTER_MS: &str = "retry-after-ms";
+
+/// The wait a failed response asks for before a retry: its `retry-after-ms` when it can be
+/// read, otherwise its `Retry-After`.
+fn retry_after_of(headers: &HeaderMap) -> Option<Duration> {
+    let header = |name| headers.get(name).and_then(|v| v.to_str().ok());
+    header(RETRY_AFTER_MS)
+        .and_then(|ms| ms.trim().parse::<f64>().ok())
+        .and_then(|ms| Duration::try_from_secs_f64(ms / 1000.0).ok())
+        .or_else(|| header(RETRY_AFTER.as_str()).and_then(retry_after_delay))
+}
+
 /// The wait a `Retry-After` value asks for: seconds, or an HTTP date (RFC 9110, section
 /// 10.2.3), a date already past asking for none.
 fn retry_after_delay(value: &str) -> Option<Duration> {
@@ -658,7 +687,10 @@ pub(crate) fn request_body(request: &ChatRequest, completion_tokens: bool) -> Ve
             include_usage: true,
         },
         tools: request.tools.iter().map(WireTool::new).collect(),
-        parallel_tool_calls: (!request.tools.is_empty()).then_some(request.parallel_tool_calls),
+        // Only `false`, and only with tools: `true` is the API's default, and OpenAI's
+        // reasoning models (o1, o3, o4-mini) refuse the parameter whatever its value.
+        parallel_tool_calls: (!request.tools.is_empty() && !request.parallel_tool_calls)
+            .then_some(false),
         temperature: request.temperature,
         max_tokens: request.max_tokens.filter(|_| !completion_tokens),
         max_completion_tokens: request.max_tokens.filter(|_| completion_tokens),
@@ -772,7 +804,7 @@ impl serde::Serialize for WireMessage<'_> {
                             name: &c.name,
                             description: None,
                             parameters: None,
-                            arguments: Some(&c.arguments),
+                            arguments: Some(sent_arguments(&c.arguments)),
                         },
                     })
                     .collect();
@@ -786,6 +818,18 @@ impl serde::Serialize for WireMessage<'_> {
         }
         map.end()
     }
+}
+
+/// A tool call's arguments as they are sent back in the conversation: as the model wrote
+/// them when they are a JSON object, otherwise `{}`. Arguments that are not one (cut
+/// short, empty, a string) have had their call answered with a result saying so; sent
+/// back as written, they would make servers that parse every call's arguments (vLLM,
+/// Ollama) refuse the whole request, and so every later round of the run. Checked without
+/// building the value: this runs for every call of every round.
+fn sent_arguments(arguments: &str) -> &str {
+    let object = arguments.trim_start().starts_with('{')
+        && serde_json::from_str::<serde::de::IgnoredAny>(arguments).is_ok();
+    if object { arguments } else { "{}" }
 }
 
 /// Trailing events read after `[DONE]` so that the body is complete when it is dropped. A
@@ -2333,7 +2377,8 @@ mod tests {
             json!({"type": "function", "function": {
                 "name": "t", "description": "d", "parameters": {"type": "object"}}})
         );
-        assert_eq!(body["parallel_tool_calls"], true);
+        // `true` is the API's default, left out (OpenAI's reasoning models refuse it).
+        assert!(body.get("parallel_tool_calls").is_none());
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["stop"][0], "Observation:");
         assert_eq!(body["max_tokens"], 10);
@@ -2381,6 +2426,121 @@ mod tests {
         ] {
             assert_eq!(takes_max_completion_tokens(url), takes, "{url}");
         }
+    }
+
+    /// Arguments that are not a JSON object go back as `{}`: repeated as written, servers
+    /// that parse every call's arguments (vLLM, Ollama) refused every later request.
+    #[test]
+    fn tool_call_arguments_that_are_no_json_object_are_sent_back_as_an_empty_object() {
+        let written = [
+            "{\"x\": ",
+            "",
+            "   ",
+            "\"6 * 7\"",
+            "[1, 2]",
+            "null",
+            "{\"x\": 1} trailing",
+            "{\"x\": 1}}",
+            "{\"x\": 1}",
+            " {\"x\": {\"y\": [1, \"}\"]}}\n",
+            "{}",
+        ];
+        let request = ChatRequest {
+            model: "m".into(),
+            messages: vec![ChatMessage::Assistant {
+                content: String::new(),
+                tool_calls: written
+                    .iter()
+                    .enumerate()
+                    .map(|(i, arguments)| ModelToolCall {
+                        id: format!("c{i}"),
+                        name: "t".into(),
+                        arguments: (*arguments).into(),
+                    })
+                    .collect(),
+            }],
+            ..ChatRequest::default()
+        };
+        let body: Value = serde_json::from_slice(&request_body(&request, false)).unwrap();
+        let sent: Vec<&str> = body["messages"][0]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|call| call["function"]["arguments"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            sent,
+            [
+                "{}",
+                "{}",
+                "{}",
+                "{}",
+                "{}",
+                "{}",
+                "{}",
+                "{}",
+                // A JSON object goes as the model wrote it.
+                "{\"x\": 1}",
+                " {\"x\": {\"y\": [1, \"}\"]}}\n",
+                "{}",
+            ]
+        );
+    }
+
+    /// `parallel_tool_calls` is sent only as `false`, and only with tools: `true` is the
+    /// API's default, and OpenAI's reasoning models refuse the parameter.
+    #[test]
+    fn parallel_tool_calls_is_sent_only_to_turn_it_off() {
+        let tools: std::sync::Arc<[ToolDefinition]> = [ToolDefinition {
+            name: "t".into(),
+            description: "d".into(),
+            parameters: json!({"type": "object"}).into(),
+        }]
+        .into();
+        for (tools, parallel, sent) in [
+            (tools.clone(), true, None),
+            (tools, false, Some(json!(false))),
+            (std::sync::Arc::from([]), false, None),
+            (std::sync::Arc::from([]), true, None),
+        ] {
+            let request = ChatRequest {
+                model: "o3".into(),
+                tools,
+                parallel_tool_calls: parallel,
+                ..ChatRequest::default()
+            };
+            let body: Value = serde_json::from_slice(&request_body(&request, true)).unwrap();
+            assert_eq!(body.get("parallel_tool_calls"), sent.as_ref(), "{body}");
+        }
+    }
+
+    /// A `<think>` the model writes in its answer stays in the answer, through the decoder
+    /// (it used to turn the rest of the answer into reasoning).
+    #[tokio::test]
+    async fn a_think_tag_in_the_answer_is_answer_text() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"<think>plan</think>\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Qwen writes <think>\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\" first.\"},\"finish_reason\":\"stop\"}]}\n\n",
+        );
+        let deltas = ok(run(sse).await);
+        let reasoning: String = deltas
+            .iter()
+            .filter_map(|d| match d {
+                ChatDelta::Reasoning(text) => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        let content: String = deltas
+            .iter()
+            .filter_map(|d| match d {
+                ChatDelta::Content(text) => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(reasoning, "plan");
+        assert_eq!(content, "Qwen writes <think> first.");
+        assert_eq!(deltas.last(), Some(&STOPPED));
     }
 
     #[tokio::test]
@@ -2474,19 +2634,75 @@ mod tests {
         assert_eq!(retry_after_delay("-1"), None);
     }
 
+    /// `Retry-After` is waited in full up to the cap; a longer one is not waited at all
+    /// (it used to be cut to the cap, and the retry refused again). Backoff stays under
+    /// the cap.
     #[test]
     fn backoff_honours_retry_after_and_the_cap() {
         let policy = RetryPolicy::default();
         assert_eq!(
             policy.delay(0, Some(Duration::from_secs(2))),
-            Duration::from_secs(2)
+            Some(Duration::from_secs(2))
         );
         assert_eq!(
-            policy.delay(0, Some(Duration::from_secs(600))),
-            policy.max_delay
+            policy.delay(0, Some(policy.max_delay)),
+            Some(policy.max_delay)
         );
+        assert_eq!(policy.delay(0, Some(Duration::from_secs(600))), None);
         for attempt in 0..5 {
-            assert!(policy.delay(attempt, None) <= policy.base_delay * (1 << attempt));
+            let delay = policy.delay(attempt, None).unwrap();
+            assert!(delay <= policy.base_delay * (1 << attempt));
         }
+        let capped = RetryPolicy {
+            max_delay: Duration::from_millis(100),
+            ..policy
+        };
+        assert!(capped.delay(10, None).unwrap() <= Duration::from_millis(100));
+    }
+
+    /// OpenAI's and Azure's `retry-after-ms` says the wait in milliseconds, and is taken
+    /// before `Retry-After`, which remains when it is absent or unreadable.
+    #[tokio::test]
+    async fn retry_after_ms_is_preferred_to_retry_after() {
+        let error = |headers: &[(&'static str, &'static str)]| {
+            let mut map = HeaderMap::new();
+            for (name, value) in headers {
+                map.insert(*name, HeaderValue::from_static(value));
+            }
+            async move {
+                let body = futures_util::stream::iter([Ok::<_, std::io::Error>(
+                    bytes::Bytes::from_static(b"{\"error\": {\"message\": \"slow down\"}}"),
+                )]);
+                match http_error(
+                    429,
+                    &map,
+                    body,
+                    &Site::default(),
+                    &ResponseLimits::default(),
+                )
+                .await
+                {
+                    ModelError::Http { retry_after, .. } => retry_after,
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        assert_eq!(
+            error(&[("retry-after-ms", "1500"), ("retry-after", "2")]).await,
+            Some(Duration::from_millis(1500))
+        );
+        assert_eq!(
+            error(&[("retry-after-ms", " 250.5 ")]).await,
+            Some(Duration::from_micros(250_500))
+        );
+        assert_eq!(
+            error(&[("retry-after-ms", "soon"), ("retry-after", "2")]).await,
+            Some(Duration::from_secs(2))
+        );
+        assert_eq!(
+            error(&[("retry-after-ms", "-5"), ("retry-after", "3")]).await,
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(error(&[]).await, None);
     }
 }

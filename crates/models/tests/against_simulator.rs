@@ -245,8 +245,9 @@ async fn broken_streams_end_with_an_error_over(http2: bool) {
 
 #[tokio::test]
 async fn cancellation_ends_a_retry_wait_at_once() {
+    // A wait the policy allows (at most 2 s here; a longer one is not waited at all).
     let (url, _stop) = simulator(json!({"scenarios": {
-        "down": {"turns": [{"error": {"status": 503, "message": "down", "retry_after": 30}}]}
+        "down": {"turns": [{"error": {"status": 503, "message": "down", "retry_after": 1.5}}]}
     }}))
     .await;
     let model = client(&url);
@@ -319,6 +320,44 @@ async fn a_retry_that_would_pass_the_deadline_is_not_waited_for() {
             .iter()
             .any(|d| matches!(d, Ok(ChatDelta::Content(text)) if text.contains("ok"))),
         "{deltas:?}"
+    );
+}
+
+/// A provider that asks to wait longer than the retry policy's longest wait is not asked
+/// again: its 429 is the call's error at once (the wait was cut to the policy's and the
+/// retry made anyway, too soon for the provider).
+#[tokio::test]
+async fn a_retry_after_longer_than_the_longest_wait_fails_the_call_at_once() {
+    // Scripted once: a retry would have been answered.
+    let (url, _stop) = simulator(json!({"scenarios": {
+        "limited": {"turns": [{"content": "ok", "error": {"status": 429, "message": "slow down", "times": 1, "retry_after": 30}}]}
+    }}))
+    .await;
+    let model = client(&url);
+    let started = Instant::now();
+    let err = collect(&model, request("limited")).await.unwrap_err();
+    match &err {
+        ModelError::Http {
+            status: 429,
+            message,
+            retry_after,
+        } => {
+            assert!(
+                message.contains("slow down")
+                    && message.contains("not retried")
+                    && message.contains("30s"),
+                "{message}"
+            );
+            assert_eq!(*retry_after, Some(Duration::from_secs(30)));
+        }
+        other => panic!("{other:?}"),
+    }
+    // Still a rate limit, which the caller may try again after the wait.
+    assert!(err.is_retryable());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
     );
 }
 
