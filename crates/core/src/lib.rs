@@ -19,8 +19,8 @@ pub use config::{
 pub use secret::{Secret, mask_url_credentials};
 pub use state::{StateError, StateResult};
 pub use tool::{
-    Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner, ToolServiceError,
-    ToolSource, ToolSpec, json_depth,
+    MAX_JSON_DEPTH, Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner,
+    ToolServiceError, ToolSource, ToolSpec, json_depth,
 };
 pub use violation::Violation;
 

@@ -199,6 +199,12 @@ pub trait ToolRunner: Send + Sync {
     async fn run(&self, call: ToolInvocation, timeout: std::time::Duration) -> ToolResult;
 }
 
+/// How deep JSON a tool gives (an input schema, a structured output) may nest. As a
+/// `google.protobuf.Struct` on the wire, each level of JSON is up to three levels of Protobuf
+/// messages, and Protobuf decoders (prost, Python, Go, Java) refuse more than 100; callers
+/// carry it on a few levels deeper in their own messages.
+pub const MAX_JSON_DEPTH: usize = 24;
+
 /// How deep a JSON value nests: 1 for a scalar or an empty container.
 pub fn json_depth(value: &serde_json::Value) -> usize {
     match value {

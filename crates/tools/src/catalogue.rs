@@ -11,10 +11,8 @@ use tracing::{info, warn};
 
 use crate::{CallError, Changes, Error, ListedTool, Result, ToolContext, ToolOutput, Toolset};
 
-/// How deep a tool's input schema may nest. As a `google.protobuf.Struct` in the tool
-/// list, each level of JSON is up to three levels of Protobuf messages, and Protobuf
-/// decoders (prost, Python, Go, Java) refuse more than 100.
-const MAX_SCHEMA_DEPTH: usize = 24;
+/// How deep a tool's input schema may nest.
+const MAX_SCHEMA_DEPTH: usize = agentrt_core::MAX_JSON_DEPTH;
 
 /// Why a call did not run.
 #[derive(Debug, thiserror::Error, PartialEq)]

@@ -285,9 +285,8 @@ fn tool_to_wire(spec: &ToolSpec) -> v1::Tool {
     }
 }
 
-/// How deep a call's structured output may nest (as a tool's input schema may, in the
-/// catalogue): the caller carries it on in its own messages, a few levels deeper.
-const MAX_STRUCTURED_DEPTH: usize = 24;
+/// How deep a call's structured output may nest.
+const MAX_STRUCTURED_DEPTH: usize = agentrt_core::MAX_JSON_DEPTH;
 
 fn output_to_wire(
     call_id: String,

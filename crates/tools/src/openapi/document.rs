@@ -14,6 +14,34 @@ const MAX_REF_DEPTH: usize = 16;
 /// Most schema nodes one operation's input schema may hold once `$ref`s are inlined.
 const MAX_NODES: usize = 20_000;
 
+/// Schema keywords that only describe (JSON Schema's annotations): beside a `$ref`, they
+/// are merged into the schema it points at rather than put beside it.
+const ANNOTATIONS: [&str; 7] = [
+    "title",
+    "description",
+    "default",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "$comment",
+];
+
+/// Header parameters left out of every operation (see [`operation`]).
+const NOT_PARAMETERS: [&str; 12] = [
+    "accept",
+    "content-type",
+    "authorization",
+    "idempotency-key",
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "te",
+    "upgrade",
+    "keep-alive",
+    "expect",
+];
+
 const METHODS: [&str; 8] = [
     "get", "put", "post", "delete", "patch", "head", "options", "trace",
 ];
@@ -144,8 +172,16 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
     let doc: Value = if text.trim_start().starts_with('{') {
         serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
     } else {
-        let yaml: yaml_serde::Value =
+        let mut yaml: yaml_serde::Value =
             yaml_serde::from_str(text).map_err(|e| format!("not valid YAML: {e}"))?;
+        // Merge keys (`<<: *base`), as YAML 1.1 has them and documents written by hand use
+        // them. One pass leaves the merge keys of what it merged (a `<<: *b` where `b` has
+        // `<<: *a`): each pass applies one level, and there are no more levels than the
+        // nesting the parser allows.
+        while has_merge_key(&yaml) {
+            yaml.apply_merge()
+                .map_err(|e| format!("not valid YAML: {e}"))?;
+        }
         yaml_to_json(yaml)
     };
     let version = match &doc["openapi"] {
@@ -309,11 +345,11 @@ fn operation(
         }
         // Described by the document otherwise (the media types, the security schemes):
         // OpenAPI has such header parameters ignored. The idempotency key is the call's
-        // (unique among every run's calls), not the model's to choose.
+        // (unique among every run's calls), not the model's to choose, and the headers
+        // that frame the message or manage the connection are the HTTP client's: a
+        // model's `Content-Length` or `Transfer-Encoding` could desynchronize it.
         if location == Location::Header
-            && ["accept", "content-type", "authorization", "idempotency-key"]
-                .iter()
-                .any(|h| name.eq_ignore_ascii_case(h))
+            && NOT_PARAMETERS.iter().any(|h| name.eq_ignore_ascii_case(h))
         {
             continue;
         }
@@ -568,8 +604,8 @@ fn find(value: &Value, steps: &[Step], at: &mut String) -> bool {
 /// Leaves out of `schema` (of a request body, or a part of one at `at`) its `readOnly`
 /// properties, at any depth: they are the server's to set, are not sent, and are required
 /// in responses only. Adds where each sat to `found`, and answers the names of those of
-/// the object itself (its `allOf`, `anyOf` and `oneOf` members' too), which it no longer
-/// requires.
+/// the object itself (its `allOf`, `anyOf` and `oneOf` members' too), which neither it nor
+/// any of those members requires any longer.
 fn drop_read_only(
     schema: &mut Value,
     at: &mut Vec<Step>,
@@ -615,12 +651,29 @@ fn drop_read_only(
             }
         }
     }
-    if !dropped.is_empty()
-        && let Some(required) = object.get_mut("required").and_then(Value::as_array_mut)
-    {
-        required.retain(|name| !dropped.iter().any(|d| name.as_str() == Some(d)));
+    if !dropped.is_empty() {
+        unrequire(schema, &dropped);
     }
     dropped
+}
+
+/// Takes `names` out of the `required` of `schema` and of its `allOf`, `anyOf` and `oneOf`
+/// members, at any depth: a property one member declares `readOnly` may be required by
+/// another, which would make the body impossible to give.
+fn unrequire(schema: &mut Value, names: &[String]) {
+    let Some(object) = schema.as_object_mut() else {
+        return;
+    };
+    if let Some(required) = object.get_mut("required").and_then(Value::as_array_mut) {
+        required.retain(|name| !names.iter().any(|d| name.as_str() == Some(d)));
+    }
+    for key in ["allOf", "anyOf", "oneOf"] {
+        if let Some(list) = object.get_mut(key).and_then(Value::as_array_mut) {
+            for member in list {
+                unrequire(member, names);
+            }
+        }
+    }
 }
 
 fn is_json(media: &str) -> bool {
@@ -689,29 +742,18 @@ fn inline<'d>(
     walk.budget -= 1;
     match schema {
         Value::Object(map) => {
-            if let Some(reference) = map.get("$ref").and_then(Value::as_str) {
-                if expanding.len() >= MAX_REF_DEPTH || expanding.contains(&reference) {
-                    return Ok(json!({}));
-                }
-                let Some(target) = lookup(doc, reference) else {
-                    // Another document's schema is not read: it accepts anything.
-                    if reference.starts_with('#') {
-                        return Err(unresolved(reference));
-                    }
-                    if !walk.external.iter().any(|r| r == reference) {
-                        walk.external.push(reference.to_owned());
-                    }
-                    return Ok(json!({}));
-                };
-                expanding.push(reference);
-                let inlined = inline(doc, target, expanding, walk, legacy);
-                expanding.pop();
-                return inlined;
-            }
+            let referenced = match map.get("$ref").and_then(Value::as_str) {
+                Some(reference) => Some(inline_ref(doc, reference, expanding, walk, legacy)?),
+                None => None,
+            };
             let mut out = Map::with_capacity(map.len());
             for (key, value) in map {
                 // Examples and vendor extensions are not for validation.
-                if key.starts_with("x-") || key == "example" || key == "examples" {
+                if key.starts_with("x-")
+                    || key == "example"
+                    || key == "examples"
+                    || (key == "$ref" && referenced.is_some())
+                {
                     continue;
                 }
                 let value = match (key.as_str(), value.as_object()) {
@@ -737,6 +779,26 @@ fn inline<'d>(
                 };
                 out.insert(key.clone(), value);
             }
+            // Keywords beside a `$ref` apply with it (JSON Schema 2020-12 says so, and
+            // 3.0 documents put `nullable` there): annotations (a `description`, a
+            // `readOnly`) go into the schema it points at, others beside it in an `allOf`,
+            // which does not nest the schema deeper where there is no need to.
+            match referenced {
+                None => {}
+                Some(referenced) if out.is_empty() => return Ok(referenced),
+                Some(Value::Object(mut target))
+                    if out.keys().all(|key| ANNOTATIONS.contains(&key.as_str())) =>
+                {
+                    target.extend(out);
+                    return Ok(Value::Object(target));
+                }
+                Some(referenced) => match out.get_mut("allOf") {
+                    Some(Value::Array(members)) => members.insert(0, referenced),
+                    _ => {
+                        out.insert("allOf".into(), json!([referenced]));
+                    }
+                },
+            }
             if legacy {
                 dialect_3_0(&mut out);
             }
@@ -749,6 +811,34 @@ fn inline<'d>(
             .map(Value::Array),
         other => Ok(other.clone()),
     }
+}
+
+/// The schema `reference` points at, inlined; `{}` when it recurs, is nested too deep,
+/// or is in another document (noted in `walk`).
+fn inline_ref<'d>(
+    doc: &'d Value,
+    reference: &'d str,
+    expanding: &mut Vec<&'d str>,
+    walk: &mut Walk,
+    legacy: bool,
+) -> Result<Value, String> {
+    if expanding.len() >= MAX_REF_DEPTH || expanding.contains(&reference) {
+        return Ok(json!({}));
+    }
+    let Some(target) = lookup(doc, reference) else {
+        // Another document's schema is not read: it accepts anything.
+        if reference.starts_with('#') {
+            return Err(unresolved(reference));
+        }
+        if !walk.external.iter().any(|r| r == reference) {
+            walk.external.push(reference.to_owned());
+        }
+        return Ok(json!({}));
+    };
+    expanding.push(reference);
+    let inlined = inline(doc, target, expanding, walk, legacy);
+    expanding.pop();
+    inlined
 }
 
 /// OpenAPI 3.0 schema keywords that mean something else in JSON Schema 2020-12.
@@ -808,6 +898,19 @@ fn server_url(server: &Value) -> Option<String> {
         }
     }
     Some(url)
+}
+
+/// Whether a mapping in `value` has a merge key (`<<`).
+fn has_merge_key(value: &yaml_serde::Value) -> bool {
+    use yaml_serde::Value as Y;
+    match value {
+        Y::Mapping(map) => map
+            .iter()
+            .any(|(key, value)| key.as_str() == Some("<<") || has_merge_key(value)),
+        Y::Sequence(items) => items.iter().any(has_merge_key),
+        Y::Tagged(tagged) => has_merge_key(&tagged.value),
+        _ => false,
+    }
 }
 
 /// YAML as JSON: keys that are not strings (`200:` in `responses`) become their text.
@@ -1109,5 +1212,176 @@ components:
             "{:?}",
             doc.skipped
         );
+    }
+
+    /// JSON Schema 2020-12 applies the keywords beside a `$ref`, and 3.0 documents put
+    /// `nullable` there: they were dropped (a nullable reference refused `null`, a
+    /// `readOnly` one was asked of the model).
+    #[test]
+    fn keywords_beside_a_ref_apply_with_it() {
+        let doc = parse(
+            r##"{"openapi": "3.0.3", "paths": {"/t": {"post": {"operationId": "t",
+                "requestBody": {"content": {"application/json": {"schema": {"type": "object",
+                  "properties": {
+                    "size": {"$ref": "#/components/schemas/Size", "nullable": true},
+                    "plain": {"$ref": "#/components/schemas/Size"},
+                    "named": {"$ref": "#/components/schemas/Size", "description": "the size",
+                      "x-note": "dropped"}}}}}}}}},
+              "components": {"schemas": {"Size": {"type": "string", "enum": ["s", "m"],
+                "description": "a size"}}}}"##,
+        )
+        .unwrap();
+        let body = &doc.operations[0].input_schema["properties"]["body"];
+        let properties = &body["properties"];
+        let size = json!({"type": "string", "enum": ["s", "m"], "description": "a size"});
+        assert_eq!(properties["plain"], size, "{body}");
+        // Only described: the description goes into the schema, not beside it.
+        assert_eq!(
+            properties["named"],
+            json!({"type": "string", "enum": ["s", "m"], "description": "the size"}),
+            "{body}"
+        );
+        assert_eq!(
+            properties["size"],
+            json!({"anyOf": [{"allOf": [size]}, {"type": "null"}]}),
+            "{body}"
+        );
+        let validator = jsonschema::validator_for(body).unwrap();
+        for (value, valid) in [
+            (json!({"size": null}), true),
+            (json!({"size": "m"}), true),
+            (json!({"size": "xl"}), false),
+            (json!({"plain": null}), false),
+        ] {
+            assert_eq!(validator.is_valid(&value), valid, "{value}");
+        }
+
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {"/t": {"post": {"operationId": "t",
+                "requestBody": {"content": {"application/json": {"schema": {"type": "object",
+                  "required": ["id", "name"],
+                  "properties": {
+                    "id": {"$ref": "#/components/schemas/Id", "readOnly": true},
+                    "name": {"$ref": "#/components/schemas/Name", "maxLength": 3}}}}}}}}},
+              "components": {"schemas": {"Id": {"type": "integer"},
+                "Name": {"type": "string", "minLength": 1}}}}"##,
+        )
+        .unwrap();
+        let op = &doc.operations[0];
+        let body = &op.input_schema["properties"]["body"];
+        assert!(body["properties"].get("id").is_none(), "{body}");
+        assert_eq!(body["required"], json!(["name"]), "{body}");
+        assert_eq!(op.read_only[0].given_in(&json!({"id": 1})).unwrap(), "id");
+        assert_eq!(
+            body["properties"]["name"],
+            json!({"allOf": [{"type": "string", "minLength": 1}], "maxLength": 3}),
+            "{body}"
+        );
+    }
+
+    /// A property one `allOf` member marks `readOnly` leaves the `required` of every other
+    /// member too: one that still required it made the operation impossible to call.
+    #[test]
+    fn a_read_only_property_is_required_by_no_member() {
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {"/t": {"post": {"operationId": "t",
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {
+                  "required": ["id"],
+                  "allOf": [
+                    {"$ref": "#/components/schemas/Entity"},
+                    {"type": "object", "required": ["id", "name"],
+                      "properties": {"name": {"type": "string"}}},
+                    {"anyOf": [{"required": ["id"]}, {"required": ["name"]}]}]}}}}}}},
+              "components": {"schemas": {"Entity": {"type": "object",
+                "properties": {"id": {"type": "string", "readOnly": true}}}}}}"##,
+        )
+        .unwrap();
+        let body = &doc.operations[0].input_schema["properties"]["body"];
+        assert_eq!(body["required"], json!([]), "{body}");
+        assert_eq!(body["allOf"][1]["required"], json!(["name"]), "{body}");
+        assert_eq!(
+            body["allOf"][2]["anyOf"][0]["required"],
+            json!([]),
+            "{body}"
+        );
+        let validator = jsonschema::validator_for(body).unwrap();
+        assert!(validator.is_valid(&json!({"name": "x"})), "{body}");
+    }
+
+    /// YAML documents written by hand share parts with merge keys (`<<: *base`), a merge of
+    /// a mapping that merges another too.
+    #[test]
+    fn yaml_merge_keys_are_applied() {
+        let doc = parse(
+            r##"
+openapi: 3.0.3
+info: {title: merged, version: "1"}
+x-common:
+  page: &page {name: page, in: query, schema: {type: integer}}
+  limit: &limit
+    <<: *page
+    name: limit
+  sized: &sized
+    <<: *limit
+    description: how many
+paths:
+  /items:
+    get:
+      operationId: list
+      parameters:
+        - <<: *page
+        - <<: [*sized]
+          required: true
+"##,
+        )
+        .unwrap();
+        let op = &doc.operations[0];
+        let names: Vec<_> = op.parameters.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["page", "limit"]);
+        assert_eq!(
+            op.input_schema["properties"]["limit"],
+            json!({"type": "integer", "description": "how many"})
+        );
+        assert_eq!(op.input_schema["required"], json!(["limit"]));
+        let err = parse("openapi: 3.0.3\na: {<<: 1}\n").unwrap_err();
+        assert!(err.starts_with("not valid YAML: "), "{err}");
+    }
+
+    /// Header parameters that frame the message or manage the connection are the HTTP
+    /// client's, not the model's: a `Content-Length` the model chose reached the wire.
+    #[test]
+    fn framing_headers_are_not_parameters() {
+        let doc = parse(
+            r##"{"openapi": "3.1.0", "paths": {"/t": {"get": {"operationId": "t",
+                "parameters": [
+                  {"name": "Host", "in": "header"},
+                  {"name": "content-length", "in": "header"},
+                  {"name": "Transfer-Encoding", "in": "header"},
+                  {"name": "CONNECTION", "in": "header"},
+                  {"name": "TE", "in": "header"},
+                  {"name": "Upgrade", "in": "header"},
+                  {"name": "Keep-Alive", "in": "header"},
+                  {"name": "Expect", "in": "header"},
+                  {"name": "X-Kept", "in": "header"},
+                  {"name": "te", "in": "query"}]}}}}"##,
+        )
+        .unwrap();
+        let op = &doc.operations[0];
+        let kept: Vec<_> = op
+            .parameters
+            .iter()
+            .map(|p| (p.name.as_str(), p.location))
+            .collect();
+        assert_eq!(
+            kept,
+            [("X-Kept", Location::Header), ("te", Location::Query)]
+        );
+        let properties: Vec<_> = op.input_schema["properties"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
+        assert_eq!(properties, ["X-Kept", "te"]);
     }
 }

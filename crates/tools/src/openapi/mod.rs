@@ -5,13 +5,14 @@
 //! its JSON request body under `body` (a parameter named `body`, or two parameters with
 //! one name, are prefixed with their place: `query_body`, `header_id`). Query parameters
 //! and headers the source sets itself (its `query` and `headers` settings) are not
-//! arguments: the model neither sees them nor sets them. The call fills the
-//! path template (each value percent-escaped, so a value never leaves its segment), adds
-//! the query and headers, sends the body as JSON (with the JSON media type the document
-//! declares for it), and follows no redirects: requests go to
-//! the base URL's host only. The response body is the output (JSON also as structured
-//! output), bounded by `max_response_bytes`; a 3xx, 4xx or 5xx answer is an error result
-//! naming the status.
+//! arguments: the model neither sees them nor sets them (a call whose arguments would
+//! write one of those query names, as an exploded object's property say, is refused).
+//! The call fills the path template (each value percent-escaped, so a value never leaves
+//! its segment), adds the query and headers, sends the body as JSON (with the JSON media
+//! type the document declares for it), and follows no redirects: requests go to the base
+//! URL's host only. The response body is the output (JSON also as structured output),
+//! bounded by `max_response_bytes`; an answer that is not 2xx is an error result naming
+//! the status.
 
 mod document;
 mod plain;
@@ -138,6 +139,9 @@ pub struct OpenApiToolset {
     /// The source's query parameters, form-encoded once (`name=value&...`); empty when
     /// there are none.
     query: Secret,
+    /// Their names, which no query parameter a call writes may have: the server might read
+    /// the model's value rather than the source's.
+    query_names: Vec<String>,
     timeout: Duration,
     max_response_bytes: usize,
     transport: Transport,
@@ -432,6 +436,7 @@ impl OpenApiToolset {
             routes,
             headers,
             query: Secret::new(query),
+            query_names: config.query.keys().cloned().collect(),
             timeout: config.timeout,
             max_response_bytes: config.max_response_bytes,
             transport,
@@ -464,6 +469,24 @@ impl OpenApiToolset {
                             "path parameter {:?} cannot be {text:?}",
                             param.name
                         ));
+                    }
+                }
+                // An exploded object's properties and a deep object's pairs get names of
+                // the model's choosing, and a spec may declare a parameter the source sets.
+                Location::Query if !self.query_names.is_empty() => {
+                    for (name, _) in query_pairs(param, &value) {
+                        // Letter case aside, as some servers (ASP.NET's) read names.
+                        if self
+                            .query_names
+                            .iter()
+                            .any(|own| own.eq_ignore_ascii_case(&name))
+                        {
+                            return Err(format!(
+                                "{:?} would send the query parameter {name:?}, which this \
+                                 source sets itself: leave it out",
+                                param.key
+                            ));
+                        }
                     }
                 }
                 Location::Query => {}
@@ -619,6 +642,7 @@ impl OpenApiToolset {
                     headers,
                     body,
                 } = request;
+                let head = method == reqwest::Method::HEAD;
                 let mut request = client.request(method, self.url(&target)).headers(headers);
                 if let Some(body) = body {
                     request = request.body(body);
@@ -639,9 +663,17 @@ impl OpenApiToolset {
                     body: Vec::new(),
                     too_large: false,
                 };
-                if response
-                    .content_length()
-                    .is_some_and(|n| n > self.max_response_bytes as u64)
+                // An answer to HEAD, a 204 or a 304 has no body, whatever length it
+                // announces (over HTTP/2 the client passes that length on as the body's).
+                let bodiless = head
+                    || matches!(
+                        reply.status,
+                        reqwest::StatusCode::NO_CONTENT | reqwest::StatusCode::NOT_MODIFIED
+                    );
+                if !bodiless
+                    && response
+                        .content_length()
+                        .is_some_and(|n| n > self.max_response_bytes as u64)
                 {
                     reply.too_large = true;
                     return Ok(reply);
@@ -697,7 +729,9 @@ impl OpenApiToolset {
             // An error answer says its status below.
             Err(what_it_is) => what_it_is,
         };
-        if status.is_client_error() || status.is_server_error() {
+        // Not only 4xx and 5xx: a final 1xx (`101 Switching Protocols`) or a status past
+        // 599 is no answer to the call either.
+        if !status.is_success() {
             truncate_text(&mut text, MAX_ERROR_BODY_BYTES);
             return ToolOutput {
                 text: format!("{what} answered {status}: {text}"),

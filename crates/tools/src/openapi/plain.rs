@@ -315,10 +315,11 @@ impl Conn {
             body: Vec::new(),
             too_large: false,
         };
-        if head
-            .content_length
-            .and_then(Result::ok)
-            .is_some_and(|n| n > max_body as u64)
+        // Only a body framed by its length is known too large before it is read: a
+        // `Content-Length` says nothing of the body of an answer to HEAD, of a 204 or 304
+        // (which have none), or of a chunked one (RFC 9112 has it ignored then).
+        if let Framing::Length(n) = framing
+            && n > max_body as u64
         {
             reply.too_large = true;
             return Ok((reply, false));
@@ -753,6 +754,19 @@ mod tests {
                                 ),
                                 false,
                             ),
+                            // A length that frames nothing: a 204 has no body, and
+                            // `chunked` wins over `Content-Length`.
+                            "/no-content" => (
+                                "HTTP/1.1 204 No Content\r\ncontent-length: 5000\r\n\r\n"
+                                    .to_owned(),
+                                false,
+                            ),
+                            "/chunked-length" => (
+                                "HTTP/1.1 200 OK\r\ncontent-length: 5000\r\n\
+                                 transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+                                    .to_owned(),
+                                false,
+                            ),
                             "/redirect" => (
                                 "HTTP/1.1 302 Found\r\nlocation: http://elsewhere.test/x\r\n\
                                  content-length: 0\r\n\r\n"
@@ -849,6 +863,29 @@ mod tests {
         assert_eq!(reply.location.as_deref(), Some("http://elsewhere.test/x"));
         let err = pool.send(&get("/smtp"), max).await.err().unwrap();
         assert!(err.contains("not valid HTTP/1.1"), "{err}");
+    }
+
+    /// A `Content-Length` above the bound makes an answer too large only when it frames
+    /// the body: an answer to HEAD, a 204 or a 304 has none, and a chunked body is as long
+    /// as its chunks. These were refused as too large, and their connection closed.
+    #[tokio::test]
+    async fn a_content_length_counts_only_where_it_frames_the_body() {
+        let (port, accepted) = scripted_server().await;
+        let pool = Pool::new("127.0.0.1", port, &format!("127.0.0.1:{port}"));
+        let max = 1024;
+
+        let reply = pool.send(&get("/no-content"), max).await.unwrap();
+        assert_eq!(reply.status.as_u16(), 204);
+        assert!(!reply.too_large && reply.body.is_empty());
+        let reply = pool.send(&get("/chunked-length"), max).await.unwrap();
+        assert!(!reply.too_large);
+        assert_eq!(reply.body, b"ok");
+        let mut head = get("/big");
+        head.method = reqwest::Method::HEAD;
+        let reply = pool.send(&head, max).await.unwrap();
+        assert!(!reply.too_large && reply.body.is_empty());
+        // Each read to its end: the connection was used again.
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     fn head(text: &str) -> Head {

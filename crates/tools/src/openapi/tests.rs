@@ -826,3 +826,104 @@ async fn parameters_with_json_content_are_sent_as_json() {
     assert!(pairs.contains(&("a".into(), "1".into())), "{pairs:?}");
     assert_eq!(request.headers["X-Where"], r#"[1,"a"]"#);
 }
+
+/// Only a 2xx answer is a result: a final 1xx, or a status past 599, is an error naming
+/// it, as a 4xx or 5xx is.
+#[test]
+fn answers_that_are_not_2xx_are_errors_naming_the_status() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-status-{}", std::process::id()));
+    let toolset = toolset(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    for (status, error) in [
+        (101, true),
+        (200, false),
+        (204, false),
+        (299, false),
+        (404, true),
+        (600, true),
+        (999, true),
+    ] {
+        let out = toolset.output(
+            "GET /x",
+            Reply {
+                status: reqwest::StatusCode::from_u16(status).unwrap(),
+                location: None,
+                content_type: None,
+                body: b"body".to_vec(),
+                too_large: false,
+            },
+        );
+        assert_eq!(out.is_error, error, "{status}: {out:?}");
+        if error {
+            assert!(
+                out.text.starts_with(&format!("GET /x answered {status}")),
+                "{}",
+                out.text
+            );
+        } else {
+            assert_eq!(out.text, "body");
+        }
+    }
+}
+
+/// The source's own query parameter (an API key) goes last; a server that reads the first
+/// of two would read the model's instead, so no argument may write that name: not as an
+/// exploded object's property, not as a deep object's pair, in whatever letter case.
+#[test]
+fn query_names_the_source_sets_cannot_come_from_the_arguments() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-own-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/search": {"get": {"operationId": "search", "parameters": [
+            {"name": "filter", "in": "query", "schema": {"type": "object"}},
+            {"name": "page", "in": "query", "style": "deepObject", "schema": {"type": "object"}},
+            {"name": "tags", "in": "query", "schema": {"type": "array"}},
+            {"name": "api_key", "in": "query", "schema": {"type": "string"}}]}}}}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("key"), "k3y\n").unwrap();
+    let mut config: OpenApiConfig = serde_json::from_value(json!({
+        "name": "api",
+        "spec": "api.json",
+        "query": {"api_key": {"file": "key"}, "page[token]": {"file": "key"}},
+    }))
+    .unwrap();
+    config.resolve_paths(&dir);
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let route = &toolset.routes["search"];
+    // The parameter the document declares with the source's name is not offered.
+    assert!(route.op.parameters.iter().all(|p| p.name != "api_key"));
+
+    let ok = toolset
+        .request(
+            route,
+            &json!({"filter": {"color": "red"}, "page": {"size": 2}, "tags": ["a"]}),
+            "",
+        )
+        .unwrap();
+    assert_eq!(
+        ok.target,
+        "/search?color=red&page%5Bsize%5D=2&tags=a&api_key=k3y&page%5Btoken%5D=k3y"
+    );
+    for (arguments, key, name) in [
+        (json!({"filter": {"api_key": "x"}}), "filter", "api_key"),
+        (
+            json!({"filter": {"color": "red", "API_Key": "x"}}),
+            "filter",
+            "API_Key",
+        ),
+        (json!({"page": {"token": "x"}}), "page", "page[token]"),
+    ] {
+        let err = toolset.request(route, &arguments, "").unwrap_err();
+        assert_eq!(
+            err,
+            format!(
+                "{key:?} would send the query parameter {name:?}, which this source sets \
+                 itself: leave it out"
+            )
+        );
+    }
+}
