@@ -922,14 +922,7 @@ impl Engine {
             }
         };
         let definitions = strategy.tool_definitions(&spec.tools);
-        let reserved: u32 = definitions
-            .iter()
-            .map(|d| {
-                counter.text(&d.name)
-                    + counter.text(&d.description)
-                    + counter.text(&d.parameters.text())
-            })
-            .sum();
+        let reserved = definitions_tokens(&definitions, counter);
         let (mut state, mut saved_messages, mut carried) = match resume.map(|resume| *resume) {
             Some(resume) => (resume.state, resume.saved_messages, Some(resume.carried)),
             None => {
@@ -1793,6 +1786,31 @@ fn invocation(
         run_id: spec.run_id.clone(),
         session_id: spec.session_id.clone(),
     }
+}
+
+/// The tokens every model request of an agent sends whatever the conversation: its system
+/// message (the system prompt, with ReAct's instructions for its strategy) and its tools'
+/// definitions. A budget (`context.max_prompt_tokens`) at or under it leaves no room for
+/// the conversation.
+pub fn fixed_prompt_tokens(config: &AgentConfig, tools: &[ToolSpec]) -> u32 {
+    let counter = TokenCounter::shared();
+    let strategy = strategy::of(config.strategy);
+    let system = strategy
+        .system_message(config, tools)
+        .map_or(0, |m| counter.message(&m));
+    system + definitions_tokens(&strategy.tool_definitions(tools), counter)
+}
+
+/// The tokens of the tools' definitions a request offers natively.
+fn definitions_tokens(definitions: &[ToolDefinition], counter: &TokenCounter) -> u32 {
+    definitions
+        .iter()
+        .map(|d| {
+            counter.text(&d.name)
+                + counter.text(&d.description)
+                + counter.text(&d.parameters.text())
+        })
+        .sum()
 }
 
 /// Whether `schema` is a JSON Schema the engine can check a client tool's arguments

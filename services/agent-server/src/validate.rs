@@ -2,7 +2,11 @@
 //! with the path of its field, against the tools the tool executor offers (its catalogue,
 //! kept for a while rather than asked for on every check).
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    sync::{Arc, PoisonError},
+    time::Duration,
+};
 
 use tokio::time::Instant;
 
@@ -39,11 +43,18 @@ const CATALOG_MAX_AGE: Duration = Duration::from_secs(30);
 const CATALOG_MIN_AGE: Duration = Duration::from_secs(1);
 
 /// The tool executor's catalogue as validation uses it: kept for [`CATALOG_MAX_AGE`], and
-/// asked again sooner when a config names a tool it lacks. One caller asks at a time; the
-/// others wait for that answer.
+/// asked again sooner when a config names a tool it lacks. A fresh enough copy is answered
+/// at once, even while the catalogue is being asked for again; one caller asks at a time,
+/// and the others that were waiting take its answer, a failure included (rather than each
+/// asking again, one after the other, of a tool executor that does not answer).
 pub struct CatalogCache {
     source: Arc<dyn ToolCatalog>,
-    kept: tokio::sync::Mutex<Option<(Instant, Arc<Vec<ToolSpec>>)>>,
+    /// The last catalogue, and when it was listed.
+    kept: std::sync::Mutex<Option<(Instant, Arc<Vec<ToolSpec>>)>>,
+    /// The last failure to list it, and when it ended.
+    failed: std::sync::Mutex<Option<(Instant, ToolServiceError)>>,
+    /// Held by the one caller asking the tool executor.
+    asking: tokio::sync::Mutex<()>,
 }
 
 impl CatalogCache {
@@ -51,25 +62,58 @@ impl CatalogCache {
     pub fn new(source: Arc<dyn ToolCatalog>) -> Self {
         Self {
             source,
-            kept: tokio::sync::Mutex::new(None),
+            kept: std::sync::Mutex::new(None),
+            failed: std::sync::Mutex::new(None),
+            asking: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// The kept catalogue when it is fresh enough for a config that names `wanted`, or
+    /// was listed after `since`.
+    fn fresh(&self, wanted: &[&str], since: Option<Instant>) -> Option<Arc<Vec<ToolSpec>>> {
+        let kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let (at, tools) = kept.as_ref()?;
+        if since.is_some_and(|since| *at >= since) {
+            return Some(tools.clone());
+        }
+        let age = at.elapsed();
+        let has_all = || {
+            wanted
+                .iter()
+                .all(|name| tools.iter().any(|t| t.name == *name))
+        };
+        (age < CATALOG_MAX_AGE && (age < CATALOG_MIN_AGE || has_all())).then(|| tools.clone())
     }
 
     /// The catalogue, fresh enough for a config that names `wanted`.
     pub async fn offering(&self, wanted: &[&str]) -> Result<Arc<Vec<ToolSpec>>, ToolServiceError> {
-        let mut kept = self.kept.lock().await;
-        if let Some((at, tools)) = kept.as_ref() {
-            let age = at.elapsed();
-            let has_all = wanted
-                .iter()
-                .all(|name| tools.iter().any(|t| t.name == *name));
-            if age < CATALOG_MAX_AGE && (has_all || age < CATALOG_MIN_AGE) {
-                return Ok(tools.clone());
+        if let Some(tools) = self.fresh(wanted, None) {
+            return Ok(tools);
+        }
+        let waited_from = Instant::now();
+        let _asking = self.asking.lock().await;
+        // Another caller asked while this one waited: its answer is this one's.
+        if let Some(tools) = self.fresh(wanted, Some(waited_from)) {
+            return Ok(tools);
+        }
+        if let Some((at, error)) = &*self.failed.lock().unwrap_or_else(PoisonError::into_inner)
+            && *at >= waited_from
+        {
+            return Err(error.clone());
+        }
+        match self.source.list_tools().await {
+            Ok(tools) => {
+                let tools = Arc::new(tools);
+                *self.kept.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some((Instant::now(), tools.clone()));
+                Ok(tools)
+            }
+            Err(error) => {
+                *self.failed.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some((Instant::now(), error.clone()));
+                Err(error)
             }
         }
-        let tools = Arc::new(self.source.list_tools().await?);
-        *kept = Some((Instant::now(), tools.clone()));
-        Ok(tools)
     }
 }
 
@@ -99,7 +143,20 @@ impl ConfigValidator {
         self.rerank_model(&mut check, &mut effective);
         check.strategy(&mut effective.strategy);
         check.max_iterations(&mut effective.max_iterations);
-        let (wanted, mut tool_violations) = check.tool_names(&effective.tools);
+        // Over the bound, a list is reported by its length alone: its items are not looked
+        // at (a request of 4 MiB of names would otherwise cost a violation each).
+        let tools_fit = check.count("tools", effective.tools.len(), 0);
+        let client_tools_fit = tools_fit
+            && check.count(
+                "client_tools",
+                effective.tools.len(),
+                effective.client_tools.len(),
+            );
+        let (wanted, mut tool_violations) = if tools_fit {
+            check.tool_names(&effective.tools)
+        } else {
+            Default::default()
+        };
         let mut tools = Vec::new();
         if !wanted.is_empty() {
             let names: Vec<&str> = wanted.iter().map(|(_, name)| name.as_str()).collect();
@@ -128,14 +185,19 @@ impl ConfigValidator {
         check
             .violations
             .extend(tool_violations.into_iter().map(|(_, v)| v));
-        tools.extend(check.client_tools(&effective.tools, &effective.client_tools));
-        // The schemas as they are used, defaults filled in.
-        for tool in &mut effective.client_tools {
-            tool.input_schema = agentrt::json::json_to_struct(&client_tool_schema(tool));
+        if client_tools_fit {
+            tools.extend(check.client_tools(&effective.tools, &effective.client_tools));
+            // The schemas as they are used, defaults filled in.
+            for tool in &mut effective.client_tools {
+                tool.input_schema = agentrt::json::json_to_struct(&client_tool_schema(tool));
+            }
         }
         check.parallel(&mut effective.max_parallel_tool_calls);
         check.context(effective.context.get_or_insert_default());
         check.timeouts(effective.timeouts.get_or_insert_default());
+        if check.violations.is_empty() && !missing {
+            check.fixed_prompt(&effective, &tools);
+        }
         if missing {
             check.violations = vec![Violation::new("config", "required")];
         }
@@ -160,19 +222,8 @@ impl ConfigValidator {
                 "model.name",
                 "required: the provider's model id, e.g. \"gpt-4o-mini\"",
             );
-        } else if model.name.chars().count() > limits::MODEL_NAME_MAX_CHARS
-            || model
-                .name
-                .chars()
-                .any(|c| c.is_whitespace() || c.is_control())
-        {
-            check.violation(
-                "model.name",
-                format!(
-                    "must be at most {} characters without spaces or control characters",
-                    limits::MODEL_NAME_MAX_CHARS
-                ),
-            );
+        } else {
+            check.model_name("model.name", &model.name);
         }
         if let Some(t) = model.temperature
             && !limits::TEMPERATURE.contains(&t)
@@ -200,6 +251,8 @@ impl ConfigValidator {
         self.provider(check, "rerank_model.provider", &mut rerank.provider);
         if rerank.name.is_empty() {
             check.violation("rerank_model.name", "required when a rerank model is given");
+        } else {
+            check.model_name("rerank_model.name", &rerank.name);
         }
         if rerank.top_n == 0 {
             rerank.top_n = limits::DEFAULT_RERANK_TOP_N;
@@ -238,7 +291,8 @@ impl ConfigValidator {
             check.violation(
                 field,
                 format!(
-                    "provider {provider:?} is not configured on this server (configured: {})",
+                    "provider {} is not configured on this server (configured: {})",
+                    shown(provider),
                     list_or_none(&configured)
                 ),
             );
@@ -277,6 +331,20 @@ fn list_or_none(names: &[&str]) -> String {
     }
 }
 
+/// Longest part of a client's text a violation quotes, in bytes.
+const SHOWN_BYTES: usize = 80;
+
+/// A client's text as a violation quotes it: its start, and its length when it was cut
+/// (a description never grows with what the client sent).
+fn shown(text: &str) -> String {
+    let start = agentrt_grpc::status::bounded(text, SHOWN_BYTES);
+    if start.len() == text.len() {
+        format!("{text:?}")
+    } else {
+        format!("{start:?} ({} characters)", text.chars().count())
+    }
+}
+
 /// Whether `name` is a well-formed agent or tool name.
 fn well_formed(name: &str) -> bool {
     let mut chars = name.chars();
@@ -301,11 +369,66 @@ impl Check {
         self.violations.push(Violation::new(field, description));
     }
 
+    /// A model's id: bounded, without spaces or control characters (it goes into every
+    /// request, span and metric of the model).
+    fn model_name(&mut self, field: &str, name: &str) {
+        if name.chars().count() > limits::MODEL_NAME_MAX_CHARS
+            || name.chars().any(|c| c.is_whitespace() || c.is_control())
+        {
+            self.violation(
+                field,
+                format!(
+                    "must be at most {} characters without spaces or control characters",
+                    limits::MODEL_NAME_MAX_CHARS
+                ),
+            );
+        }
+    }
+
+    /// Whether `tools` tools and `client` client tools are within [`limits::MAX_TOOLS`];
+    /// a violation of `field` when they are not.
+    fn count(&mut self, field: &str, tools: usize, client: usize) -> bool {
+        if tools + client <= limits::MAX_TOOLS {
+            return true;
+        }
+        let description = if client == 0 {
+            format!("at most {} tools, got {tools}", limits::MAX_TOOLS)
+        } else {
+            format!(
+                "at most {} tools and client tools together, got {}",
+                limits::MAX_TOOLS,
+                tools + client
+            )
+        };
+        self.violation(field, description);
+        false
+    }
+
+    /// What every request of the agent sends whatever the conversation (its system prompt,
+    /// with ReAct's instructions, and its tools' definitions) must leave room in
+    /// `context.max_prompt_tokens` for the conversation: otherwise every run would send
+    /// no history and every tool result cut to nothing.
+    fn fixed_prompt(&mut self, config: &v1::AgentConfig, tools: &[ToolSpec]) {
+        let budget = config.context.as_ref().map_or(0, |c| c.max_prompt_tokens);
+        let fixed =
+            agentrt_engine::fixed_prompt_tokens(&crate::convert::config_from_wire(config), tools);
+        if i64::from(fixed) >= i64::from(budget) {
+            self.violation(
+                "context.max_prompt_tokens",
+                format!(
+                    "the system prompt and the tools' definitions take about {fixed} tokens of \
+                     the {budget} a request may have, leaving none for the conversation: raise \
+                     it, or shorten the prompt or offer fewer tools"
+                ),
+            );
+        }
+    }
+
     fn name(&mut self, name: &str) {
         if name.is_empty() {
             self.violation("name", "required");
         } else if !well_formed(name) {
-            self.violation("name", format!("{name:?} {NAME_RULE}"));
+            self.violation("name", format!("{} {NAME_RULE}", shown(name)));
         }
     }
 
@@ -349,12 +472,6 @@ impl Check {
     /// index, to be looked up on the tool executor, and the violations by index, so that
     /// the caller can merge the look-up's own in field order.
     fn tool_names(&mut self, tools: &[v1::ToolRef]) -> (Vec<(usize, String)>, IndexedViolations) {
-        if tools.len() > limits::MAX_TOOLS {
-            self.violation(
-                "tools",
-                format!("at most {} tools, got {}", limits::MAX_TOOLS, tools.len()),
-            );
-        }
         let mut first_index: HashMap<&str, usize> = HashMap::new();
         let mut wanted = Vec::new();
         let mut violations = Vec::new();
@@ -365,7 +482,7 @@ impl Check {
             } else if !well_formed(&tool.name) {
                 violations.push((
                     index,
-                    Violation::new(field, format!("{:?} {NAME_RULE}", tool.name)),
+                    Violation::new(field, format!("{} {NAME_RULE}", shown(&tool.name))),
                 ));
             } else if let Some(first) = first_index.get(tool.name.as_str()) {
                 let description = format!("duplicate of tools[{first}] ({:?})", tool.name);
@@ -382,16 +499,6 @@ impl Check {
     /// the config; descriptions bounded; input schemas valid JSON Schema of an object);
     /// answers the specs the model is offered for those that pass.
     fn client_tools(&mut self, tools: &[v1::ToolRef], client: &[v1::ClientTool]) -> Vec<ToolSpec> {
-        if tools.len() + client.len() > limits::MAX_TOOLS {
-            self.violation(
-                "client_tools",
-                format!(
-                    "at most {} tools and client tools together, got {}",
-                    limits::MAX_TOOLS,
-                    tools.len() + client.len()
-                ),
-            );
-        }
         let mut specs = Vec::new();
         let mut seen: HashMap<&str, usize> = HashMap::new();
         for (index, tool) in client.iter().enumerate() {
@@ -409,8 +516,8 @@ impl Check {
                 self.violation(
                     format!("{field}.name"),
                     format!(
-                        "{:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'",
-                        tool.name
+                        "{} must be 1 to 64 characters of A-Z, a-z, 0-9, '_' or '-'",
+                        shown(&tool.name)
                     ),
                 );
                 valid = false;
@@ -1002,5 +1109,198 @@ mod tests {
         assert!(timeouts.action.is_some(), "{timeouts:?}");
         assert!(checked.effective.max_iterations > 0);
         assert!(checked.effective.context.is_some());
+    }
+
+    /// A list over the bound is one violation, its length: its items are not looked at,
+    /// nor the catalogue asked for them (a request of 4 MiB of names would otherwise cost
+    /// a violation, and a look-up, each).
+    #[tokio::test]
+    async fn a_list_of_too_many_tools_is_one_violation_and_its_items_are_not_looked_at() {
+        let source = Arc::new(CountingTools::default());
+        let providers = ProviderRegistry::new(BTreeMap::new(), None, |name| {
+            (name == "OPENAI_BASE_URL").then(|| "http://127.0.0.1:1/v1".to_owned())
+        })
+        .unwrap();
+        let v = ConfigValidator::new(Arc::new(providers), source.clone());
+        let mut config = minimal();
+        config.tools = (0..10_000)
+            .map(|i| v1::ToolRef {
+                name: format!("unknown{i}"),
+                require_approval: false,
+            })
+            .collect();
+        config.client_tools = vec![v1::ClientTool {
+            name: "bad name".into(),
+            ..Default::default()
+        }];
+        let checked = v.check(Some(&config)).await.unwrap();
+        assert_eq!(fields_of(&checked.violations), ["tools"]);
+        assert_eq!(
+            checked.violations[0].description,
+            "at most 128 tools, got 10000"
+        );
+        assert_eq!(source.calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+        // Tools within the bound, with client tools over it together: the client tools'
+        // violation, and theirs only.
+        config.tools.truncate(100);
+        config.client_tools = (0..50)
+            .map(|i| v1::ClientTool {
+                name: format!("bad name {i}"),
+                ..Default::default()
+            })
+            .collect();
+        let checked = v.check(Some(&config)).await.unwrap();
+        let fields = fields_of(&checked.violations);
+        assert_eq!(fields.iter().filter(|f| **f == "client_tools").count(), 1);
+        assert!(
+            !fields.iter().any(|f| f.starts_with("client_tools[")),
+            "{fields:?}"
+        );
+        // 128 tools and no client tools are within the bound.
+        config.tools = (0..128)
+            .map(|_| v1::ToolRef {
+                name: "calculator".into(),
+                require_approval: false,
+            })
+            .collect();
+        config.client_tools.clear();
+        let checked = v.check(Some(&config)).await.unwrap();
+        assert!(
+            !fields_of(&checked.violations).contains(&"client_tools"),
+            "{:?}",
+            checked.violations
+        );
+    }
+
+    /// A violation quotes at most the start of what the client sent, saying its length:
+    /// the answer never grows with the input (a 2 MB name would make it too large to send).
+    #[tokio::test]
+    async fn violations_quote_only_the_start_of_a_long_value() {
+        let mut config = minimal();
+        config.name = "\u{1}".repeat(700_000);
+        config.tools = vec![v1::ToolRef {
+            name: "x".repeat(100_000),
+            require_approval: false,
+        }];
+        config.client_tools = vec![v1::ClientTool {
+            name: "y ".repeat(50_000),
+            ..Default::default()
+        }];
+        config.model.as_mut().unwrap().provider = "p".repeat(100_000);
+        let checked = validator(Ok(vec![calculator()]))
+            .check(Some(&config))
+            .await
+            .unwrap();
+        assert_eq!(
+            fields_of(&checked.violations),
+            [
+                "name",
+                "model.provider",
+                "tools[0].name",
+                "client_tools[0].name"
+            ]
+        );
+        for violation in &checked.violations {
+            assert!(
+                violation.description.len() < 1_000,
+                "{}: {} bytes",
+                violation.field,
+                violation.description.len()
+            );
+        }
+        assert!(
+            checked.violations[0]
+                .description
+                .contains("(700000 characters)")
+        );
+    }
+
+    /// A rerank model's id is held to the model's rule.
+    #[tokio::test]
+    async fn a_rerank_model_name_is_bounded_as_a_model_name_is() {
+        let mut config = minimal();
+        config.rerank_model = Some(v1::RerankModelConfig {
+            name: "a\nb".into(),
+            ..Default::default()
+        });
+        let checked = validator(Ok(vec![])).check(Some(&config)).await.unwrap();
+        assert_eq!(fields_of(&checked.violations), ["rerank_model.name"]);
+    }
+
+    /// A system prompt and tool definitions that fill the prompt's budget leave no room for
+    /// the conversation: refused, naming both numbers, rather than a valid config whose runs
+    /// send no history and no tool output.
+    #[tokio::test]
+    async fn a_fixed_prompt_over_the_token_budget_is_refused() {
+        let mut config = minimal();
+        config.system_prompt = "word ".repeat(9_000);
+        let checked = validator(Ok(vec![])).check(Some(&config)).await.unwrap();
+        assert_eq!(
+            fields_of(&checked.violations),
+            ["context.max_prompt_tokens"]
+        );
+        let description = &checked.violations[0].description;
+        assert!(description.contains("of the 8192"), "{description}");
+        // Raised, it fits.
+        config.context = Some(v1::ContextConfig {
+            max_prompt_tokens: 16_000,
+        });
+        let checked = validator(Ok(vec![])).check(Some(&config)).await.unwrap();
+        assert_eq!(checked.violations, vec![]);
+        // Tools count too.
+        let big_tool = ToolSpec {
+            name: "big".into(),
+            description: "word ".repeat(20_000),
+            ..calculator()
+        };
+        config.tools = vec![v1::ToolRef {
+            name: "big".into(),
+            require_approval: false,
+        }];
+        let checked = validator(Ok(vec![big_tool]))
+            .check(Some(&config))
+            .await
+            .unwrap();
+        assert_eq!(
+            fields_of(&checked.violations),
+            ["context.max_prompt_tokens"]
+        );
+    }
+
+    /// Callers that wait while one asks the tool executor take its answer, a failure
+    /// included, rather than each asking again in turn.
+    #[tokio::test(start_paused = true)]
+    async fn callers_waiting_for_the_catalogue_share_one_answer_a_failure_included() {
+        struct Slow(std::sync::atomic::AtomicUsize);
+        #[async_trait::async_trait]
+        impl ToolCatalog for Slow {
+            async fn list_tools(&self) -> Result<Vec<ToolSpec>, ToolServiceError> {
+                self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                Err(ToolServiceError::Unavailable {
+                    endpoint: "x".into(),
+                    reason: "did not answer".into(),
+                })
+            }
+        }
+        let source = Arc::new(Slow(Default::default()));
+        let cache = Arc::new(CatalogCache::new(source.clone()));
+        let started = Instant::now();
+        let callers: Vec<_> = (0..20)
+            .map(|_| {
+                let cache = cache.clone();
+                tokio::spawn(async move { cache.offering(&["calculator"]).await })
+            })
+            .collect();
+        for caller in callers {
+            assert!(caller.await.unwrap().is_err());
+        }
+        assert_eq!(source.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }
