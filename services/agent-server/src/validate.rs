@@ -168,15 +168,34 @@ impl ConfigValidator {
             let names: Vec<&str> = offered.iter().map(|t| t.name.as_str()).collect();
             for (index, name) in wanted {
                 if !names.contains(&name.as_str()) {
+                    // A source's tools are listed once it is up: one that is still
+                    // starting, or down, offers none. Said first: a long description is
+                    // cut at its end.
+                    let source_down =
+                        name.split_once("__")
+                            .map(|(source, _)| source)
+                            .filter(|source| {
+                                !names.iter().any(|offered| {
+                                    offered
+                                        .strip_prefix(source)
+                                        .is_some_and(|rest| rest.starts_with("__"))
+                                })
+                            });
+                    let description = match source_down {
+                        Some(source) => format!(
+                            "tool {name:?} is not offered by the tool executor, nor any tool \
+                             of source {source:?}: if it is an MCP server still starting or \
+                             down, try again once ListTools lists its tools (offered: {})",
+                            list_or_none(&names)
+                        ),
+                        None => format!(
+                            "tool {name:?} is not offered by the tool executor (offered: {})",
+                            list_or_none(&names)
+                        ),
+                    };
                     tool_violations.push((
                         index,
-                        Violation::new(
-                            format!("tools[{index}].name"),
-                            format!(
-                                "tool {name:?} is not offered by the tool executor (offered: {})",
-                                list_or_none(&names)
-                            ),
-                        ),
+                        Violation::new(format!("tools[{index}].name"), description),
                     ));
                 }
             }
@@ -1301,6 +1320,40 @@ mod tests {
             started.elapsed() < Duration::from_secs(6),
             "{:?}",
             started.elapsed()
+        );
+    }
+
+    /// A tool of a source that offers none (an MCP server still starting, or down) is
+    /// named as such, before the list of what is offered.
+    #[tokio::test]
+    async fn a_tool_of_a_source_that_offers_none_says_so_first() {
+        let mut config = minimal();
+        config.tools = vec![
+            v1::ToolRef {
+                name: "docs__search".into(),
+                require_approval: false,
+            },
+            v1::ToolRef {
+                name: "calculator__nope".into(),
+                require_approval: false,
+            },
+        ];
+        let tools = vec![ToolSpec {
+            name: "calculator__add".into(),
+            ..calculator()
+        }];
+        let checked = validator(Ok(tools)).check(Some(&config)).await.unwrap();
+        assert!(
+            checked.violations[0]
+                .description
+                .starts_with("tool \"docs__search\" is not offered by the tool executor, nor any tool of source \"docs\""),
+            "{}",
+            checked.violations[0].description
+        );
+        assert!(
+            !checked.violations[1].description.contains("nor any tool"),
+            "{}",
+            checked.violations[1].description
         );
     }
 }
