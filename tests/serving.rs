@@ -141,6 +141,44 @@ async fn sigterm_drains_and_exits_zero() {
     }
 }
 
+/// An open `Watch` (clients with client-side health checking keep one) is told
+/// NOT_SERVING and ended when the server drains, rather than holding the drain for its
+/// whole grace; and a health request is a few bytes, not the 4 MiB any call may carry.
+#[tokio::test]
+async fn a_drain_ends_open_watches_and_health_requests_are_small() {
+    let tools = tool_executor(&[]).await;
+    let mut agents = agent_server(&tools.url(), &["--drain-grace", "20s"]).await;
+    let status = health(&agents.url(), &"x".repeat(2048)).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    let mut client = HealthClient::new(connect(&agents.url()).await);
+    let mut statuses = client
+        .watch(HealthCheckRequest {
+            service: "agent.v1.AgentEngine".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = statuses.next().await.unwrap().unwrap();
+    assert_eq!(first.status, ServingStatus::Serving as i32);
+    let started = std::time::Instant::now();
+    agents.terminate();
+    let mut last = None;
+    while let Some(status) = tokio::time::timeout(Duration::from_secs(10), statuses.next())
+        .await
+        .expect("the Watch ends at the drain")
+    {
+        last = Some(status.unwrap().status);
+    }
+    assert_eq!(last, Some(ServingStatus::NotServing as i32));
+    let exit = agents.wait(Duration::from_secs(15)).await;
+    assert_eq!(exit.code(), Some(0), "log:\n{}", agents.logs());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the drain waited {:?} for the Watch",
+        started.elapsed()
+    );
+}
+
 #[tokio::test]
 async fn settings_come_from_environment_and_files_with_flags_on_top() {
     let dir = std::env::temp_dir().join(format!("agentrt-serving-{}", std::process::id()));

@@ -112,16 +112,21 @@ impl GrpcServer {
         }
         let readiness_stop = CancellationToken::new();
         let _readiness_stop = readiness_stop.clone().drop_guard();
+        let mut readiness_task = None;
         if let Some((check, every)) = self.readiness.take() {
             let health = health.clone();
             let services = self.services.clone();
             let stop = readiness_stop.clone();
-            tokio::spawn(async move {
+            // A check that does not answer in time (Redis hung, its connection open) is a
+            // failed one: readiness follows within a period, not after the client's own
+            // timeouts.
+            let patience = every.max(Duration::from_secs(1));
+            readiness_task = Some(tokio::spawn(async move {
                 let mut ready = false;
                 loop {
                     let now_ready = tokio::select! {
                         () = stop.cancelled() => return,
-                        ready = check() => ready,
+                        ready = tokio::time::timeout(patience, check()) => ready.unwrap_or(false),
                     };
                     if now_ready != ready {
                         ready = now_ready;
@@ -140,7 +145,7 @@ impl GrpcServer {
                         () = tokio::time::sleep(every) => {}
                     }
                 }
-            });
+            }));
         }
 
         // Advertise exactly what this server serves: the descriptors of the whole
@@ -349,6 +354,12 @@ impl GrpcServer {
         let grace = self.settings.drain_grace;
         info!(service = self.name, grace = ?grace, "draining");
         readiness_stop.cancel();
+        // Ended before the drain's NOT_SERVING: a check that was setting SERVING must not
+        // set it after.
+        if let Some(task) = readiness_task {
+            task.abort();
+            let _ = task.await;
+        }
         health
             .set_service_status("", ServingStatus::NotServing)
             .await;
@@ -379,6 +390,10 @@ impl GrpcServer {
 /// so that probes are answered at once however busy the server's runtime is: under a load
 /// that keeps every worker thread busy, a probe waiting its turn there took hundreds of
 /// milliseconds, and a kubelet with a one-second timeout would restart a healthy pod.
+/// How long a connection to the health-only port lasts (then it is closed, its calls
+/// given a grace to end; a `Watch` is made again by its client).
+const HEALTH_CONNECTION_AGE: Duration = Duration::from_secs(60);
+
 fn serve_health_apart<S>(
     listener: std::net::TcpListener,
     health: S,
@@ -409,8 +424,14 @@ where
                     Ok(listener) => listener,
                     Err(error) => return warn!(%error, "health listener failed"),
                 };
+                // Probes open a connection each: one that stays (silent, or answering
+                // pings and calling nothing) is closed after a while, so that idle
+                // connections cannot hold the port's slots for good.
                 let served = Server::builder()
                     .tcp_nodelay(true)
+                    .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                    .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+                    .max_connection_age(HEALTH_CONNECTION_AGE)
                     .add_service(health)
                     .serve_with_incoming_shutdown(
                         listener::admit(

@@ -26,6 +26,22 @@ pub use grpc::{GrpcServer, ServerError};
 pub const MAX_CATALOGUE_BYTES: usize = 64 * 1024 * 1024;
 pub mod status;
 
+/// A `grpc-timeout` header's value: digits followed by a unit (H, M, S, m, u, n).
+pub fn parse_grpc_timeout(value: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    let amount: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.saturating_mul(3600)),
+        "M" => Duration::from_secs(amount.saturating_mul(60)),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
 /// The service and method of a gRPC call's path (`/package.Service/Method`); `None` for
 /// anything else.
 pub(crate) fn grpc_route(path: &str) -> Option<(&str, &str)> {

@@ -9,7 +9,7 @@ use std::{
     pin::Pin,
     sync::Arc,
     task::{Context, Poll},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use agentrt_metrics::Metrics;
@@ -81,6 +81,12 @@ pub fn registered_methods(descriptor_sets: &[&[u8]], services: &[&str]) -> Vec<S
 #[derive(Debug, Clone, Copy)]
 pub struct Arrival(pub tokio::time::Instant);
 
+/// Marks a call to a method the server serves (the others are answered `UNIMPLEMENTED`):
+/// only those are named after their path in spans, so that a caller cannot make spans of
+/// any name it likes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KnownRoute;
+
 impl<S> tower_layer::Layer<S> for RpcMetricsLayer {
     type Service = RpcMetrics<S>;
 
@@ -126,8 +132,27 @@ where
             }
             _ => (UNKNOWN.to_owned(), UNKNOWN.to_owned()),
         };
+        if service != UNKNOWN {
+            request.extensions_mut().insert(KnownRoute);
+        }
+        let deadline = request
+            .headers()
+            .get("grpc-timeout")
+            .and_then(|value| value.to_str().ok())
+            .and_then(crate::parse_grpc_timeout);
         let response = self.inner.call(request);
         Box::pin(async move {
+            // Until the response starts, the call is recorded if it is dropped: tonic cuts
+            // a call off at its deadline, and a client may reset it, before any answer.
+            let mut unanswered = Unanswered {
+                call: Some(Call {
+                    service,
+                    method,
+                    started,
+                    code: None,
+                }),
+                deadline,
+            };
             let mut response = response.await?;
             // A trailers-only response (an error before any message) has it here.
             let mut code = grpc_status(response.headers());
@@ -135,12 +160,10 @@ where
             {
                 code = Some(RESOURCE_EXHAUSTED);
             }
-            let call = Some(Call {
-                service,
-                method,
-                started,
-                code,
-            });
+            let mut call = unanswered.call.take();
+            if let Some(call) = &mut call {
+                call.code = code;
+            }
             Ok(response.map(|inner| MeteredBody { inner, call }))
         })
     }
@@ -156,6 +179,29 @@ struct Call {
 impl Call {
     fn record(self, code: i32) {
         Metrics::global().rpc(&self.service, &self.method, code, self.started.elapsed());
+    }
+}
+
+/// A call whose response has not started: recorded when it is dropped as
+/// `DEADLINE_EXCEEDED` once its `grpc-timeout` has passed, as `CANCELLED` otherwise.
+struct Unanswered {
+    call: Option<Call>,
+    deadline: Option<Duration>,
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let past_deadline = self
+            .deadline
+            .is_some_and(|deadline| call.started.elapsed() >= deadline);
+        call.record(if past_deadline {
+            DEADLINE_EXCEEDED
+        } else {
+            CANCELLED
+        });
     }
 }
 
@@ -196,6 +242,8 @@ pub struct MeteredBody<B> {
 
 /// gRPC's CANCELLED.
 const CANCELLED: i32 = 1;
+/// gRPC's DEADLINE_EXCEEDED.
+const DEADLINE_EXCEEDED: i32 = 4;
 /// gRPC's RESOURCE_EXHAUSTED.
 const RESOURCE_EXHAUSTED: i32 = 8;
 /// gRPC's OUT_OF_RANGE.
@@ -341,5 +389,74 @@ mod registered_tests {
                 .any(|m| m.starts_with("/agent.v1.AgentEngine/")),
             "services this server does not serve are left out"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Tests fail by panicking, with the value that was wrong.
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::convert::Infallible;
+
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use super::*;
+
+    /// A service that never answers.
+    #[derive(Clone)]
+    struct Silent;
+
+    impl Service<Request<()>> for Silent {
+        type Response = Response<()>;
+        type Error = Infallible;
+        type Future = std::future::Pending<Result<Response<()>, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<()>) -> Self::Future {
+            std::future::pending()
+        }
+    }
+
+    fn handled(method: &str, code: &str) -> f64 {
+        Metrics::global()
+            .encode()
+            .lines()
+            .find(|line| {
+                line.starts_with("agentrt_grpc_server_handled_total")
+                    && line.contains(&format!("grpc_method=\"{method}\""))
+                    && line.contains(&format!("grpc_code=\"{code}\""))
+            })
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// A call dropped before its response started (tonic cuts it off at its deadline, or
+    /// the client resets it) is counted: `DEADLINE_EXCEEDED` once its `grpc-timeout` has
+    /// passed, `CANCELLED` before.
+    #[tokio::test]
+    async fn calls_dropped_before_an_answer_are_counted() {
+        let methods = Arc::new(HashSet::from([
+            "/test.Slow/Late".to_owned(),
+            "/test.Slow/Gone".to_owned(),
+        ]));
+        let mut service = RpcMetricsLayer { methods }.layer(Silent);
+        let request = |path: &str, timeout: &str| {
+            Request::builder()
+                .uri(path)
+                .header("grpc-timeout", timeout)
+                .body(())
+                .unwrap()
+        };
+        let late = service.call(request("/test.Slow/Late", "20m"));
+        let _ = tokio::time::timeout(Duration::from_millis(50), late).await;
+        let gone = service.call(request("/test.Slow/Gone", "10S"));
+        let _ = tokio::time::timeout(Duration::from_millis(10), gone).await;
+        assert_eq!(handled("Late", "DEADLINE_EXCEEDED"), 1.0);
+        assert_eq!(handled("Gone", "CANCELLED"), 1.0);
     }
 }

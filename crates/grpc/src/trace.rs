@@ -5,7 +5,9 @@ use std::task::{Context, Poll};
 use http::Request;
 use tracing::{Instrument, Span, instrument::Instrumented};
 
-/// Opens a server span for every call but health checks, named `package.Service/Method`
+/// Opens a server span for every call of a method the server serves but health checks
+/// (it runs inside [`crate::metrics::RpcMetricsLayer`], which says which those are), named
+/// `package.Service/Method`
 /// after the OpenTelemetry RPC conventions, with the `traceparent` of the request as its
 /// parent. Costs nothing but a check when traces are not exported.
 #[derive(Debug, Clone, Copy, Default)]
@@ -48,6 +50,14 @@ where
 }
 
 fn rpc_span<B>(request: &Request<B>) -> Span {
+    // A path the server does not serve gets no span (see [`crate::metrics::KnownRoute`]).
+    if request
+        .extensions()
+        .get::<crate::metrics::KnownRoute>()
+        .is_none()
+    {
+        return Span::none();
+    }
     let Some((service, method)) = crate::grpc_route(request.uri().path()) else {
         return Span::none();
     };

@@ -320,20 +320,9 @@ fn output_to_wire(
     }
 }
 
-/// Reads the `grpc-timeout` header: digits followed by a unit (H, M, S, m, u, n).
+/// Reads the `grpc-timeout` header.
 fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
-    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
-    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
-    let amount: u64 = digits.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(amount.saturating_mul(3600)),
-        "M" => Duration::from_secs(amount.saturating_mul(60)),
-        "S" => Duration::from_secs(amount),
-        "m" => Duration::from_millis(amount),
-        "u" => Duration::from_micros(amount),
-        "n" => Duration::from_nanos(amount),
-        _ => return None,
-    })
+    agentrt_grpc::parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)
 }
 
 #[cfg(test)]
