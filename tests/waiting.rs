@@ -940,6 +940,13 @@ async fn a_run_that_would_wait_past_its_budget_fails_and_says_why() {
     assert_eq!(done(&events)["category"], "budget", "{end:?}");
     assert_eq!(done(&events)["stop_reason"], "budget_exceeded", "{end:?}");
     assert!(end.content.contains("runs.max_waiting_bytes"), "{end:?}");
+    // It never said it waits: a client would have acted for a run it cannot answer.
+    assert!(
+        !events
+            .iter()
+            .any(|e| kind(e) == v1::EventType::ActionRequired),
+        "{events:#?}"
+    );
     let state = get_run(&mut stack.engine, &end.run_id).await;
     assert_eq!(state.status, v1::RunStatus::Failed as i32);
     assert_eq!(state.stop_reason, v1::StopReason::BudgetExceeded as i32);

@@ -47,7 +47,7 @@ use std::{
 
 use agentrt_context::{Exchange, SessionStore};
 use agentrt_core::{StateError, StateResult};
-use agentrt_events::{BusError, EventBus, EventStream, Resumed, RunEvent, RunPublisher};
+use agentrt_events::{BusError, EventBus, EventKind, EventStream, Resumed, RunEvent, RunPublisher};
 use async_trait::async_trait;
 use redis::{
     AsyncCommands, Client, ProtocolVersion, PushInfo, PushKind, Value,
@@ -2531,7 +2531,20 @@ impl PublisherCore {
             if set_ttl.is_some() {
                 state.expiring = false;
             }
-            state.buffer.splice(0..0, batch.into_iter().skip(logged));
+            // The wait was refused, so the run does not wait: its ACTION_REQUIRED would have
+            // the client act for a run that cannot be answered. It goes, and the events
+            // after it are numbered again, so that the log stays gapless (none was shown).
+            let mut unwritten: Vec<(u64, RunEvent)> = batch.into_iter().skip(logged).collect();
+            if let Some(&(first, _)) = unwritten.first() {
+                unwritten.retain(|(_, event)| event.kind != EventKind::ActionRequired);
+                let buffered = std::mem::take(&mut state.buffer);
+                let mut next = first;
+                for (_, event) in unwritten.into_iter().chain(buffered) {
+                    state.buffer.push((next, event));
+                    next += 1;
+                }
+                state.next = next;
+            }
             return Err(CheckpointError::Record(self.shared.waiting_budget()));
         }
         if written

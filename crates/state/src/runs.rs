@@ -9,7 +9,7 @@ use std::{
 
 use agentrt_context::{Exchange, SessionStore};
 use agentrt_core::{StateError, StateResult, packed::Packer};
-use agentrt_events::{BusError, RunEvent, RunPublisher};
+use agentrt_events::{BusError, EventKind, RunEvent, RunPublisher};
 use futures_util::Stream;
 use serde::{Deserialize, Serialize};
 use tokio::{sync::broadcast, time::Instant};
@@ -205,7 +205,7 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     // The record before the events when they end the run or ask for answers: a client
     // that sees `done` or ACTION_REQUIRED and asks GetRun sees the end or the wait.
     let ends = events.last().is_some_and(|event| event.done) || record.waiting();
-    let publish = async {
+    let publish = |events: Vec<RunEvent>| async move {
         if events.is_empty() {
             return Ok(());
         }
@@ -214,9 +214,17 @@ pub async fn checkpoint_apart<S: RunStore + ?Sized>(
     let save = store.save(record, from_step, progress);
     let (published, saved) = if ends {
         let saved = save.await;
-        (publish.await, saved)
+        let mut events = events;
+        // A wait that was not saved (refused by a budget, or the store failed) is not a
+        // wait: ACTION_REQUIRED would have the client act (run its tool, ask a person) for
+        // a run that cannot be answered. The rest of the round's events go out; the run
+        // then ends with the failure.
+        if saved.is_err() && record.waiting() {
+            events.retain(|event| event.kind != EventKind::ActionRequired);
+        }
+        (publish(events).await, saved)
     } else {
-        tokio::join!(publish, save)
+        tokio::join!(publish(events), save)
     };
     match (published, saved) {
         (Ok(()), Ok(())) => Ok(()),

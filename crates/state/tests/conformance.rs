@@ -177,6 +177,36 @@ async fn redis_waiting_budget() {
 }
 
 #[tokio::test]
+async fn memory_refused_wait() {
+    conformance::refused_wait(|| async {
+        let store: Arc<dyn RunStore> = Arc::new(MemoryRunStore::new(RunRetention {
+            max_waiting_per_principal: 1,
+            ..RunRetention::unbounded(Duration::from_secs(600), conformance::TEST_LEASE)
+        }));
+        let bus: Arc<dyn EventBus> = Arc::new(InMemoryBus::new(BusLimits::default()));
+        (store, bus)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_refused_wait() {
+    conformance::refused_wait(|| async {
+        let redis = Redis::connect(
+            &redis_url(),
+            &redis_prefix("refused-wait"),
+            RedisLimits {
+                max_waiting_per_principal: 1,
+                ..limits(100)
+            },
+        )
+        .unwrap();
+        (redis.runs(), redis.bus())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn redis_engine_budgets() {
     conformance::engine_budgets(|| async {
         let (a, b) = redis_pair("engine-budgets", 100).await;

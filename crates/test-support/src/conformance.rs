@@ -939,6 +939,94 @@ where
         .unwrap();
 }
 
+/// A wait the store refuses (past the principal's budget of waiting runs) is no wait: the
+/// round's other events are published, its ACTION_REQUIRED is not (the client would act
+/// for a run that cannot be answered), and the log stays gapless to the run's end. `new`
+/// makes a store that lets a named principal have at most one run waiting, and the bus
+/// its runs publish on.
+pub async fn refused_wait<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn EventBus>)>,
+{
+    const LONG: Duration = Duration::from_secs(60);
+    let (store, bus) = new().await;
+    let calls = || vec![pending_call("c1", Action::ClientExecute)];
+    start_waiting_in(&*store, "rw1", "alice/s", calls(), LONG)
+        .await
+        .unwrap();
+    let mut record = RunRecord::new("rw2", "e", "alice/t", "m-rw2", "q");
+    record.owner = "rw2.a".into();
+    let running = Progress {
+        spec: Some("{\"spec\":1}".into()),
+        agent: Some("{\"agent\":1}".into()),
+        state: "running".into(),
+        messages: vec!["m0".into()],
+        first_message: 0,
+        wait: None,
+    };
+    store.save(&record, 0, Some(&running)).await.unwrap();
+    let publisher = bus.open("rw2", "rw2.a").await.unwrap();
+    store
+        .checkpoint(&*publisher, vec![started()], &record, 0, None)
+        .await
+        .unwrap();
+    record.status = RunStatus::RequiresAction;
+    record.pending = calls();
+    let waiting = Progress {
+        wait: Some(LONG),
+        state: "waiting".into(),
+        messages: vec![],
+        first_message: 1,
+        ..running.clone()
+    };
+    let call = RunEvent::new(EventKind::ToolCall, 1, String::new(), None);
+    let action = RunEvent::new(EventKind::ActionRequired, 1, String::new(), None);
+    let refused = store
+        .checkpoint(&*publisher, vec![call, action], &record, 0, Some(&waiting))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            &refused,
+            agentrt_state::CheckpointError::Record(StateError::OverBudget { .. })
+        ),
+        "{refused:?}"
+    );
+    // The run ends with the failure.
+    record.status = RunStatus::Failed;
+    record.stop_reason = Some(StopReason::BudgetExceeded);
+    record.pending.clear();
+    let end = RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::Error, 1, "over budget".into(), None)
+    };
+    store
+        .checkpoint(&*publisher, vec![end], &record, 0, None)
+        .await
+        .unwrap();
+    let stream = bus.subscribe("rw2", 0).await.unwrap();
+    let events: Vec<(u64, EventKind)> = tokio::time::timeout(
+        Duration::from_secs(10),
+        stream
+            .map(|e| {
+                let e = e.unwrap();
+                (e.sequence, e.kind)
+            })
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .expect("the stream ends");
+    assert_eq!(
+        events,
+        [
+            (1, EventKind::RunStarted),
+            (2, EventKind::ToolCall),
+            (3, EventKind::Error),
+        ]
+    );
+}
+
 /// Takes `run_id` over from both replicas at once (six tries): exactly one gets it.
 async fn take_over_once(
     store: &Arc<dyn RunStore>,
