@@ -1156,6 +1156,20 @@ impl RunManager {
                     control.stop(StopReason::Cancelled);
                 }
                 let _ = tokio::time::timeout_at(deadline, ended.wait()).await;
+                // A run let go here as it was stopped (handed over in a drain, its lease
+                // lost) goes on elsewhere: the replica that takes it over is asked to end
+                // it, as for a run of another replica.
+                if !wait_cancelled
+                    && let Some(record) = self.store.load(run_id).await?
+                    && !record.ended()
+                    && !record.waiting()
+                    && ended.is_done()
+                {
+                    self.store
+                        .request_stop(run_id, StopReason::Cancelled)
+                        .await?;
+                    return Ok(record);
+                }
             }
             None => {
                 if !wait_cancelled {
