@@ -1184,7 +1184,12 @@ impl Engine {
                 tracing::Span::current().record("gen_ai.usage.input_tokens", usage.prompt_tokens);
                 tracing::Span::current()
                     .record("gen_ai.usage.output_tokens", usage.completion_tokens);
-                Metrics::global().tokens(&model_name, usage.prompt_tokens, usage.completion_tokens);
+                Metrics::global().tokens(
+                    &model_name,
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    estimated,
+                );
                 // What follows is published at the next wait: the tools' checkpoint, the next
                 // round or the end.
                 em.usage(usage, estimated);

@@ -90,6 +90,8 @@ pub struct Metrics {
     model_seconds: Family<Labels<2>, Histogram>,
     model_first_token_seconds: Family<Labels<1>, Histogram>,
     tokens: Family<Labels<2>, Counter>,
+    /// Tokens of calls whose provider reported no usage, counted by the server.
+    estimated_tokens: Family<Labels<2>, Counter>,
     tool_calls: Family<Labels<2>, Counter>,
     tool_seconds: Family<Labels<1>, Histogram>,
     bus_lagged: Counter,
@@ -128,6 +130,7 @@ impl Metrics {
             model_seconds: Family::new_with_constructor(seconds),
             model_first_token_seconds: Family::new_with_constructor(seconds),
             tokens: Family::default(),
+            estimated_tokens: Family::default(),
             tool_calls: Family::default(),
             tool_seconds: Family::new_with_constructor(seconds),
             bus_lagged: Counter::default(),
@@ -184,6 +187,12 @@ impl Metrics {
                 "model_tokens",
                 "Tokens the model reported, by model and type (input, output)",
                 metrics.tokens.clone(),
+            );
+            registry.register(
+                "model_tokens_estimated",
+                "Tokens of model calls whose provider reported no usage, counted by the \
+                 server (o200k tokenizer), by model and type (input, output)",
+                metrics.estimated_tokens.clone(),
             );
             registry.register(
                 "event_bus_lagged",
@@ -286,10 +295,15 @@ impl Metrics {
     }
 
     /// Tokens a model call used.
-    pub fn tokens(&self, model: &str, input: u64, output: u64) {
+    pub fn tokens(&self, model: &str, input: u64, output: u64, estimated: bool) {
         let model = &self.models.value(model);
+        let family = if estimated {
+            &self.estimated_tokens
+        } else {
+            &self.tokens
+        };
         for (kind, count) in [("input", input), ("output", output)] {
-            self.tokens
+            family
                 .get_or_create(&[("model", model.to_owned()), ("type", kind.to_owned())])
                 .inc_by(count);
         }
@@ -393,7 +407,7 @@ mod tests {
         let metrics = Metrics::new();
         for i in 0..MAX_NAME_LABELS + 50 {
             metrics.tool_call(&format!("made_up_{i}"), true, Duration::from_millis(1));
-            metrics.tokens(&format!("model-{i}"), 1, 1);
+            metrics.tokens(&format!("model-{i}"), 1, 1, false);
         }
         let text = metrics.encode();
         let series = |prefix: &str| text.lines().filter(|l| l.starts_with(prefix)).count();
@@ -471,7 +485,8 @@ mod tests {
             Duration::from_millis(1),
         );
         metrics.run_finished("final_answer");
-        metrics.tokens("demo", 10, 4);
+        metrics.tokens("demo", 10, 4, false);
+        metrics.tokens("demo", 7, 3, true);
         metrics.tool_call("calculator", false, Duration::from_millis(2));
         let text = metrics.encode();
         for line in [
@@ -479,6 +494,7 @@ mod tests {
             r#"agentrt_grpc_server_handled_total{grpc_service="agent.v1.AgentEngine",grpc_method="Execute",grpc_code="NOT_FOUND"} 1"#,
             r#"agentrt_runs_finished_total{stop_reason="final_answer"} 1"#,
             r#"agentrt_model_tokens_total{model="demo",type="input"} 10"#,
+            r#"agentrt_model_tokens_estimated_total{model="demo",type="input"} 7"#,
             r#"agentrt_tool_calls_total{tool="calculator",outcome="ok"} 1"#,
             "agentrt_runs_active 0",
         ] {
