@@ -2,15 +2,21 @@
 //! benchmarks: `POST /v1/chat/completions` streams scripted turns the way real providers
 //! stream them (role chunk, content and argument fragments, interleaved parallel tool
 //! calls, a finish chunk, a usage chunk, `[DONE]`), with scripted errors, delays and
-//! broken streams; `POST /v1/rerank` ranks documents deterministically. See [`scenario`]
+//! broken streams, or answers one `chat.completion` object to a request without
+//! `stream: true`; `POST /v1/rerank` ranks documents deterministically. See [`scenario`]
 //! for the scripts, the ways a turn can misbehave, and the reranker.
+//!
+//! Every error, scripted or not (an unknown path, a wrong method, a body over
+//! [`MAX_BODY_BYTES`]), is answered in OpenAI's shape:
+//! `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`.
 
 mod rerank;
 pub mod scenario;
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap, VecDeque},
     future::Future,
+    hash::{DefaultHasher, Hash, Hasher},
     net::SocketAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
@@ -20,8 +26,8 @@ use std::{
 use axum::{
     Json, Router,
     body::Body,
-    extract::State,
-    http::{HeaderValue, StatusCode, header},
+    extract::{DefaultBodyLimit, State, rejection::BytesRejection},
+    http::{HeaderValue, Method, StatusCode, Uri, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
@@ -84,8 +90,9 @@ impl Default for Settings {
     about = "An OpenAI-compatible chat completions simulator.",
     long_about = "An OpenAI-compatible chat completions simulator: POST /v1/chat/completions \
         streams scripted turns (the scenarios file; the built-in `demo` model uses the \
-        calculator), honouring `stop`; turns can misbehave as some servers do (README, \
-        \"Scripting the simulator\"). POST /v1/rerank ranks documents by the share of \
+        calculator), or answers one object to a request without `stream: true`, \
+        honouring `stop`, `max_tokens` and `tool_choice: \"none\"`; turns can misbehave \
+        as some servers do (README, \"Scripting the simulator\"). POST /v1/rerank ranks documents by the share of \
         the query's words they hold; the rerank model `fail` answers HTTP 500 and `slow` \
         answers after 30 s."
 )]
@@ -180,12 +187,65 @@ pub fn load_scenarios(settings: &Settings) -> Result<Scenarios, Error> {
     serde_json::from_str(&text).map_err(|e| failed(e.to_string()))
 }
 
+/// The largest request body taken (real providers take contexts of megabytes); a larger
+/// one is refused with a 413.
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
+/// The most conversations whose failed attempts are remembered (see [`Attempts`]).
+const MAX_ATTEMPTS_KEPT: usize = 65_536;
+
 struct Simulator {
     scenarios: Scenarios,
     latency: Duration,
     strict_messages: bool,
-    /// Failed attempts per (model, turn, query), for errors scripted to pass after `times`.
-    attempts: Mutex<HashMap<(String, usize, String), u32>>,
+    /// Failed attempts per conversation, for errors scripted to pass after `times`.
+    attempts: Mutex<Attempts>,
+}
+
+/// Attempts of turns scripted to fail `times` times, by conversation: a hash of the model
+/// and the request's messages (the turn played follows from them), so that each
+/// conversation, and a retry of it, fails its own first attempts. At most `limit`
+/// conversations are remembered, the oldest forgotten first: a load of distinct
+/// conversations holds a bounded amount.
+struct Attempts {
+    counts: HashMap<u64, u32>,
+    /// The conversations in the order first seen.
+    order: VecDeque<u64>,
+    limit: usize,
+}
+
+impl Attempts {
+    fn new(limit: usize) -> Self {
+        Self {
+            counts: HashMap::new(),
+            order: VecDeque::new(),
+            limit: limit.max(1),
+        }
+    }
+
+    /// The attempts of `conversation` so far, this one included.
+    fn count(&mut self, conversation: u64) -> u32 {
+        if let Some(count) = self.counts.get_mut(&conversation) {
+            *count = count.saturating_add(1);
+            return *count;
+        }
+        if self.order.len() >= self.limit
+            && let Some(oldest) = self.order.pop_front()
+        {
+            self.counts.remove(&oldest);
+        }
+        self.order.push_back(conversation);
+        self.counts.insert(conversation, 1);
+        1
+    }
+}
+
+/// The key of a conversation in [`Attempts`].
+fn conversation_key(model: &str, messages: &str) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    model.hash(&mut hasher);
+    messages.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// Serves the simulator on `listener` until `shutdown` resolves.
@@ -198,12 +258,15 @@ pub async fn serve(
         scenarios: load_scenarios(&settings)?,
         latency: settings.latency,
         strict_messages: settings.strict_messages,
-        attempts: Mutex::new(HashMap::new()),
+        attempts: Mutex::new(Attempts::new(MAX_ATTEMPTS_KEPT)),
     });
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/rerank", post(rerank::rerank))
+        .fallback(unknown_path)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(simulator);
     let tls = settings
         .tls
@@ -286,22 +349,59 @@ pub async fn serve(
     Ok(())
 }
 
+/// The models, each once (a scenario named `demo` stands in for the built-in one), in
+/// OpenAI's shape; `created` is 0, as in the answers, for they are the same at every start.
 async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
-    let mut names: Vec<&str> = sim.scenarios.scenarios.keys().map(String::as_str).collect();
-    names.push("demo");
-    names.sort_unstable();
+    let mut names: BTreeSet<&str> = sim.scenarios.scenarios.keys().map(String::as_str).collect();
+    names.insert("demo");
     let data: Vec<Value> = names
         .iter()
-        .map(|n| json!({"id": n, "object": "model", "owned_by": "simulator"}))
+        .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "simulator"}))
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+/// A path the simulator does not serve: a 404 worded as OpenAI words it.
+async fn unknown_path(method: Method, uri: Uri) -> Response {
+    api_error(
+        404,
+        &format!("Invalid URL ({method} {})", uri.path()),
+        None,
+        None,
+    )
+}
+
+/// A method a path does not take.
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    api_error(
+        405,
+        &format!("Invalid method for URL ({method} {})", uri.path()),
+        None,
+        None,
+    )
+}
+
+/// A body that could not be read (over [`MAX_BODY_BYTES`], or cut off), as a JSON error.
+fn body_refused(rejection: &BytesRejection) -> Response {
+    let status = rejection.status();
+    if status == StatusCode::PAYLOAD_TOO_LARGE {
+        let message = format!(
+            "The request body is larger than the simulator's limit of {MAX_BODY_BYTES} bytes"
+        );
+        return api_error(413, &message, None, None);
+    }
+    api_error(status.as_u16(), &rejection.body_text(), None, None)
 }
 
 async fn chat_completions(
     State(sim): State<Arc<Simulator>>,
     headers: axum::http::HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_refused(&rejection),
+    };
     // Read typed and borrowed: a JSON tree of every request (tool schemas included) was
     // the larger part of the simulator's cost under load.
     let parsed = std::str::from_utf8(&body)
@@ -317,6 +417,14 @@ async fn chat_completions(
             return error_response(400, &format!("invalid request body: {error}"), None);
         }
     };
+    if let Some(n) = request.n.filter(|n| *n != 1) {
+        return api_error(
+            400,
+            &format!("n = {n} is not supported: the simulator answers one choice"),
+            Some("n"),
+            None,
+        );
+    }
     let model = request.model.clone().into_owned();
     // Shows that callers propagate their trace context (W3C `traceparent`).
     if let Some(traceparent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
@@ -347,20 +455,21 @@ async fn chat_completions(
             );
         }
     };
-    let stops: Vec<String> = match &request.stop {
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .filter_map(|s| s.as_str().map(str::to_owned))
-            .collect(),
-        _ => Vec::new(),
-    };
+    let asked = Asked::of(&request);
+    let stream = request.stream == Some(true);
     let include_usage = request
         .stream_options
         .as_ref()
         .and_then(|o| o["include_usage"].as_bool())
         .unwrap_or(false);
     let prompt_chars = request.messages.get().len();
+    // Only for turns scripted to pass after some failures: hashing every body would cost
+    // the load for nothing.
+    let attempt_key = turn
+        .error
+        .as_ref()
+        .filter(|error| error.times > 0)
+        .map(|_| conversation_key(&model, request.messages.get()));
     // Only what the reply needs is kept over the latency: ten thousand requests waiting
     // at once must not hold their whole body.
     drop(request);
@@ -379,17 +488,18 @@ async fn chat_completions(
         return response;
     }
     if let Some(error) = &turn.error {
-        let key = (model.clone(), conversation.turn, conversation.query.clone());
-        let failures = {
-            let mut attempts = sim
-                .attempts
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let count = attempts.entry(key).or_insert(0);
-            *count += 1;
-            *count
+        let failing = match attempt_key {
+            None => true,
+            Some(key) => {
+                let attempts = sim
+                    .attempts
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .count(key);
+                attempts <= error.times
+            }
         };
-        if error.times == 0 || failures <= error.times {
+        if failing {
             return error_response(error.status, &error.message, error.retry_after);
         }
     }
@@ -404,8 +514,12 @@ async fn chat_completions(
         }
         return response;
     }
+    let answer = answer(&turn, &asked);
+    if !stream {
+        return Json(completion(&model, &turn, &answer, prompt_chars)).into_response();
+    }
     let endless = turn.endless_line;
-    let chunks = sse_chunks(&model, turn.clone(), &stops, include_usage, prompt_chars);
+    let chunks = sse_chunks(&model, &turn, &answer, include_usage, prompt_chars);
     let delay = Duration::from_millis(turn.chunk_delay_ms);
     let linger = Duration::from_millis(turn.linger_ms);
     let stream = futures_util::stream::unfold(
@@ -458,17 +572,36 @@ fn capitalized(role: &str) -> String {
         .unwrap_or_default()
 }
 
+/// An error answered with `status` (a scripted one too), with the code OpenAI gives that
+/// status, and `Retry-After` when given.
 fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {
-    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let body =
-        json!({"error": {"message": message, "type": "simulated_error", "code": status.as_u16()}});
-    let mut response = (status, Json(body)).into_response();
+    let code = match status {
+        401 => Some("invalid_api_key"),
+        404 => Some("model_not_found"),
+        429 => Some("rate_limit_exceeded"),
+        _ => None,
+    };
+    let mut response = api_error(status, message, None, code);
     if let Some(seconds) = retry_after
         && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
     {
         response.headers_mut().insert(header::RETRY_AFTER, value);
     }
     response
+}
+
+/// An error in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, its type
+/// the one OpenAI gives the status.
+fn api_error(status: u16, message: &str, param: Option<&str>, code: Option<&str>) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let kind = match status.as_u16() {
+        401 => "authentication_error",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    };
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
+    (status, Json(body)).into_response()
 }
 
 type Chunk = Result<Bytes, std::io::Error>;
@@ -541,11 +674,205 @@ fn sse_data(value: &impl serde::Serialize) -> Bytes {
     Bytes::from(out)
 }
 
-/// The SSE events of a turn, as a real provider would send them.
+/// What a request asks of its answer beside the turn.
+#[derive(Debug, Default)]
+struct Asked {
+    /// Stop sequences.
+    stops: Vec<String>,
+    /// `max_completion_tokens` (or `max_tokens`) in bytes, at 4 a token.
+    max_bytes: Option<usize>,
+    /// `tool_choice: "none"`: no tool calls.
+    no_tools: bool,
+}
+
+impl Asked {
+    fn of(request: &ChatRequestIn<'_>) -> Self {
+        let stops = match &request.stop {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(items)) => items
+                .iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let max_bytes = request
+            .max_completion_tokens
+            .or(request.max_tokens)
+            .map(|tokens| {
+                usize::try_from(tokens)
+                    .unwrap_or(usize::MAX)
+                    .saturating_mul(4)
+            });
+        Self {
+            stops,
+            max_bytes,
+            no_tools: request.tool_choice.as_ref().and_then(Value::as_str) == Some("none"),
+        }
+    }
+}
+
+/// A turn's answer once the request's `stop`, token limit and `tool_choice` are applied:
+/// what both the event stream and the single `chat.completion` object are built from.
+#[derive(Debug)]
+struct Answer {
+    /// Sent as `reasoning_content`; empty when the reasoning is in `content`'s `<think>`
+    /// tags.
+    reasoning: String,
+    content: String,
+    calls: Vec<CallAnswer>,
+    finish: String,
+    /// The length of the reasoning, content and arguments, for the usage.
+    completion_chars: usize,
+}
+
+#[derive(Debug)]
+struct CallAnswer {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+/// The answer `turn` gives to what was `asked`.
+fn answer(turn: &Turn, asked: &Asked) -> Answer {
+    let mut content = if turn.repeat_content > 1 {
+        turn.content.repeat(turn.repeat_content)
+    } else {
+        turn.content.clone()
+    };
+    if !turn.ignore_stop
+        && let Some(at) = asked
+            .stops
+            .iter()
+            .filter_map(|s| content.find(s.as_str()))
+            .min()
+    {
+        content.truncate(at);
+    }
+    let mut reasoning = turn.reasoning.clone();
+    let mut calls: Vec<CallAnswer> = if asked.no_tools {
+        Vec::new()
+    } else {
+        turn.tool_calls
+            .iter()
+            .enumerate()
+            .map(|(index, call)| CallAnswer {
+                id: if call.id.is_empty() {
+                    format!("call_sim_{index}")
+                } else {
+                    call.id.clone()
+                },
+                name: call.name.clone(),
+                arguments: call
+                    .raw_arguments
+                    .clone()
+                    .unwrap_or_else(|| call.arguments.to_string()),
+            })
+            .collect()
+    };
+    // The token budget takes the reasoning, then the content, then the arguments, as a
+    // model writes them; a call reached with nothing left is not made.
+    let mut cut = false;
+    if let Some(mut left) = asked.max_bytes {
+        cut |= cut_to(&mut reasoning, &mut left);
+        cut |= cut_to(&mut content, &mut left);
+        calls.retain_mut(|call| {
+            if left == 0 {
+                cut = true;
+                return false;
+            }
+            cut |= cut_to(&mut call.arguments, &mut left);
+            true
+        });
+    }
+    let completion_chars =
+        content.len() + reasoning.len() + calls.iter().map(|c| c.arguments.len()).sum::<usize>();
+    if turn.think_tags && !reasoning.is_empty() {
+        content = format!("<think>{reasoning}</think>{content}");
+        reasoning.clear();
+    }
+    let finish = if cut {
+        "length".to_owned()
+    } else {
+        turn.finish_reason.clone().unwrap_or_else(|| {
+            if calls.is_empty() {
+                "stop".into()
+            } else {
+                "tool_calls".into()
+            }
+        })
+    };
+    Answer {
+        reasoning,
+        content,
+        calls,
+        finish,
+        completion_chars,
+    }
+}
+
+/// `text` cut to the `left` bytes of the budget (at a character's start), which it takes
+/// from; whether it was cut.
+fn cut_to(text: &mut String, left: &mut usize) -> bool {
+    if text.len() <= *left {
+        *left -= text.len();
+        return false;
+    }
+    let mut at = *left;
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    text.truncate(at);
+    *left = 0;
+    true
+}
+
+/// The usage of an answer, estimated at 4 bytes a token.
+fn usage(prompt_chars: usize, completion_chars: usize) -> Value {
+    let (prompt, completion) = (prompt_chars / 4, completion_chars.div_ceil(4));
+    json!({"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion})
+}
+
+/// The `chat.completion` object that answers a request without `stream: true`.
+fn completion(model: &str, turn: &Turn, answer: &Answer, prompt_chars: usize) -> Value {
+    // As OpenAI: `null` content beside tool calls.
+    let content = if answer.content.is_empty() && !answer.calls.is_empty() {
+        Value::Null
+    } else {
+        Value::from(answer.content.as_str())
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !answer.reasoning.is_empty() {
+        message["reasoning_content"] = Value::from(answer.reasoning.as_str());
+    }
+    if !answer.calls.is_empty() {
+        let calls: Vec<Value> = answer
+            .calls
+            .iter()
+            .map(|call| {
+                json!({"id": call.id, "type": "function",
+                       "function": {"name": call.name, "arguments": call.arguments}})
+            })
+            .collect();
+        message["tool_calls"] = Value::from(calls);
+    }
+    let finish = (!turn.omit_finish).then_some(answer.finish.as_str());
+    let mut body = json!({
+        "id": format!("chatcmpl-sim-{prompt_chars}"), "object": "chat.completion", "created": 0,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+    });
+    if !turn.omit_usage {
+        body["usage"] = usage(prompt_chars, answer.completion_chars);
+    }
+    body
+}
+
+/// The SSE events of a turn's answer, as a real provider would send them.
 fn sse_chunks(
     model: &str,
-    turn: Turn,
-    stops: &[String],
+    turn: &Turn,
+    answer: &Answer,
     include_usage: bool,
     prompt_chars: usize,
 ) -> Vec<Chunk> {
@@ -572,63 +899,34 @@ fn sse_chunks(
         },
         None,
     )];
-
-    let mut content = if turn.repeat_content > 1 {
-        turn.content.repeat(turn.repeat_content)
-    } else {
-        turn.content.clone()
-    };
-    if !turn.ignore_stop
-        && let Some(at) = stops.iter().filter_map(|s| content.find(s.as_str())).min()
-    {
-        content.truncate(at);
+    for piece in pieces(&answer.reasoning, size) {
+        events.push(event(
+            DeltaOut::Reasoning {
+                content: None,
+                reasoning_content: &piece,
+            },
+            None,
+        ));
     }
-    let mut completion_chars = content.len() + turn.reasoning.len();
-    if turn.think_tags && !turn.reasoning.is_empty() {
-        content = format!("<think>{}</think>{content}", turn.reasoning);
-    } else {
-        for piece in pieces(&turn.reasoning, size) {
-            events.push(event(
-                DeltaOut::Reasoning {
-                    content: None,
-                    reasoning_content: &piece,
-                },
-                None,
-            ));
-        }
-    }
-    for piece in pieces(&content, size) {
+    for piece in pieces(&answer.content, size) {
         events.push(event(DeltaOut::Content { content: &piece }, None));
     }
 
     // Tool calls: a header chunk per call, then argument fragments, interleaved.
-    let calls: Vec<(String, String, Vec<String>)> = turn
-        .tool_calls
+    let fragments: Vec<Vec<String>> = answer
+        .calls
         .iter()
-        .enumerate()
-        .map(|(index, call)| {
-            let id = if call.id.is_empty() {
-                format!("call_sim_{index}")
-            } else {
-                call.id.clone()
-            };
-            let arguments = call
-                .raw_arguments
-                .clone()
-                .unwrap_or_else(|| call.arguments.to_string());
-            completion_chars += arguments.len();
-            (id, call.name.clone(), pieces(&arguments, size))
-        })
+        .map(|call| pieces(&call.arguments, size))
         .collect();
-    for (index, (id, name, _)) in calls.iter().enumerate() {
+    for (index, call) in answer.calls.iter().enumerate() {
         events.push(event(
             DeltaOut::Call {
                 tool_calls: [CallOut {
                     function: FunctionOut {
                         arguments: "",
-                        name: Some(name),
+                        name: Some(&call.name),
                     },
-                    id: Some(id),
+                    id: Some(&call.id),
                     index,
                     kind: Some("function"),
                 }],
@@ -636,9 +934,9 @@ fn sse_chunks(
             None,
         ));
     }
-    let longest = calls.iter().map(|(_, _, p)| p.len()).max().unwrap_or(0);
+    let longest = fragments.iter().map(Vec::len).max().unwrap_or(0);
     for round in 0..longest {
-        for (index, (_, _, fragments)) in calls.iter().enumerate() {
+        for (index, fragments) in fragments.iter().enumerate() {
             if let Some(fragment) = fragments.get(round) {
                 events.push(event(
                     DeltaOut::Call {
@@ -679,19 +977,11 @@ fn sse_chunks(
     if turn.omit_finish {
         return events;
     }
-    let finish = turn.finish_reason.clone().unwrap_or_else(|| {
-        if calls.is_empty() {
-            "stop".into()
-        } else {
-            "tool_calls".into()
-        }
-    });
-    events.push(event(DeltaOut::Empty {}, Some(&finish)));
+    events.push(event(DeltaOut::Empty {}, Some(&answer.finish)));
     if include_usage && !turn.omit_usage {
         let usage = json!({
             "id": id, "object": "chat.completion.chunk", "created": 0, "model": model, "choices": [],
-            "usage": {"prompt_tokens": prompt_chars / 4, "completion_tokens": completion_chars.div_ceil(4),
-                      "total_tokens": prompt_chars / 4 + completion_chars.div_ceil(4)},
+            "usage": usage(prompt_chars, answer.completion_chars),
         });
         events.push(Ok(sse_data(&usage)));
     }
@@ -821,18 +1111,38 @@ mod tests {
         }
     }
 
+    /// The events of `turn` streamed to model `m`, with these stop sequences.
+    fn streamed(
+        turn: Turn,
+        stops: &[String],
+        include_usage: bool,
+        prompt_chars: usize,
+    ) -> Vec<Chunk> {
+        let asked = Asked {
+            stops: stops.to_vec(),
+            ..Asked::default()
+        };
+        sse_chunks(
+            "m",
+            &turn,
+            &answer(&turn, &asked),
+            include_usage,
+            prompt_chars,
+        )
+    }
+
     #[test]
     fn stop_is_honoured_unless_the_turn_ignores_it() {
         let stops = ["Observation:".to_owned()];
         let content = "Action: x\nObservation: invented";
-        let (contents, text) = played(&sse_chunks("m", turn(content), &stops, false, 0));
+        let (contents, text) = played(&streamed(turn(content), &stops, false, 0));
         assert_eq!(contents.concat(), "Action: x\n");
         assert!(text.contains("\"finish_reason\":\"stop\""));
         let ignoring = Turn {
             ignore_stop: true,
             ..turn(content)
         };
-        let (contents, _) = played(&sse_chunks("m", ignoring, &stops, false, 0));
+        let (contents, _) = played(&streamed(ignoring, &stops, false, 0));
         assert_eq!(contents.concat(), content);
     }
 
@@ -843,14 +1153,14 @@ mod tests {
             chunk_chars: 1_000_000,
             ..turn("0123456789")
         };
-        let (contents, _) = played(&sse_chunks("m", huge, &[], false, 0));
+        let (contents, _) = played(&streamed(huge, &[], false, 0));
         assert_eq!(contents.len(), 1);
         assert_eq!(contents[0].len(), 10_000);
     }
 
     #[test]
     fn usage_can_be_left_out_and_the_last_line_left_open() {
-        let (_, text) = played(&sse_chunks("m", turn("ok"), &[], true, 40));
+        let (_, text) = played(&streamed(turn("ok"), &[], true, 40));
         assert!(text.contains("\"usage\""));
         assert!(text.ends_with("data: [DONE]\n\n"));
         let quiet = Turn {
@@ -858,7 +1168,7 @@ mod tests {
             unterminated_last_line: true,
             ..turn("ok")
         };
-        let (_, text) = played(&sse_chunks("m", quiet, &[], true, 40));
+        let (_, text) = played(&streamed(quiet, &[], true, 40));
         assert!(!text.contains("\"usage\""));
         assert!(text.ends_with("\"finish_reason\":\"stop\",\"index\":0}],\"created\":0,\"id\":\"chatcmpl-sim-40\",\"model\":\"m\",\"object\":\"chat.completion.chunk\"}\n\ndata: [DONE]"), "{text}");
         let endless = Turn {
@@ -866,21 +1176,33 @@ mod tests {
             ..turn("ok")
         };
         // The first chunk only: the endless line follows it.
-        assert_eq!(sse_chunks("m", endless, &[], true, 0).len(), 1);
+        assert_eq!(streamed(endless, &[], true, 0).len(), 1);
     }
 
     /// Sends one HTTP/1.1 request to the simulator; the status line and headers, and the
     /// body (at most `limit` bytes of it).
     async fn call(addr: SocketAddr, path: &str, body: &Value, limit: usize) -> (String, Vec<u8>) {
+        send(addr, "POST", path, body.to_string().as_bytes(), limit).await
+    }
+
+    /// Sends one HTTP/1.1 request with this method and body; the status line and headers,
+    /// and the body (at most `limit` bytes of it).
+    async fn send(
+        addr: SocketAddr,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        limit: usize,
+    ) -> (String, Vec<u8>) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let body = body.to_string();
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
-             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n",
             body.len()
         );
-        stream.write_all(request.as_bytes()).await.unwrap();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(body).await.unwrap();
         let mut answer = Vec::new();
         let mut buffer = [0; 64 * 1024];
         while answer.len() < limit {
@@ -897,6 +1219,31 @@ mod tests {
         let head = String::from_utf8_lossy(&answer[..split]).into_owned();
         let body = answer.get(split + 4..).unwrap_or_default().to_vec();
         (head, body)
+    }
+
+    /// The body of a chunked HTTP/1.1 answer, without its framing.
+    fn dechunked(mut body: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        while let Some(end) = body.windows(2).position(|w| w == b"\r\n") {
+            let size =
+                usize::from_str_radix(std::str::from_utf8(&body[..end]).unwrap(), 16).unwrap();
+            if size == 0 {
+                break;
+            }
+            out.extend_from_slice(&body[end + 2..end + 2 + size]);
+            body = &body[end + 2 + size + 2..];
+        }
+        out
+    }
+
+    /// The status and the JSON body of a request's answer.
+    async fn answered(addr: SocketAddr, path: &str, body: &Value) -> (u16, String, Value) {
+        let (head, body) = call(addr, path, body, usize::MAX).await;
+        let status = head[9..12].parse().unwrap();
+        let body = serde_json::from_slice(&body).unwrap_or_else(|e| {
+            panic!("{e}: {head}\n{}", String::from_utf8_lossy(&body));
+        });
+        (status, head, body)
     }
 
     async fn started(
@@ -1056,5 +1403,361 @@ mod tests {
         assert_eq!(conversation.tool_results, ["42"]);
         assert_eq!(conversation.tools, ["calculator"]);
         assert!(ChatRequestIn::parse(r#"{"model": "m"}"#).is_err());
+    }
+
+    #[tokio::test]
+    async fn requests_without_stream_get_one_chat_completion_object() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {
+                "calls": {"turns": [{"content": "let me see", "reasoning": "hm",
+                    "tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}},
+                                   {"id": "w1", "name": "weather", "raw_arguments": "{\"q\":\"Par"}]}]},
+                "plain": {"turns": [{"content": "hello {query}"}]},
+            }}),
+            false,
+        )
+        .await;
+        let messages = json!([{"role": "user", "content": "hi"}]);
+        let prompt_tokens = messages.to_string().len() / 4;
+        let ask = json!({"model": "calls", "messages": messages});
+        let (status, head, body) = answered(addr, "/v1/chat/completions", &ask).await;
+        assert_eq!(status, 200, "{head}");
+        assert!(head.contains("content-type: application/json"), "{head}");
+        let completion_tokens = ("let me see".len() + "hm".len() + 18 + 11_usize).div_ceil(4);
+        assert_eq!(
+            body,
+            json!({
+                "id": format!("chatcmpl-sim-{}", messages.to_string().len()),
+                "object": "chat.completion", "created": 0, "model": "calls",
+                "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+                    "role": "assistant", "content": "let me see", "reasoning_content": "hm",
+                    "tool_calls": [
+                        {"id": "call_sim_0", "type": "function",
+                         "function": {"name": "calculator", "arguments": "{\"expression\":\"6*7\"}"}},
+                        {"id": "w1", "type": "function",
+                         "function": {"name": "weather", "arguments": "{\"q\":\"Par"}}]}}],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens},
+            })
+        );
+
+        let ask = json!({"model": "plain", "stream": false, "messages": messages});
+        let (_, _, body) = answered(addr, "/v1/chat/completions", &ask).await;
+        assert_eq!(
+            body["choices"][0]["message"],
+            json!({"role": "assistant", "content": "hello hi"})
+        );
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+
+        // The demo's call, with no content beside it.
+        let ask = json!({"model": "demo", "messages": [{"role": "user", "content": "What is 6 * 7?"}],
+                         "tools": [{"type": "function", "function": {"name": "calculator"}}]});
+        let (_, _, body) = answered(addr, "/v1/chat/completions", &ask).await;
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], Value::Null);
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "calculator");
+
+        // Asked for, a stream as before.
+        let ask = json!({"model": "plain", "stream": true, "messages": messages});
+        let (head, body) = call(addr, "/v1/chat/completions", &ask, usize::MAX).await;
+        assert!(head.contains("content-type: text/event-stream"), "{head}");
+        assert!(dechunked(&body).ends_with(b"data: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn a_token_limit_cuts_the_reasoning_then_the_content_then_the_arguments() {
+        let long = Turn {
+            reasoning: "abcdefgh".into(),
+            tool_calls: vec![scenario::ScriptedCall {
+                name: "calculator".into(),
+                arguments: json!({"expression": "6*7"}),
+                ..scenario::ScriptedCall::default()
+            }],
+            ..turn("0123456789")
+        };
+        let limited = |max_bytes| Asked {
+            max_bytes: Some(max_bytes),
+            ..Asked::default()
+        };
+        let cut = answer(&long, &limited(12));
+        assert_eq!(
+            (
+                cut.reasoning.as_str(),
+                cut.content.as_str(),
+                cut.calls.len()
+            ),
+            ("abcdefgh", "0123", 0)
+        );
+        assert_eq!((cut.finish.as_str(), cut.completion_chars), ("length", 12));
+        let cut = answer(&long, &limited(24));
+        assert_eq!(cut.calls[0].arguments, "{\"expr");
+        assert_eq!((cut.finish.as_str(), cut.completion_chars), ("length", 24));
+        // Enough for all: the turn's own finish.
+        let whole = answer(&long, &limited(1000));
+        assert_eq!(whole.calls[0].arguments, "{\"expression\":\"6*7\"}");
+        assert_eq!(whole.finish, "tool_calls");
+        // Cut at a character's start.
+        let cut = answer(&turn("ééé"), &limited(3));
+        assert_eq!((cut.content.as_str(), cut.completion_chars), ("é", 2));
+    }
+
+    #[tokio::test]
+    async fn max_tokens_cut_the_answer_and_finish_with_length() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {"long": {"turns": [{"content": "0123456789".repeat(10)}]}}}),
+            false,
+        )
+        .await;
+        let ask = |limits: Value| {
+            let mut ask = json!({"model": "long", "stream": true,
+                "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "hi"}]});
+            ask.as_object_mut()
+                .unwrap()
+                .extend(limits.as_object().unwrap().clone());
+            ask
+        };
+        let (_, body) = call(
+            addr,
+            "/v1/chat/completions",
+            &ask(json!({"max_tokens": 5})),
+            usize::MAX,
+        )
+        .await;
+        let (contents, text) = played(&[Ok(Bytes::from(dechunked(&body)))]);
+        assert_eq!(contents.concat(), "01234567890123456789");
+        assert!(text.contains("\"finish_reason\":\"length\""), "{text}");
+        assert!(text.contains("\"completion_tokens\":5"), "{text}");
+
+        // `max_completion_tokens` is read first; the object says the same.
+        let mut limits = ask(json!({"max_completion_tokens": 2, "max_tokens": 100}));
+        limits["stream"] = json!(false);
+        let (_, _, body) = answered(addr, "/v1/chat/completions", &limits).await;
+        assert_eq!(body["choices"][0]["message"]["content"], "01234567");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        assert_eq!(body["usage"]["completion_tokens"], 2);
+
+        // An answer within the limit is whole.
+        let (_, body) = call(
+            addr,
+            "/v1/chat/completions",
+            &ask(json!({"max_tokens": 25})),
+            usize::MAX,
+        )
+        .await;
+        let (contents, text) = played(&[Ok(Bytes::from(dechunked(&body)))]);
+        assert_eq!(contents.concat().len(), 100);
+        assert!(text.contains("\"finish_reason\":\"stop\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn tool_choice_none_answers_the_content_alone() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {"calls": {"turns": [{"content": "no call then",
+                "tool_calls": [{"name": "calculator", "arguments": {"expression": "6*7"}}]}]}}}),
+            false,
+        )
+        .await;
+        let ask = json!({"model": "calls", "tool_choice": "none",
+                         "messages": [{"role": "user", "content": "hi"}],
+                         "tools": [{"type": "function", "function": {"name": "calculator"}}]});
+        let (_, _, body) = answered(addr, "/v1/chat/completions", &ask).await;
+        assert_eq!(
+            body["choices"][0]["message"],
+            json!({"role": "assistant", "content": "no call then"})
+        );
+        assert_eq!(body["choices"][0]["finish_reason"], "stop");
+        // Any other choice leaves the calls in.
+        let mut auto = ask.clone();
+        auto["tool_choice"] = json!("auto");
+        let (_, _, body) = answered(addr, "/v1/chat/completions", &auto).await;
+        assert_eq!(body["choices"][0]["finish_reason"], "tool_calls");
+    }
+
+    #[tokio::test]
+    async fn n_other_than_one_is_refused_with_a_400() {
+        let (addr, _stop) = started(json!({}), false).await;
+        let ask = |n: Value| json!({"model": "demo", "n": n, "messages": [{"role": "user", "content": "hi"}]});
+        let (status, _, body) = answered(addr, "/v1/chat/completions", &ask(json!(2))).await;
+        assert_eq!(status, 400);
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["param"], "n");
+        assert_eq!(body["error"]["code"], Value::Null);
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not supported"),
+            "{body}"
+        );
+        for n in [json!(1), Value::Null] {
+            let (status, _, _) = answered(addr, "/v1/chat/completions", &ask(n)).await;
+            assert_eq!(status, 200);
+        }
+    }
+
+    #[tokio::test]
+    async fn errors_are_in_openais_shape() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {
+                "limited": {"turns": [{"error": {"status": 429, "message": "slow down", "retry_after": 0.5}}]},
+                "denied": {"turns": [{"error": {"status": 401, "message": "bad key"}}]},
+                "down": {"turns": [{"error": {"status": 503, "message": "overloaded"}}]},
+                "refused": {"turns": [{"error": {"status": 400, "message": "messages is required"}}]},
+            }}),
+            false,
+        )
+        .await;
+        let ask = |model: &str| json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+        let error = |message: &str, kind: &str, code: Option<&str>| json!({"error": {"message": message, "type": kind, "param": null, "code": code}});
+        let cases = [
+            (
+                "limited",
+                429,
+                error("slow down", "rate_limit_error", Some("rate_limit_exceeded")),
+            ),
+            (
+                "denied",
+                401,
+                error("bad key", "authentication_error", Some("invalid_api_key")),
+            ),
+            ("down", 503, error("overloaded", "server_error", None)),
+            (
+                "refused",
+                400,
+                error("messages is required", "invalid_request_error", None),
+            ),
+            (
+                "nothing",
+                404,
+                error(
+                    "The model `nothing` does not exist (simulator models: demo and the scenarios file's)",
+                    "invalid_request_error",
+                    Some("model_not_found"),
+                ),
+            ),
+        ];
+        for (model, status, expected) in cases {
+            let (got, head, body) = answered(addr, "/v1/chat/completions", &ask(model)).await;
+            assert_eq!((got, body), (status, expected), "{model}");
+            assert!(head.contains("content-type: application/json"), "{head}");
+            assert_eq!(
+                head.contains("retry-after: 0.5"),
+                model == "limited",
+                "{head}"
+            );
+        }
+
+        // What the router refuses is in the same shape.
+        let (head, body) = send(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            b"{not json",
+            usize::MAX,
+        )
+        .await;
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        let (head, body) = send(addr, "POST", "/v1/nope", b"{}", usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 404"), "{head}");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body).unwrap(),
+            error("Invalid URL (POST /v1/nope)", "invalid_request_error", None)
+        );
+        let (head, body) = send(addr, "GET", "/v1/chat/completions", b"", usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 405"), "{head}");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&body).unwrap(),
+            error(
+                "Invalid method for URL (GET /v1/chat/completions)",
+                "invalid_request_error",
+                None
+            )
+        );
+        let (head, body) = send(addr, "POST", "/v1/rerank", b"[]", usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 400"), "{head}");
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["param"], Value::Null);
+    }
+
+    #[tokio::test]
+    async fn bodies_up_to_the_limit_are_taken_and_larger_ones_refused_in_json() {
+        let (addr, _stop) = started(json!({}), false).await;
+        // Over axum's default 2 MB.
+        let large = json!({"model": "demo", "messages": [{"role": "user", "content": "x".repeat(3 << 20)}]});
+        let (status, _, body) = answered(addr, "/v1/chat/completions", &large).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["object"], "chat.completion");
+        // One byte over: read whole before it is refused, so that the answer is not lost
+        // to a reset.
+        let over = vec![b' '; MAX_BODY_BYTES + 1];
+        let (head, body) = send(addr, "POST", "/v1/chat/completions", &over, usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(&MAX_BODY_BYTES.to_string()),
+            "{body}"
+        );
+    }
+
+    #[tokio::test]
+    async fn scripted_failures_are_counted_per_conversation() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {"flaky": {"turns": [{"content": "ok",
+                "error": {"status": 503, "message": "busy", "times": 1}}]}}}),
+            false,
+        )
+        .await;
+        let ask = |system: &str| {
+            json!({"model": "flaky", "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": "hi"}]})
+        };
+        let status =
+            |body: Value| async move { answered(addr, "/v1/chat/completions", &body).await.0 };
+        // Two conversations with one query: each fails its own first attempt.
+        assert_eq!(status(ask("first")).await, 503);
+        assert_eq!(status(ask("first")).await, 200);
+        assert_eq!(status(ask("second")).await, 503);
+        assert_eq!(status(ask("second")).await, 200);
+        assert_eq!(status(ask("first")).await, 200);
+    }
+
+    #[test]
+    fn attempts_are_remembered_for_a_bounded_number_of_conversations() {
+        let mut attempts = Attempts::new(3);
+        assert_eq!(attempts.count(1), 1);
+        assert_eq!(attempts.count(1), 2);
+        assert_eq!(attempts.count(2), 1);
+        assert_eq!(attempts.count(3), 1);
+        // A fourth forgets the oldest.
+        assert_eq!(attempts.count(4), 1);
+        assert_eq!(attempts.count(1), 1);
+        assert_eq!(attempts.count(3), 2);
+        assert_eq!((attempts.counts.len(), attempts.order.len()), (3, 3));
+        assert_eq!(MAX_ATTEMPTS_KEPT, 65_536);
+    }
+
+    #[tokio::test]
+    async fn models_are_listed_once_each_with_created() {
+        let (addr, _stop) = started(
+            json!({"scenarios": {"demo": {"turns": [{"content": "mine"}]}, "calc": {"turns": []}}}),
+            false,
+        )
+        .await;
+        let (head, body) = send(addr, "GET", "/v1/models", b"", usize::MAX).await;
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        let model =
+            |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "simulator"});
+        assert_eq!(
+            body,
+            json!({"object": "list", "data": [model("calc"), model("demo")]})
+        );
     }
 }

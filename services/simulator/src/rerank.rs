@@ -7,12 +7,13 @@ use std::{collections::HashSet, time::Duration};
 use axum::{
     Json,
     body::Bytes,
+    extract::rejection::BytesRejection,
     response::{IntoResponse, Response},
 };
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::error_response;
+use crate::{body_refused, error_response};
 
 /// The rerank model that fails with HTTP 500.
 pub(crate) const FAILING_MODEL: &str = "fail";
@@ -67,7 +68,11 @@ pub(crate) fn relevance(query: &HashSet<String>, document: &str) -> f64 {
 
 /// Answers a rerank request: the `top_n` best documents (all when unset), best first,
 /// ties in the documents' order.
-pub(crate) async fn rerank(body: Bytes) -> Response {
+pub(crate) async fn rerank(body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(body) => body,
+        Err(rejection) => return body_refused(&rejection),
+    };
     let request: RerankIn = match serde_json::from_slice(&body) {
         Ok(request) => request,
         Err(error) => {
@@ -128,7 +133,7 @@ mod tests {
     async fn documents_come_back_best_first_cut_at_top_n() {
         let body = json!({"model": "m", "query": "red apple", "top_n": 2,
             "documents": ["a green pear", "a red apple", {"text": "red wine"}, "an apple"]});
-        let response = rerank(Bytes::from(body.to_string())).await;
+        let response = rerank(Ok(Bytes::from(body.to_string()))).await;
         assert_eq!(response.status(), 200);
         let bytes = axum::body::to_bytes(response.into_body(), 1 << 20)
             .await
@@ -143,7 +148,7 @@ mod tests {
         assert_eq!(results[1]["relevance_score"], 0.5);
 
         let failing = json!({"model": "fail", "query": "q", "documents": ["d"]});
-        let response = rerank(Bytes::from(failing.to_string())).await;
+        let response = rerank(Ok(Bytes::from(failing.to_string()))).await;
         assert_eq!(response.status(), 500);
     }
 }

@@ -7,9 +7,21 @@
 //! calculator tool, a query that names another offered tool with that tool.
 //!
 //! Like real servers, the simulator honours `stop`: the content is cut at the first stop
-//! sequence and the turn finishes with `stop`. Turns can also misbehave as some servers
-//! do, for the tests of the clients that must survive them (every option below is off by
-//! default):
+//! sequence and the turn finishes with `stop`. It honours `max_completion_tokens` (or
+//! `max_tokens`) too, at 4 bytes a token: the reasoning, then the content, then the tool
+//! calls' arguments are cut where the budget ends (a call reached with nothing left is not
+//! made), the turn finishes with `length`, and the usage counts what was sent.
+//! `tool_choice: "none"` leaves the turn's tool calls out; `n` other than 1 is refused
+//! with a 400.
+//!
+//! A request with `stream: true` gets an event stream; without it (as in OpenAI's API),
+//! one `chat.completion` object built from the same turn. The options that break a
+//! stream (`malformed`, `drop_after_chunks`, `endless_line`, `unterminated_last_line`,
+//! `linger_ms`, the chunk sizes and delays) do not apply to that object; `omit_finish`
+//! leaves its `finish_reason` null, `omit_usage` its usage out.
+//!
+//! Turns can also misbehave as some servers do, for the tests of the clients that must
+//! survive them (every option below is off by default):
 //!
 //! | option | what the turn does |
 //! |---|---|
@@ -193,8 +205,8 @@ pub struct ScriptedError {
     pub status: u16,
     /// The message in the JSON error body.
     pub message: String,
-    /// Fail only the first `times` attempts of this turn of a conversation, then play the
-    /// turn; 0 fails every attempt.
+    /// Fail only the first `times` attempts of this turn of a conversation (requests for
+    /// this model with the same messages), then play the turn; 0 fails every attempt.
     pub times: u32,
     /// `Retry-After` header, in seconds.
     pub retry_after: Option<f64>,
@@ -219,6 +231,22 @@ pub struct ChatRequestIn<'a> {
     /// `{"include_usage": true}` asks for a last chunk with usage.
     #[serde(default)]
     pub stream_options: Option<Value>,
+    /// `true` asks for an event stream; otherwise (`false` or absent, as in OpenAI's API)
+    /// one `chat.completion` object answers.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// The most tokens the answer may take (the older name of `max_completion_tokens`).
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// The most tokens the answer may take; read before `max_tokens`.
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    /// `"none"` forbids tool calls: the turn's content alone answers.
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
+    /// How many choices to answer; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<u64>,
 }
 
 /// A tool offered.
