@@ -693,17 +693,22 @@ async fn an_answer_over_max_message_bytes_is_a_prompt_error_naming_the_bound() {
 /// lists `research` too, a tool that can only be called as a task, and `nothing`, whose
 /// schema is `{}`. It also serves `too_large` (answered HTTP 413 in HTML, as nginx answers a
 /// body over its limit), `rate_limited` (HTTP 429, `Retry-After: 3`) and `slow` (answered
-/// after a second). With `502`, every request is answered HTTP 502; with `loop`, every
+/// after `seconds`, 1 by default). With `serial`, it answers one `tools/list` or
+/// `tools/call` at a time, as a server running a blocking tool on its one event loop does. With `502`, every request is answered HTTP 502; with `loop`, every
 /// page of its tool list names the same `nextCursor`; with `key`, it refuses any request
 /// whose URL lacks `?apiKey=sesame`.
 const HTTP_FAKE_SERVER: &str = r#"
-import json, sys, time, uuid
+import json, sys, threading, time, uuid
 from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
 from urllib.parse import urlparse, parse_qs
 mode = sys.argv[1]
 down = "502" in sys.argv[2:]
 loop = "loop" in sys.argv[2:]
 key = "key" in sys.argv[2:]
+# As a server that runs a blocking tool on its one event loop: nothing else is answered
+# until the call ends.
+serial = "serial" in sys.argv[2:]
+one_at_a_time = threading.Lock()
 sessions = set()
 
 class H(BaseHTTPRequestHandler):
@@ -746,6 +751,11 @@ class H(BaseHTTPRequestHandler):
                 "error": {"code": -32000, "message": "Bad Request: No valid session ID provided"}}).encode())
         if mid is None:
             return self.empty(202)
+        if serial and method in ("tools/list", "tools/call"):
+            with one_at_a_time:
+                return self.serve(msg, method, mid)
+        return self.serve(msg, method, mid)
+    def serve(self, msg, method, mid):
         if method == "initialize":
             session = str(uuid.uuid4())
             sessions.add(session)
@@ -772,7 +782,7 @@ class H(BaseHTTPRequestHandler):
             if name == "rate_limited":
                 return self.body(429, "text/plain", b"slow down", {"Retry-After": "3"})
             if name == "slow":
-                time.sleep(1)
+                time.sleep(args.get("seconds", 1))
                 return self.answer({"jsonrpc": "2.0", "id": mid, "result": {
                     "content": [{"type": "text", "text": "done"}]}})
             if name == "restart":
@@ -1230,6 +1240,30 @@ async fn a_key_in_the_query_is_read_as_a_secret_and_never_shown() {
     };
     assert!(reason.contains("apiKey=***"), "{reason}");
     assert!(!reason.contains("wrong"), "{reason}");
+    toolset.shutdown().await;
+    server.kill().await.unwrap();
+}
+
+/// A server busy with a long call (one that answers nothing else meanwhile) is not taken
+/// for a hung one by the check of its tools: the check waits while calls are in flight.
+#[tokio::test]
+async fn a_long_call_on_a_server_that_serves_one_at_a_time_is_not_cut_by_the_check() {
+    let fake = Fake::new("http-serial");
+    let (mut server, mut config) = http_fake(&fake, &["json", "serial"]).await;
+    config.timeout = Duration::from_secs(30);
+    config.connect_timeout = Duration::from_secs(1);
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let connection = toolset.shared.state.read().unwrap().connection;
+    // Longer than the check's period (10 s) and its bound (`connect_timeout`) together.
+    let seconds = HTTP_CHECK_EVERY.as_secs() + 2;
+    let out = toolset
+        .call("slow", json!({"seconds": seconds}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(out.text, "done");
+    assert!(toolset.is_connected());
+    assert_eq!(toolset.shared.state.read().unwrap().connection, connection);
     toolset.shutdown().await;
     server.kill().await.unwrap();
 }
