@@ -29,7 +29,8 @@
 //! its own is going away), without counting as a retry: one refused with
 //! `REFUSED_STREAM`, one above the last stream id of the server's GOAWAY, one that failed
 //! before its stream opened (RFC 9113, section 8.7). A call whose connection broke under it
-//! after its stream opened fails as [`Failure::Lost`]: the server may have processed it.
+//! after its stream opened, or whose stream the server reset otherwise, fails as
+//! [`Failure::Lost`]: the server may have processed it.
 //!
 //! Streams this client resets (a run cancelled mid-answer, a server slow to end its stream
 //! after `[DONE]`) may still receive the frames the server had sent. RFC 9113 says to
@@ -67,9 +68,10 @@ pub enum Failure {
     /// The server did not process the call (it refused the stream, or the stream was
     /// past its GOAWAY), even after it was sent again on other connections.
     Unprocessed,
-    /// The connection broke under the call: the server may have processed it.
+    /// The call was sent, and its connection broke or its stream was reset (other than
+    /// refused) before the answer came: the server may have processed it.
     Lost,
-    /// Anything else (the stream was reset, the request could not be made).
+    /// Anything else (the request could not be made, and was not sent).
     Other,
 }
 
@@ -78,7 +80,8 @@ pub enum Failure {
 pub struct PostError {
     /// Why, as far as sending it again is concerned.
     pub failure: Failure,
-    /// What happened, for a log or an error message.
+    /// What happened, for a log or an error message. It does not name the server's
+    /// address (which the debug log does): callers say whom they called in their terms.
     pub message: String,
     /// The HTTP/2 error code, when the stream or the connection was ended with one.
     pub reason: Option<h2::Reason>,
@@ -381,11 +384,10 @@ impl H2cClient {
     }
 
     async fn connect(&self) -> Result<Connection, PostError> {
+        // The address stays in the log: the message reaches callers' clients.
         let unreachable = |e: &dyn std::fmt::Display| {
-            PostError::new(
-                Failure::Unreachable,
-                format!("cannot connect to {}: {e}", self.address),
-            )
+            debug!(address = %self.address, error = %e, "cannot connect");
+            PostError::new(Failure::Unreachable, format!("cannot connect: {e}"))
         };
         let stream = tokio::time::timeout(self.connect_timeout, TcpStream::connect(&self.address))
             .await
@@ -557,12 +559,9 @@ impl H2cClient {
             if refused {
                 Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
             } else {
-                let failure = if e.is_io() {
-                    Failure::Lost
-                } else {
-                    Failure::Other
-                };
-                Attempt::Failed(PostError::of_h2(failure, &e))
+                // The connection broke, or the stream was reset (with an error, or by a
+                // GOAWAY that covers it): the server may have processed the call.
+                Attempt::Failed(PostError::of_h2(Failure::Lost, &e))
             }
         };
         // Sent in a block of its own: the request, the sender and the sending half of the
@@ -1036,6 +1035,55 @@ mod tests {
         }
         // Two refused on each of the two connections, each answered when sent again.
         assert_eq!(seen.answered.load(Ordering::Relaxed), 24);
+    }
+
+    /// A call the server saw, whose stream it then reset or whose connection it dropped
+    /// before answering, is lost (the server may have processed it), not unreachable.
+    #[tokio::test]
+    async fn a_call_reset_or_cut_off_after_it_was_sent_is_lost() {
+        let (url, seen) = h2_server(
+            |_, _, mut respond| async move { respond.send_reset(h2::Reason::INTERNAL_ERROR) },
+            None,
+        )
+        .await;
+        let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
+        let error = answer_after(&client, Duration::ZERO).await.unwrap_err();
+        assert_eq!(error.failure, Failure::Lost, "{error}");
+        assert_eq!(error.reason, Some(h2::Reason::INTERNAL_ERROR));
+        assert_eq!(seen.answered.load(Ordering::Relaxed), 1);
+
+        // A server that drops the connection once it has read a request.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut connection = h2::server::handshake(socket).await.unwrap();
+                    // The connection, and the socket with it, are dropped at the first
+                    // request.
+                    let _request = connection.accept().await;
+                });
+            }
+        });
+        let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
+        let error = answer_after(&client, Duration::ZERO).await.unwrap_err();
+        assert_eq!(error.failure, Failure::Lost, "{error}");
+    }
+
+    /// A server that cannot be reached is not named by its address in the message, which
+    /// callers pass on to their clients; they name it in their own terms.
+    #[tokio::test]
+    async fn an_unreachable_server_is_not_named_by_its_address() {
+        let address = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let client =
+            H2cClient::new(&format!("http://{address}/v1"), Duration::from_secs(5)).unwrap();
+        let error = answer_after(&client, Duration::ZERO).await.unwrap_err();
+        assert_eq!(error.failure, Failure::Unreachable, "{error}");
+        assert!(error.message.starts_with("cannot connect: "), "{error}");
+        assert!(!error.message.contains("127.0.0.1"), "{error}");
     }
 
     /// Calls made one at a time take the connections in turn: behind a load balancer,

@@ -23,8 +23,8 @@ pub use chat::{
     FinishReason, ModelError, ModelToolCall, ToolDefinition, Usage,
 };
 pub use openai::{
-    MAX_ERROR_BODY_BYTES, MAX_SSE_EVENT_BYTES, MAX_TOOL_ARGUMENTS_BYTES, OpenAiChat,
-    ResponseLimits, RetryPolicy, mask_credentials,
+    MAX_ERROR_BODY_BYTES, MAX_REPLY_TEXT_BYTES, MAX_SSE_EVENT_BYTES, MAX_TOOL_ARGUMENTS_BYTES,
+    OpenAiChat, ResponseLimits, RetryPolicy, mask_credentials,
 };
 pub use providers::{HttpClient, ProviderError, ProviderKind, ProviderRegistry, ProviderSettings};
 pub use rerank::{

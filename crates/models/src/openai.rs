@@ -26,8 +26,15 @@ pub const MAX_SSE_EVENT_BYTES: usize = 8 * 1024 * 1024;
 /// Default bound of one tool call's arguments, assembled from their fragments, in bytes.
 pub const MAX_TOOL_ARGUMENTS_BYTES: usize = 1024 * 1024;
 /// Default bound of the body read from a failed or unreadable response, in bytes; what
-/// passes it is cut, and the message says so.
+/// passes it is cut, and the message says so. An `error:` line in an event stream is read
+/// up to this bound too.
 pub const MAX_ERROR_BODY_BYTES: usize = 16 * 1024;
+/// Default bound of the text of one reply, its answer and its reasoning together, in bytes.
+/// Each event is bounded, but a model looping without `max_tokens`, or a server that
+/// misbehaves, streamed events until the call's timeout, and the reply is held whole (by
+/// the engine, and in the conversation of the next round). Real replies are far smaller:
+/// 16 MiB is some four million tokens.
+pub const MAX_REPLY_TEXT_BYTES: usize = 16 * 1024 * 1024;
 
 /// Bounds on what a provider's answer may make the client hold. Passing one ends the call
 /// with [`ModelError::TooLarge`] naming it. Checking them costs a length comparison per
@@ -40,6 +47,9 @@ pub struct ResponseLimits {
     pub max_tool_arguments_bytes: usize,
     /// The body read from an error response, in bytes ([`MAX_ERROR_BODY_BYTES`]).
     pub max_error_body_bytes: usize,
+    /// The text of one reply, answer and reasoning together, in bytes
+    /// ([`MAX_REPLY_TEXT_BYTES`]).
+    pub max_reply_text_bytes: usize,
 }
 
 impl Default for ResponseLimits {
@@ -48,6 +58,7 @@ impl Default for ResponseLimits {
             max_event_bytes: MAX_SSE_EVENT_BYTES,
             max_tool_arguments_bytes: MAX_TOOL_ARGUMENTS_BYTES,
             max_error_body_bytes: MAX_ERROR_BODY_BYTES,
+            max_reply_text_bytes: MAX_REPLY_TEXT_BYTES,
         }
     }
 }
@@ -165,9 +176,47 @@ impl Site {
     }
 }
 
-/// `url` with the user and password it may carry (`http://user:pass@host`) masked.
+/// `url`, one URL, with the credentials it may carry masked, for logs and messages: a user
+/// and password (`http://user:pass@host`), and the value of every query parameter
+/// (`?api-key=***`: Azure API Management takes its key as `?subscription-key=`, Google as
+/// `?key=`). Unlike [`agentrt_core::mask_url_credentials`], which finds URLs in text, the
+/// whole of `url` is one URL: its query runs to its end (a space or a `#` does not end
+/// it), and one without a scheme (a `base_url` refused for that) is masked all the same.
 pub fn mask_credentials(url: &str) -> String {
-    agentrt_core::mask_url_credentials(url)
+    let (scheme, rest) = match url.find("://") {
+        Some(at) => url.split_at(at + 3),
+        None => ("", url),
+    };
+    let (before_query, query) = match rest.split_once('?') {
+        Some((before, query)) => (before, Some(query)),
+        None => (rest, None),
+    };
+    let authority_end = before_query.find(['/', '#']).unwrap_or(before_query.len());
+    let mut shown = String::with_capacity(url.len());
+    shown.push_str(scheme);
+    match before_query[..authority_end].rfind('@') {
+        Some(user_end) => {
+            shown.push_str("***");
+            shown.push_str(&before_query[user_end..]);
+        }
+        None => shown.push_str(before_query),
+    }
+    if let Some(query) = query {
+        shown.push('?');
+        for (i, parameter) in query.split('&').enumerate() {
+            if i > 0 {
+                shown.push('&');
+            }
+            match parameter.split_once('=') {
+                Some((name, value)) if !value.is_empty() => {
+                    shown.push_str(name);
+                    shown.push_str("=***");
+                }
+                _ => shown.push_str(parameter),
+            }
+        }
+    }
+    shown
 }
 
 /// The headers of every request to a provider: a JSON body, the answer type wanted, and
@@ -307,16 +356,33 @@ impl OpenAiChat {
                 let (parts, body) = client
                     .post(body.clone(), self.call_headers())
                     .await
-                    .map_err(|e| match e.failure {
-                        Failure::NotHttp2 => {
-                            ModelError::Misconfigured(format!("{}: {}", self.site.who(), e.message))
-                        }
-                        _ => ModelError::Connect(e.message),
-                    })?
+                    .map_err(|e| self.h2c_error(&e))?
                     .into_parts();
                 let body = ResponseBody::H2c(body);
                 self.checked(parts.status.as_u16(), &parts.headers, body)
                     .await
+            }
+        }
+    }
+}
+
+impl OpenAiChat {
+    /// The error of a call over h2c that failed. It names the provider, never the address
+    /// (which only the log shows: the message reaches clients); a call the server may have
+    /// processed (sent, then its connection broke or its stream was reset) is
+    /// [`ModelError::LostBeforeAnswer`], whose prompt counts, and only one that was never
+    /// sent or that the server did not process is [`ModelError::Connect`].
+    fn h2c_error(&self, e: &agentrt_h2c::PostError) -> ModelError {
+        debug!(url = %self.site.url, failure = ?e.failure, error = %e, "model call failed");
+        let who = self.site.who();
+        match e.failure {
+            Failure::NotHttp2 => ModelError::Misconfigured(format!("{who}: {}", e.message)),
+            Failure::Lost => ModelError::LostBeforeAnswer(format!(
+                "{who}: the call was cut off after it was sent, before the answer began: {}",
+                e.message
+            )),
+            Failure::Unreachable | Failure::Unprocessed | Failure::Other => {
+                ModelError::Connect(format!("{who}: {}", e.message))
             }
         }
     }
@@ -557,6 +623,9 @@ fn not_retried(error: ModelError, why: &str) -> ModelError {
             retry_after,
         },
         ModelError::Connect(message) => ModelError::Connect(format!("{message} ({why})")),
+        ModelError::LostBeforeAnswer(message) => {
+            ModelError::LostBeforeAnswer(format!("{message} ({why})"))
+        }
         other => other,
     }
 }
@@ -858,9 +927,10 @@ where
     E: std::error::Error + Send + Sync + 'static,
 {
     Decoder {
-        events: sse_stream::SseByteStream::new(Bounded::new(bytes, limits.max_event_bytes)),
+        events: sse_stream::SseByteStream::new(Bounded::new(bytes, &limits)),
         assembler: Assembler {
             max_arguments: limits.max_tool_arguments_bytes,
+            max_text: limits.max_reply_text_bytes,
             offered,
             ..Assembler::default()
         },
@@ -871,16 +941,17 @@ where
     }
 }
 
-/// The bytes of an event stream on their way to the SSE parser, with the bytes since the
-/// last line end and since the last event end (an empty line) counted: an event longer
-/// than the bound ends the body with [`ModelError::TooLarge`], and a body that ends inside
-/// a line with [`ModelError::Incomplete`] (the parser would drop that line silently).
-/// Chunks pass uncopied; each is scanned backwards to its last line end, which for a chunk
-/// of whole events is its last byte.
 /// Most tool calls one reply may make: a model looping on calls (or a server sending
 /// thousands in one event) ends the call instead of making them all.
 const MAX_CALLS_PER_REPLY: usize = 128;
 
+/// The bytes of an event stream on their way to the SSE parser, with the bytes since the
+/// last line end and since the last event end (an empty line) counted: an event longer
+/// than the bound ends the body with [`ModelError::TooLarge`], and a body that ends inside
+/// a line with [`ModelError::Incomplete`] (the parser would drop that line silently).
+/// A line of the `error` field ends the body with the error it carries ([`ErrorField`]).
+/// Chunks pass uncopied; each is scanned backwards to its last line end, which for a chunk
+/// of whole events is its last byte, and forwards from line start to line start.
 struct Bounded<S> {
     inner: S,
     limit: usize,
@@ -891,17 +962,23 @@ struct Bounded<S> {
     /// The last two bytes seen, for line and event ends split between chunks.
     last: [u8; 2],
     ended: bool,
+    /// Looks for an `error:` line.
+    error_field: ErrorField,
+    /// The error an `error:` line reported, given once the bytes before the line are.
+    reported: Option<ModelError>,
 }
 
 impl<S> Bounded<S> {
-    fn new(inner: S, limit: usize) -> Self {
+    fn new(inner: S, limits: &ResponseLimits) -> Self {
         Self {
             inner,
-            limit,
+            limit: limits.max_event_bytes,
             line: 0,
             event: 0,
             last: [b'\n', b'\n'],
             ended: false,
+            error_field: ErrorField::new(limits.max_error_body_bytes),
+            reported: None,
         }
     }
 
@@ -958,33 +1035,215 @@ where
     ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
         let this = self.get_mut();
-        if this.ended {
-            return Poll::Ready(None);
-        }
-        let item = match std::task::ready!(this.inner.poll_next_unpin(cx)) {
-            Some(Ok(chunk)) => {
-                this.count(&chunk);
-                if this.event <= this.limit {
-                    return Poll::Ready(Some(Ok(chunk)));
-                }
-                ModelError::TooLarge {
-                    what: if this.line > this.limit {
-                        "one SSE line of the answer"
-                    } else {
-                        "one SSE event of the answer"
-                    },
-                    limit: this.limit,
-                }
+        loop {
+            if this.ended {
+                return Poll::Ready(None);
             }
-            Some(Err(e)) => ModelError::Lost(error_chain(&e)),
-            None if this.line > 0 => ModelError::Incomplete(format!(
-                "the stream ended inside a line ({} bytes after the last line end)",
-                this.line
-            )),
-            None => return Poll::Ready(None),
-        };
-        this.ended = true;
-        Poll::Ready(Some(Err(item)))
+            if let Some(error) = this.reported.take() {
+                this.ended = true;
+                return Poll::Ready(Some(Err(error)));
+            }
+            let item = match std::task::ready!(this.inner.poll_next_unpin(cx)) {
+                Some(Ok(mut chunk)) => {
+                    if let Some(start) = this.error_field.scan(&chunk) {
+                        // What came before the `error:` line passes; the error follows.
+                        chunk.truncate(start);
+                        this.reported = this.error_field.read();
+                        if chunk.is_empty() {
+                            continue;
+                        }
+                    }
+                    this.count(&chunk);
+                    if this.event <= this.limit {
+                        return Poll::Ready(Some(Ok(chunk)));
+                    }
+                    ModelError::TooLarge {
+                        what: if this.line > this.limit {
+                            "one SSE line of the answer"
+                        } else {
+                            "one SSE event of the answer"
+                        },
+                        limit: this.limit,
+                    }
+                }
+                // An `error:` line the body ended in says more than the end.
+                Some(Err(e)) => this
+                    .error_field
+                    .cut_short()
+                    .unwrap_or_else(|| ModelError::Lost(error_chain(&e))),
+                None => match this.error_field.cut_short() {
+                    Some(error) => error,
+                    None if this.line > 0 => ModelError::Incomplete(format!(
+                        "the stream ended inside a line ({} bytes after the last line end)",
+                        this.line
+                    )),
+                    None => return Poll::Ready(None),
+                },
+            };
+            this.ended = true;
+            return Poll::Ready(Some(Err(item)));
+        }
+    }
+}
+
+/// How a line of the `error` field begins. llama.cpp's server reports a failure in the
+/// stream (`context shift is disabled`, a slot that failed) as such a line,
+/// `error: {"code":500,"message":"...","type":"server_error"}`, then sends `[DONE]`.
+const ERROR_FIELD: &[u8] = b"error:";
+/// The same at the start of a body that begins with a byte order mark.
+const ERROR_FIELD_AFTER_BOM: &[u8] = b"\xEF\xBB\xBFerror:";
+
+/// Finds the first line of the `error` field in an event stream, and reads its value, at
+/// most `limit` bytes of it. The SSE parser knows only the spec's fields: it ignores a line
+/// of another (or, built with sse-stream's `strict-fields`, refuses it without saying
+/// what it held), so that llama.cpp's error would be lost, and the `[DONE]` after it would
+/// make what streamed before look like a whole answer. Costs a comparison of a line's
+/// first byte (two or so for lines beginning with `e`), and a search for its end.
+struct ErrorField {
+    /// The first bytes of the current line, while they may still begin the field.
+    head: [u8; ERROR_FIELD_AFTER_BOM.len()],
+    head_len: usize,
+    line: LineKind,
+    /// Whether the current line is the body's first, which may begin with a byte order
+    /// mark.
+    first_line: bool,
+    /// The field's value read so far.
+    value: Vec<u8>,
+    limit: usize,
+}
+
+/// What the current line is, as far as [`ErrorField`] is concerned.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LineKind {
+    /// Its first bytes do not yet say.
+    Undecided,
+    /// A line of another field (or an empty line).
+    Other,
+    /// The `error:` line, its value being read.
+    Error,
+    /// The `error:` line, its value read to its end (`cut`: to the bound).
+    Read { cut: bool },
+}
+
+impl ErrorField {
+    fn new(limit: usize) -> Self {
+        Self {
+            head: [0; ERROR_FIELD_AFTER_BOM.len()],
+            head_len: 0,
+            line: LineKind::Undecided,
+            first_line: true,
+            value: Vec::new(),
+            limit,
+        }
+    }
+
+    fn is_line_end(byte: u8) -> bool {
+        byte == b'\n' || byte == b'\r'
+    }
+
+    fn next_line(&mut self) {
+        self.line = LineKind::Undecided;
+        self.head_len = 0;
+        self.first_line = false;
+    }
+
+    /// Scans `chunk`: `None` when no `error:` line began in it or before it; otherwise
+    /// where that line begins in it (0 when it began before), its value read as far as the
+    /// chunk goes.
+    fn scan(&mut self, chunk: &[u8]) -> Option<usize> {
+        let mut at = 0;
+        let mut line_start = 0;
+        while at < chunk.len() {
+            match self.line {
+                LineKind::Other => {
+                    let end = chunk[at..].iter().position(|&b| Self::is_line_end(b))?;
+                    at += end + 1;
+                    line_start = at;
+                    self.next_line();
+                }
+                LineKind::Undecided => {
+                    let byte = chunk[at];
+                    at += 1;
+                    if Self::is_line_end(byte) {
+                        line_start = at;
+                        self.next_line();
+                        continue;
+                    }
+                    self.head[self.head_len] = byte;
+                    self.head_len += 1;
+                    let head = &self.head[..self.head_len];
+                    let field = if self.first_line && head.first() == Some(&0xEF) {
+                        ERROR_FIELD_AFTER_BOM
+                    } else {
+                        ERROR_FIELD
+                    };
+                    if head == field {
+                        self.line = LineKind::Error;
+                    } else if !field.starts_with(head) {
+                        self.line = LineKind::Other;
+                    }
+                }
+                LineKind::Error => {
+                    let rest = &chunk[at..];
+                    let end = rest.iter().position(|&b| Self::is_line_end(b));
+                    let room = self.limit - self.value.len();
+                    let value = &rest[..end.unwrap_or(rest.len())];
+                    self.value
+                        .extend_from_slice(&value[..value.len().min(room)]);
+                    if value.len() > room {
+                        self.line = LineKind::Read { cut: true };
+                    } else if end.is_some() {
+                        self.line = LineKind::Read { cut: false };
+                    }
+                    return Some(line_start);
+                }
+                LineKind::Read { .. } => return Some(line_start),
+            }
+        }
+        matches!(self.line, LineKind::Error | LineKind::Read { .. }).then_some(line_start)
+    }
+
+    /// The error of the `error:` line, once its value is read to its end or its bound.
+    fn read(&mut self) -> Option<ModelError> {
+        match self.line {
+            LineKind::Read { cut } => Some(self.error(cut)),
+            _ => None,
+        }
+    }
+
+    /// The error of an `error:` line the body ended in: what came of its value.
+    fn cut_short(&mut self) -> Option<ModelError> {
+        match self.line {
+            LineKind::Error => Some(self.error(false)),
+            LineKind::Read { cut } => Some(self.error(cut)),
+            _ => None,
+        }
+    }
+
+    fn error(&mut self, cut: bool) -> ModelError {
+        self.line = LineKind::Other;
+        let value = std::mem::take(&mut self.value);
+        let value = value.strip_prefix(b" ").unwrap_or(&value);
+        let parsed = serde_json::from_slice::<Value>(value)
+            .ok()
+            .filter(Value::is_object);
+        if let Some(parsed) = parsed {
+            // The error object itself (llama.cpp's), or one under `error`, as in `data:`.
+            let error = match parsed.get("error") {
+                Some(error) if !error.is_null() => error,
+                _ => &parsed,
+            };
+            return in_stream_error(error);
+        }
+        let mut message: String = String::from_utf8_lossy(value)
+            .trim()
+            .chars()
+            .take(500)
+            .collect();
+        if cut {
+            message.push_str(&format!(" [error line cut at {} bytes]", self.limit));
+        }
+        ModelError::Stream(format!("provider reported an error: {message}"))
     }
 }
 
@@ -1142,11 +1401,13 @@ where
                     });
                     continue;
                 }
+                // Only when sse-stream is built with `strict-fields`: a line of a field
+                // other than the spec's (and `error`, which `Bounded` reads first).
                 Err(sse_stream::Error::UnknownField) => {
                     this.state = DecodeState::Ended;
                     this.failure = Some(ModelError::Stream(
-                        "the stream carried a line that is neither data nor another SSE field \
-                         (llama.cpp reports a failure mid-answer as an `error:` line)"
+                        "the stream carried a line of a field other than data, event, id, \
+                         retry and error"
                             .into(),
                     ));
                     continue;
@@ -1362,6 +1623,10 @@ struct PartialCall {
 struct Assembler {
     /// The bound of one call's arguments, in bytes.
     max_arguments: usize,
+    /// The bound of the reply's text, answer and reasoning together, in bytes.
+    max_text: usize,
+    /// The reply's text so far, answer and reasoning together, in bytes.
+    text: usize,
     /// The calls, as they began, with the `index` their fragments carry.
     calls: Vec<(u64, PartialCall)>,
     /// For each `index`, the call its next fragments continue.
@@ -1400,27 +1665,33 @@ fn in_stream_status(error: &Value) -> Option<u16> {
         })
 }
 
+/// The error a provider reported in its stream, in a `data:` line's `error` or in an
+/// `error:` line. One a status would have said (a rate limit, an overloaded server, as
+/// OpenRouter, Azure and LiteLLM send them in a stream already begun, or llama.cpp's
+/// `"code": 500`) is that status: before anything streamed, the call is tried again.
+fn in_stream_error(error: &Value) -> ModelError {
+    let message = error["message"]
+        .as_str()
+        .or_else(|| error.as_str())
+        .map_or_else(|| error.to_string(), str::to_owned);
+    let message = format!("provider reported an error: {message}");
+    match in_stream_status(error) {
+        Some(status) => ModelError::Http {
+            status,
+            message,
+            retry_after: None,
+        },
+        None => ModelError::Stream(message),
+    }
+}
+
 /// What is kept of a refusal's text: it is said in an error message, not streamed.
 const MAX_REFUSAL_BYTES: usize = 4096;
 
 impl Assembler {
     fn chunk(&mut self, chunk: Chunk<'_>, out: &mut VecDeque<ChatDelta>) -> Result<(), ModelError> {
         if let Some(error) = chunk.error.filter(|e| !e.is_null()) {
-            let message = error["message"]
-                .as_str()
-                .map_or_else(|| error.to_string(), str::to_owned);
-            let message = format!("provider reported an error: {message}");
-            // One a status would have said (a rate limit, an overloaded server, as
-            // OpenRouter, Azure and LiteLLM send them in a stream already begun) is that
-            // status: before anything streamed, the call is tried again.
-            return Err(match in_stream_status(&error) {
-                Some(status) => ModelError::Http {
-                    status,
-                    message,
-                    retry_after: None,
-                },
-                None => ModelError::Stream(message),
-            });
+            return Err(in_stream_error(&error));
         }
         if let Some(usage) = chunk.usage {
             // Both figures, or none: a missing one is not zero, and servers that do not
@@ -1447,15 +1718,24 @@ impl Assembler {
             }
             // One name or the other: servers that send the text under both (mlx, some
             // proxies) send it once.
-            if let Some(text) = delta
+            let reasoning = delta
                 .reasoning_content
                 .filter(|t| !t.is_empty())
                 .or(delta.reasoning)
-                .filter(|t| !t.is_empty())
-            {
+                .filter(|t| !t.is_empty());
+            let content = delta.content.filter(|t| !t.is_empty());
+            self.text += reasoning.as_ref().map_or(0, |t| t.len());
+            self.text += content.as_ref().map_or(0, |t| t.len());
+            if self.text > self.max_text {
+                return Err(ModelError::TooLarge {
+                    what: "the text of one reply (answer and reasoning)",
+                    limit: self.max_text,
+                });
+            }
+            if let Some(text) = reasoning {
                 out.push_back(ChatDelta::Reasoning(text.into_owned()));
             }
-            if let Some(text) = delta.content.filter(|t| !t.is_empty()) {
+            if let Some(text) = content {
                 self.think
                     .push(text, |piece| out.push_back(piece_delta(piece)));
             }
@@ -2036,21 +2316,116 @@ mod tests {
         );
     }
 
+    /// The deltas of `sse` cut into pieces of `width` bytes.
+    async fn run_in_pieces(sse: &[u8], width: usize) -> Vec<Result<ChatDelta, ModelError>> {
+        let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = sse
+            .chunks(width)
+            .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+            .collect();
+        decode(
+            futures_util::stream::iter(chunks),
+            ResponseLimits::default(),
+            offered(),
+        )
+        .collect()
+        .await
+    }
+
+    /// llama.cpp's server reports a failure after part of the answer as an `error:` line,
+    /// then sends `[DONE]`: the call ends with its message and status (read as the same
+    /// error in a `data:` line is), however the network cuts the line, and the `[DONE]`
+    /// after it does not make what streamed an answer.
     #[tokio::test]
-    async fn an_error_line_in_the_stream_is_no_answer() {
-        // As llama.cpp's server reports a failure after part of the answer.
-        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hal\"}}]}\n\nerror: {\"code\":500,\"message\":\"context shift disabled\"}\n\ndata: [DONE]\n\n";
+    async fn an_error_line_in_the_stream_is_the_providers_error() {
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"hal\"}}]}\n\nerror: {\"code\":500,\"message\":\"context shift is disabled\",\"type\":\"server_error\"}\n\ndata: [DONE]\n\n";
+        for width in 1..=sse.len() {
+            let deltas = run_in_pieces(sse.as_bytes(), width).await;
+            assert_eq!(deltas.len(), 2, "pieces of {width}: {deltas:?}");
+            assert_eq!(deltas[0], Ok(ChatDelta::Content("hal".into())));
+            assert_eq!(
+                deltas[1],
+                Err(ModelError::Http {
+                    status: 500,
+                    message: "provider reported an error: context shift is disabled".into(),
+                    retry_after: None,
+                }),
+                "pieces of {width}"
+            );
+        }
+        // First in the body (after a byte order mark), CR LF line ends, the error under
+        // `error` as in a `data:` line, a rate limit by its code: retried before any text.
+        let sse = "\u{feff}error: {\"error\":{\"message\":\"slow down\",\"code\":\"rate_limit_exceeded\"}}\r\n\r\ndata: [DONE]\r\n\r\n";
+        for width in [1, 2, 3, 4, 7, sse.len()] {
+            let deltas = run_in_pieces(sse.as_bytes(), width).await;
+            assert!(
+                matches!(&deltas[..], [Err(e @ ModelError::Http { status: 429, message, .. })]
+                    if message.contains("slow down") && e.is_retryable()),
+                "pieces of {width}: {deltas:?}"
+            );
+        }
+        // A value that is no JSON is said as it is; one past the bound is cut there.
+        let deltas = run("error: the model crashed\n\ndata: [DONE]\n\n").await;
+        assert_eq!(
+            deltas,
+            [Err(ModelError::Stream(
+                "provider reported an error: the model crashed".into()
+            ))]
+        );
+        let sse = format!("error: {}\n\n", "x".repeat(MAX_ERROR_BODY_BYTES + 10));
+        let deltas = run(&sse).await;
+        assert!(
+            matches!(&deltas[..], [Err(ModelError::Stream(m))]
+                if m.ends_with(&format!("[error line cut at {MAX_ERROR_BODY_BYTES} bytes]"))),
+            "{deltas:?}"
+        );
+        // A body that ends inside the line still says the error.
+        let deltas = run("error: {\"message\":\"gone\"}").await;
+        assert_eq!(
+            deltas,
+            [Err(ModelError::Stream(
+                "provider reported an error: gone".into()
+            ))]
+        );
+        // Fields whose names only begin like it, and `error` in a value, are no error.
+        let sse = "errors: x\nerr: y\ndata: {\"choices\":[{\"delta\":{\"content\":\"error: no\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+        if !unknown_fields_refused() {
+            assert_eq!(
+                ok(run(sse).await),
+                [ChatDelta::Content("error: no".into()), STOPPED]
+            );
+        }
+        let sse = "data: {\"choices\":[{\"delta\":{\"content\":\"error: no\"},\"finish_reason\":\"stop\"}]}\n\n: error: a comment\ndata: [DONE]\n\n";
+        assert_eq!(
+            ok(run(sse).await),
+            [ChatDelta::Content("error: no".into()), STOPPED]
+        );
+    }
+
+    /// Whether the SSE parser refuses lines of fields the spec does not know (sse-stream
+    /// built with `strict-fields`) rather than ignoring them.
+    fn unknown_fields_refused() -> bool {
+        let body = futures_util::stream::iter([Ok::<_, std::io::Error>(
+            bytes::Bytes::from_static(b"other: x\n\n"),
+        )]);
+        let first =
+            futures_util::FutureExt::now_or_never(sse_stream::SseByteStream::new(body).next());
+        matches!(first, Some(Some(Err(_))))
+    }
+
+    /// Lines of fields the SSE spec does not know are ignored, as it says (with sse-stream
+    /// built with `strict-fields`, they end the call with an error that says so).
+    #[tokio::test]
+    async fn lines_of_other_fields_are_ignored() {
+        let sse = "id: 1\nevent: message\nretry: 100\nserver: llama\nx-trace\ndata: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
         let deltas = run(sse).await;
-        assert!(
-            matches!(deltas.last(), Some(Err(ModelError::Stream(m))) if m.contains("`error:` line")),
-            "{deltas:?}"
-        );
-        assert!(
-            !deltas
-                .iter()
-                .any(|d| matches!(d, Ok(ChatDelta::Finish { .. }))),
-            "{deltas:?}"
-        );
+        if unknown_fields_refused() {
+            assert!(
+                matches!(&deltas[..], [Err(ModelError::Stream(m))] if m.contains("a field other than data")),
+                "{deltas:?}"
+            );
+        } else {
+            assert_eq!(ok(deltas), [ChatDelta::Content("hi".into()), STOPPED]);
+        }
     }
 
     #[tokio::test]
@@ -2255,16 +2630,93 @@ mod tests {
         );
     }
 
+    /// The text of one reply, answer and reasoning together, is bounded: a model that
+    /// loops (or a server that misbehaves) ends the call once it passes the bound, and
+    /// nothing more is read.
+    #[tokio::test]
+    async fn the_text_of_one_reply_is_bounded() {
+        let limits = ResponseLimits {
+            max_reply_text_bytes: 100,
+            ..ResponseLimits::default()
+        };
+        let start: &'static [u8] =
+            b"data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"0123456789012345678901234567890123456789\"}}]}\n\n";
+        let chunk: &'static [u8] =
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"0123456789012345678901234567890123456789\"}}]}\n\n";
+        // A thousand chunks, then the finish: the call ends at the third.
+        let pulled = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let finish: &'static [u8] =
+            b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n";
+        let body =
+            endless(chunk, start, pulled.clone())
+                .take(1001)
+                .chain(futures_util::stream::iter([Ok(bytes::Bytes::from_static(
+                    finish,
+                ))]));
+        let deltas: Vec<_> = decode(body, limits, offered()).collect().await;
+        assert_eq!(deltas.len(), 3, "the call went on to {:?}", deltas.last());
+        let forty = "0123456789012345678901234567890123456789";
+        assert_eq!(
+            deltas,
+            [
+                Ok(ChatDelta::Reasoning(forty.into())),
+                Ok(ChatDelta::Content(forty.into())),
+                Err(ModelError::TooLarge {
+                    what: "the text of one reply (answer and reasoning)",
+                    limit: 100
+                })
+            ]
+        );
+        assert_eq!(pulled.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // A reply of exactly the bound passes.
+        let sse = format!(
+            "data: {{\"choices\":[{{\"delta\":{{\"content\":\"{}\"}},\"finish_reason\":\"stop\"}}]}}\n\n",
+            "x".repeat(100)
+        );
+        let chunks = [Ok::<_, std::io::Error>(bytes::Bytes::from(sse))];
+        let deltas: Vec<_> = decode(futures_util::stream::iter(chunks), limits, offered())
+            .collect()
+            .await;
+        assert_eq!(ok(deltas), [ChatDelta::Content("x".repeat(100)), STOPPED]);
+    }
+
     #[test]
     fn credentials_in_urls_are_masked_and_errors_name_the_path() {
         assert_eq!(
             mask_credentials("http://user:pass@host:8000/v1?x=@"),
-            "http://***@host:8000/v1?x=@"
+            "http://***@host:8000/v1?x=***"
         );
         assert_eq!(mask_credentials("https://host/v1"), "https://host/v1");
         let site = Site::new("http://u:p@host:1/v1/chat/completions?a=b");
         assert_eq!(site.path, "/v1/chat/completions");
-        assert_eq!(site.url, "http://***@host:1/v1/chat/completions?a=b");
+        assert_eq!(site.url, "http://***@host:1/v1/chat/completions?a=***");
+    }
+
+    /// Keys in the query of a base URL (`?api-key=`, Azure API Management's
+    /// `?subscription-key=`, Google's `?key=`) stay out of the URL logs show (a 404, a
+    /// redirect, a failed call), however the URL is written.
+    #[test]
+    fn keys_in_the_query_are_masked_in_the_url_logs_show() {
+        let site = Site::new(
+            "https://apim.example.com/openai/deployments/d/chat/completions?api-version=2024-10-21&subscription-key=s3cr3t",
+        );
+        assert_eq!(
+            site.url(),
+            "https://apim.example.com/openai/deployments/d/chat/completions?api-version=***&subscription-key=***"
+        );
+        for (url, shown) in [
+            (
+                "http://h/v1?key=s3cr3t&stream",
+                "http://h/v1?key=***&stream",
+            ),
+            ("http://h/v1?a=1;key=s3cr3t", "http://h/v1?a=***"),
+            ("http://h/v1#x?key=s3cr3t", "http://h/v1#x?key=***"),
+            ("http://h/v1?key=s3 cr3t", "http://h/v1?key=***"),
+            ("h:1/v1?api-key=s3cr3t", "h:1/v1?api-key=***"),
+            ("http://us er:s3cr3t@h/v1", "http://***@h/v1"),
+        ] {
+            assert_eq!(mask_credentials(url), shown);
+        }
     }
 
     #[tokio::test]

@@ -70,7 +70,8 @@ pub enum ProviderError {
     BadUrl {
         /// The provider.
         name: String,
-        /// The URL given.
+        /// The URL given, its credentials masked ([`crate::mask_credentials`]): the
+        /// error is printed and logged.
         url: String,
     },
     /// A base URL that no call could be made to.
@@ -78,7 +79,7 @@ pub enum ProviderError {
     InvalidUrl {
         /// The provider.
         name: String,
-        /// The URL given.
+        /// The URL given, its credentials masked ([`crate::mask_credentials`]).
         url: String,
         /// What is wrong with it.
         why: String,
@@ -146,12 +147,12 @@ impl ProviderRegistry {
             {
                 return Err(ProviderError::BadUrl {
                     name: name.clone(),
-                    url: settings.base_url.clone(),
+                    url: crate::mask_credentials(&settings.base_url),
                 });
             }
             let invalid = |why: String| ProviderError::InvalidUrl {
                 name: name.clone(),
-                url: settings.base_url.clone(),
+                url: crate::mask_credentials(&settings.base_url),
                 why,
             };
             if settings.base_url.chars().any(char::is_whitespace) {
@@ -333,6 +334,46 @@ mod tests {
             },
         );
         assert!(ProviderRegistry::new(providers, None, env_of(&[])).is_ok());
+    }
+
+    /// A refused base URL is named with its credentials masked: the error is printed at
+    /// start-up and logged, and a key in the query (`?api-key=`, Azure API Management's
+    /// `?subscription-key=`) or before the host must not be in it.
+    #[test]
+    fn refused_base_urls_are_named_without_their_credentials() {
+        let provider = |base_url: &str| {
+            let settings = ProviderSettings {
+                kind: ProviderKind::Openai,
+                base_url: base_url.into(),
+                api_key: Secret::default(),
+                api_key_env: None,
+                api_key_header: None,
+                http2_prior_knowledge: false,
+                http_client: HttpClient::Lean,
+            };
+            BTreeMap::from([("azure".to_owned(), settings)])
+        };
+        for (base_url, shown) in [
+            (
+                "ftp://h/v1?subscription-key=s3cr3t",
+                "ftp://h/v1?subscription-key=***",
+            ),
+            (
+                "apim.example.com/openai?api-key=s3cr3t&api-version=1",
+                "apim.example.com/openai?api-key=***&api-version=***",
+            ),
+            ("http://h/v1 ?key=s3cr3t", "http://h/v1 ?key=***"),
+            (
+                "http://user:s3cr3t@h/v1#x?key=s3cr3t",
+                "http://***@h/v1#x?key=***",
+            ),
+        ] {
+            let error = ProviderRegistry::new(provider(base_url), None, env_of(&[]))
+                .unwrap_err()
+                .to_string();
+            assert!(!error.contains("s3cr3t"), "{error}");
+            assert!(error.contains(shown), "{error}");
+        }
     }
 
     #[test]

@@ -368,9 +368,60 @@ async fn unreachable_providers_fail_with_a_connect_error() {
         .local_addr()
         .unwrap();
     for http2 in [false, true] {
-        let model = client_with(&format!("http://{addr}/v1"), http2);
+        let model = named(&format!("http://{addr}/v1"), http2);
         let err = collect(&model, request("demo")).await.unwrap_err();
-        assert!(matches!(err, ModelError::Connect(_)), "{err:?}");
+        let ModelError::Connect(message) = &err else {
+            panic!("{err:?}")
+        };
+        // The error reaches clients (the run's ERROR event): it names the provider, not
+        // the address, which only the debug log shows.
+        assert!(message.starts_with("provider \"local\": "), "{message}");
+        assert!(!message.contains("127.0.0.1"), "{message}");
+        assert!(err.never_processed());
+    }
+}
+
+/// Over h2c, a call the server saw, then reset or dropped the connection of before
+/// answering, is lost before the answer: retried as transient, but the server may have
+/// processed the prompt, which counts (it was `Connect`, whose usage is dropped). The
+/// error names the provider, not the address.
+#[tokio::test]
+async fn h2c_calls_cut_off_after_they_were_sent_are_lost_before_the_answer() {
+    for reset in [true, false] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let seen = Arc::new(AtomicUsize::new(0));
+        let counted = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let counted = counted.clone();
+                tokio::spawn(async move {
+                    let mut connection = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        counted.fetch_add(1, Ordering::SeqCst);
+                        if !reset {
+                            // The connection, and its socket, are dropped.
+                            break;
+                        }
+                        respond.send_reset(h2::Reason::INTERNAL_ERROR);
+                    }
+                });
+            }
+        });
+        let err = collect(&named(&url, true), request("demo"))
+            .await
+            .unwrap_err();
+        let ModelError::LostBeforeAnswer(message) = &err else {
+            panic!("reset {reset}: {err:?}")
+        };
+        assert!(message.starts_with("provider \"local\": "), "{message}");
+        assert!(!message.contains("127.0.0.1"), "{message}");
+        assert!(!err.never_processed());
+        assert_eq!(
+            seen.load(Ordering::SeqCst),
+            4,
+            "the first call and 3 retries"
+        );
     }
 }
 
@@ -956,5 +1007,100 @@ async fn an_answer_in_an_encoding_not_asked_for_is_named() {
     assert!(
         matches!(&err, ModelError::InvalidResponse(m) if m.contains("content-encoding \"gzip\"")),
         "{err:?}"
+    );
+}
+
+/// A server answering every call with the event stream `answer(model)` gives the model
+/// the request names, over HTTP/1.1; the calls it took.
+async fn event_stream_server(answer: fn(&str) -> String) -> (String, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                // The request, its head and as much of its body as its length says.
+                let mut request = Vec::new();
+                let mut buffer = [0; 4096];
+                let body = loop {
+                    let Ok(read @ 1..) = socket.read(&mut buffer).await else {
+                        return;
+                    };
+                    request.extend_from_slice(&buffer[..read]);
+                    let text = String::from_utf8_lossy(&request).into_owned();
+                    let Some((head, body)) = text.split_once("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length = head
+                        .lines()
+                        .find_map(|l| {
+                            l.to_ascii_lowercase()
+                                .strip_prefix("content-length:")
+                                .map(|n| n.trim().parse::<usize>().unwrap())
+                        })
+                        .unwrap_or(0);
+                    if body.len() >= length {
+                        break body.to_owned();
+                    }
+                };
+                let model = serde_json::from_str::<serde_json::Value>(&body).unwrap()["model"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned();
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                            connection: close\r\n\r\n";
+                let _ = socket.write_all(head.as_bytes()).await;
+                let _ = socket.write_all(answer(&model).as_bytes()).await;
+                let _ = socket.shutdown().await;
+            });
+        }
+    });
+    (url, calls)
+}
+
+/// llama.cpp's server reports a failure in the stream as an `error:` line, then sends
+/// `[DONE]`. Its message and status reach the caller (it was "a line that is neither data
+/// nor another SSE field"), and one that comes before any text is retried as the same
+/// error in a `data:` line is; after text, the call ends with it.
+#[tokio::test]
+async fn an_error_line_reaches_the_caller_and_is_retried_before_the_answer() {
+    let (url, calls) = event_stream_server(|model| {
+        let error = "error: {\"code\":500,\"message\":\"context shift is disabled\",\"type\":\"server_error\"}\n\n";
+        let text = "data: {\"choices\":[{\"delta\":{\"content\":\"par\"}}]}\n\n";
+        match model {
+            "at-once" => format!("{error}data: [DONE]\n\n"),
+            _ => format!("{text}{error}data: [DONE]\n\n"),
+        }
+    })
+    .await;
+    let model = named(&url, false);
+    let err = collect(&model, request("at-once")).await.unwrap_err();
+    assert_eq!(
+        err,
+        ModelError::Http {
+            status: 500,
+            message: "provider reported an error: context shift is disabled".into(),
+            retry_after: None
+        }
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        4,
+        "the first call and 3 retries"
+    );
+    let deltas = collect(&model, request("mid-answer")).await.unwrap();
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        5,
+        "not retried once text streamed"
+    );
+    assert_eq!(deltas[0], Ok(ChatDelta::Content("par".into())));
+    assert!(
+        matches!(&deltas[1..], [Err(ModelError::Http { status: 500, message, .. })]
+            if message.contains("context shift is disabled")),
+        "{deltas:?}"
     );
 }
