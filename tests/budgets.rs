@@ -60,6 +60,11 @@ fn create(model: &str, prompt: &str, session: &str) -> v1::CreateAgentEngineRequ
     v1::CreateAgentEngineRequest {
         config: Some(v1::AgentConfig {
             system_prompt: prompt.into(),
+            // Large prompts fill the budgets: the token budget leaves room for them (a
+            // fixed prompt that fills it is refused).
+            context: Some(v1::ContextConfig {
+                max_prompt_tokens: 2_000_000,
+            }),
             ..agent(model, &[])
         }),
         session_id: session.into(),
