@@ -16,7 +16,7 @@ pub use config::{
     AgentConfig, ClientTool, ContextBudget, ModelSelection, RerankSelection, Strategy, Timeouts,
     limits,
 };
-pub use secret::{Secret, mask_url_credentials};
+pub use secret::{Secret, mask_url_credentials, push_masked_query};
 pub use state::{StateError, StateResult};
 pub use tool::{
     MAX_JSON_DEPTH, Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner,

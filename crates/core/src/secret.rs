@@ -86,7 +86,7 @@ pub fn mask_url_credentials(text: &str) -> String {
 /// Writes `query` (without its `?`) to `out`, each parameter's value replaced by `***`.
 /// Parameters are split at `&` only: a value holding a `;` is masked whole. A parameter
 /// without a value (`?stream`, `?key=`) has nothing to hide, and is kept.
-fn push_masked_query(out: &mut String, query: &str) {
+pub fn push_masked_query(out: &mut String, query: &str) {
     for (i, parameter) in query.split('&').enumerate() {
         if i > 0 {
             out.push('&');

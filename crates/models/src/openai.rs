@@ -203,18 +203,7 @@ pub fn mask_credentials(url: &str) -> String {
     }
     if let Some(query) = query {
         shown.push('?');
-        for (i, parameter) in query.split('&').enumerate() {
-            if i > 0 {
-                shown.push('&');
-            }
-            match parameter.split_once('=') {
-                Some((name, value)) if !value.is_empty() => {
-                    shown.push_str(name);
-                    shown.push_str("=***");
-                }
-                _ => shown.push_str(parameter),
-            }
-        }
+        agentrt_core::push_masked_query(&mut shown, query);
     }
     shown
 }
