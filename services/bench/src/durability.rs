@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{Backends, cpu_time, percentile};
+use crate::{Backends, cpu::CpuMeter, percentile};
 
 const ANSWER: &str = "a durable answer, streamed slowly, one character at a time, to the end";
 
@@ -361,15 +361,15 @@ pub async fn run(
     let renewer = store.clone().lease_renewer()?;
     renewer.renew(&held).await?;
     let rounds = 20;
-    let me = std::process::id();
-    let (cpu0, wall0) = (cpu_time(me)?, Instant::now());
+    let me = CpuMeter::start(&[std::process::id()])?;
+    let (cpu0, wall0) = (me.now()?, Instant::now());
     for _ in 0..rounds {
         let lost = renewer.renew(&held).await?;
         if !lost.is_empty() {
             bail!("lease renewal lost {} leases", lost.len());
         }
     }
-    let per_renewal = (cpu_time(me)? - cpu0) / rounds;
+    let per_renewal = me.now()?.saturating_sub(cpu0) / rounds;
     let wall = wall0.elapsed() / rounds;
     let share = per_renewal.as_secs_f64() * 3.0 / takeover_after.as_secs_f64();
     println!(

@@ -15,7 +15,10 @@
 
 use std::{
     path::{Path, PathBuf},
-    sync::Arc,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering::Relaxed},
+    },
     time::{Duration, Instant},
 };
 
@@ -25,9 +28,11 @@ use agentrt::v1::{
 use agentrt_test_support::Server;
 use anyhow::{Context, bail};
 use clap::Parser;
+use cpu::CpuMeter;
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
+mod cpu;
 mod durability;
 mod tool_sources;
 mod waiting;
@@ -149,22 +154,84 @@ fn scenarios(latency_ms: u64) -> String {
     )
 }
 
-/// CPU time a process has used so far, in nanoseconds: the sum of its threads'
-/// `schedstat` run times (clock ticks in `/proc/<pid>/stat` are too coarse).
-fn cpu_time(pid: u32) -> anyhow::Result<Duration> {
-    let mut total = 0u64;
-    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
-        let path = task?.path().join("schedstat");
-        // A thread may end between listing and reading; it no longer counts.
-        if let Ok(stat) = std::fs::read_to_string(path) {
-            total += stat
-                .split_whitespace()
-                .next()
-                .context("malformed schedstat")?
-                .parse::<u64>()?;
+/// How long the bench waits for a run's `done` event: agent-server ends a run after its
+/// run timeout (300 s unless the config says, and the bench's says nothing), so a run
+/// still going 30 s later is a failed run, not one to wait for forever.
+const RUN_DEADLINE: Duration = Duration::from_secs(330);
+
+/// How long the bench waits for the answer to a unary call (creating an engine): far
+/// longer than any takes, so that a stack that no longer answers fails the bench instead
+/// of holding it forever.
+const CALL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The stop reason of a run that answered.
+const ANSWERED: &str = "final_answer";
+
+/// What each run of a scenario must have done for a figure to count it, checked run by
+/// run: totals over all runs can hide a run whose tool call failed (its result an error,
+/// which the scripted model takes as any other) behind another's.
+#[derive(Debug)]
+struct Workload {
+    /// The outputs of its tool results, in order, none of them an error.
+    tool_outputs: Vec<String>,
+    /// The answer deltas it streams, when the figure counts them.
+    deltas: Option<usize>,
+    /// Its model rounds, as its `done` event counts them (`iterations`).
+    iterations: u64,
+}
+
+impl Workload {
+    /// `tool_loop`: the calculator's answers to `1 * 7` ... `10 * 7`, then the answer.
+    fn tool_loop() -> Self {
+        Self {
+            tool_outputs: (1..=TOOL_LOOP_ROUNDS)
+                .map(|i| (i * 7).to_string())
+                .collect(),
+            deltas: None,
+            iterations: TOOL_LOOP_ROUNDS as u64 + 1,
         }
     }
-    Ok(Duration::from_nanos(total))
+
+    /// `three_calls`: `6 * 7` twice, then the answer.
+    fn three_calls() -> Self {
+        Self {
+            tool_outputs: vec!["42".to_owned(); 2],
+            deltas: None,
+            iterations: 3,
+        }
+    }
+
+    /// `long_answer`: one round streaming the answer a character per delta.
+    fn long_answer() -> Self {
+        Self {
+            tool_outputs: Vec::new(),
+            deltas: Some(LONG_ANSWER_CHARS),
+            iterations: 1,
+        }
+    }
+
+    /// `hello`: one round, a short answer.
+    fn hello() -> Self {
+        Self {
+            tool_outputs: Vec::new(),
+            deltas: None,
+            iterations: 1,
+        }
+    }
+
+    /// The work, in words, for the message that refuses a figure.
+    fn describe(&self) -> String {
+        let deltas = self
+            .deltas
+            .map(|d| format!(", {d} answer deltas"))
+            .unwrap_or_default();
+        format!(
+            "{} tool results {:?}, none an error, {} iterations, stop reason {ANSWERED}{deltas}",
+            self.tool_outputs.len(),
+            self.tool_outputs,
+            self.iterations
+        )
+    }
 }
 
 /// The simulator on some scenarios and a tool executor, for a figure that starts its own
@@ -246,6 +313,30 @@ struct Stack {
     tools: Server,
     agents: Vec<Server>,
     channels: Vec<Channel>,
+    /// CPU of the agent-servers (all together), of the tool executor, of the simulator,
+    /// and of the bench client itself, metered from the stack's start.
+    agents_cpu: CpuMeter,
+    tools_cpu: CpuMeter,
+    model_cpu: CpuMeter,
+    bench_cpu: CpuMeter,
+    /// Runs in flight: from their first event to their end.
+    in_flight: AtomicUsize,
+}
+
+/// Counts a run in flight while it lives, however its stream ends.
+struct InFlight<'a>(&'a AtomicUsize);
+
+impl<'a> InFlight<'a> {
+    fn enter(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
 }
 
 impl Stack {
@@ -284,24 +375,23 @@ impl Stack {
         };
         let mut ids = Vec::with_capacity(count);
         let mut service = self.service();
-        for _ in 0..count {
+        for i in 0..count {
             let request = v1::CreateAgentEngineRequest {
                 config: Some(config.clone()),
                 session_id: String::new(),
             };
-            ids.push(
-                service
-                    .create_agent_engine(request)
-                    .await?
-                    .into_inner()
-                    .engine_id,
-            );
+            let created = tokio::time::timeout(CALL_DEADLINE, service.create_agent_engine(request))
+                .await
+                .with_context(|| {
+                    format!("creating engine {i} of {count}: no answer within {CALL_DEADLINE:?}")
+                })??;
+            ids.push(created.into_inner().engine_id);
         }
         Ok(ids)
     }
 
     /// Runs one turn to its end; returns what it did, and why it failed if it did not
-    /// answer.
+    /// answer. The run counts as in flight from its first event to its `done` event.
     async fn run(&self, i: usize, engine_id: String) -> anyhow::Result<RunOutcome> {
         let started = Instant::now();
         let request = v1::ExecuteRequest {
@@ -309,20 +399,38 @@ impl Stack {
             query: "What is 6 * 7?".into(),
             ..Default::default()
         };
-        let mut stream = self.engine(i).execute(request).await?.into_inner();
+        let deadline = tokio::time::Instant::now() + RUN_DEADLINE;
+        let late = || RunOutcome {
+            failure: Some(format!("no done event within {RUN_DEADLINE:?}")),
+            late: true,
+            ..RunOutcome::default()
+        };
+        let Ok(execute) = tokio::time::timeout_at(deadline, self.engine(i).execute(request)).await
+        else {
+            return Ok(late());
+        };
+        let mut stream = execute?.into_inner();
         let mut outcome = RunOutcome {
             failure: Some("the stream ended without a done event".to_owned()),
             ..RunOutcome::default()
         };
-        while let Some(event) = stream.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(status) => {
+        let mut in_flight = None;
+        loop {
+            let event = match tokio::time::timeout_at(deadline, stream.next()).await {
+                Ok(Some(Ok(event))) => event,
+                Ok(None) => break,
+                Ok(Some(Err(status))) => {
                     outcome.failure = Some(format!("{:?}: {}", status.code(), status.message()));
+                    break;
+                }
+                Err(_) => {
+                    let late = late();
+                    (outcome.failure, outcome.late) = (late.failure, late.late);
                     break;
                 }
             };
             outcome.first_event.get_or_insert_with(|| started.elapsed());
+            in_flight.get_or_insert_with(|| InFlight::enter(&self.in_flight));
             outcome.events += 1;
             let kind = v1::EventType::try_from(event.r#type).unwrap_or_default();
             if matches!(kind, v1::EventType::Thought | v1::EventType::FinalAnswer) && !event.done {
@@ -331,59 +439,80 @@ impl Stack {
                     .get_or_insert_with(|| started.elapsed());
                 outcome.deltas += 1;
             }
-            if kind == v1::EventType::ToolResult {
-                outcome.tool_results += 1;
-            }
-            if event.done {
-                outcome.failure =
-                    (kind != v1::EventType::FinalAnswer).then(|| event.content.clone());
-                outcome.stop_reason = event
+            let data = || {
+                event
                     .data
                     .as_ref()
                     .map(agentrt::json::struct_to_json)
-                    .and_then(|d| d["stop_reason"].as_str().map(str::to_owned))
-                    .unwrap_or_default();
+                    .unwrap_or_default()
+            };
+            if kind == v1::EventType::ToolResult {
+                let data = data();
+                outcome.tool_results.push(ToolResultSeen {
+                    // A result that does not say it succeeded counts as an error.
+                    is_error: data["is_error"].as_bool() != Some(false),
+                    output: data["output"].as_str().unwrap_or_default().to_owned(),
+                });
+            }
+            if event.done {
+                drop(in_flight.take());
+                outcome.failure =
+                    (kind != v1::EventType::FinalAnswer).then(|| event.content.clone());
+                let summary = data();
+                outcome.stop_reason = summary["stop_reason"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned();
+                outcome.iterations = summary["iterations"].as_u64();
             }
         }
         Ok(outcome)
     }
 
-    /// Runs every engine's turn, at most `concurrency` at once.
+    /// Runs every engine's turn, at most `concurrency` at once, and checks each run
+    /// against `workload`: the totals count only the runs that did all of it. Once a run
+    /// has gone past [`RUN_DEADLINE`] the runs not yet started are not started (they fail):
+    /// a stack that holds runs forever would otherwise take that long per `concurrency`
+    /// runs.
     async fn run_all(
         self: &Arc<Self>,
         engines: Vec<String>,
         concurrency: usize,
+        workload: &Workload,
     ) -> anyhow::Result<Totals> {
-        let results: Vec<anyhow::Result<RunOutcome>> =
-            futures_util::stream::iter(engines.into_iter().enumerate())
-                .map(|(i, id)| {
-                    let stack = self.clone();
-                    async move { tokio::spawn(async move { stack.run(i, id).await }).await? }
-                })
-                .buffer_unordered(concurrency)
-                .collect()
-                .await;
-        let mut totals = Totals::default();
-        let mut failures = std::collections::BTreeMap::<String, usize>::new();
-        for result in results {
-            let outcome = result.unwrap_or_else(|error| RunOutcome {
-                failure: Some(format!("{error:#}")),
-                ..RunOutcome::default()
-            });
-            totals.events += outcome.events;
-            totals.deltas += outcome.deltas;
-            totals.tool_results += outcome.tool_results;
-            *totals.stop_reasons.entry(outcome.stop_reason).or_default() += 1;
-            if let Some(failure) = outcome.failure {
-                *failures.entry(failure).or_default() += 1;
+        let hung = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let results: Vec<(usize, anyhow::Result<RunOutcome>)> = futures_util::stream::iter(
+            engines.into_iter().enumerate(),
+        )
+        .map(|(i, id)| {
+            let (stack, hung) = (self.clone(), hung.clone());
+            async move {
+                if hung.load(Relaxed) {
+                    let not_started = anyhow::anyhow!(
+                        "not started: an earlier run had no done event within {RUN_DEADLINE:?}"
+                    );
+                    return (i, Err(not_started));
+                }
+                let outcome = tokio::spawn(async move { stack.run(i, id).await }).await;
+                let outcome = outcome.map_err(Into::into).and_then(|outcome| outcome);
+                if outcome.as_ref().is_ok_and(|outcome| outcome.late) {
+                    hung.store(true, Relaxed);
+                }
+                (i, outcome)
             }
-        }
-        for (failure, count) in &failures {
-            eprintln!("  {count} runs failed: {failure}");
-        }
-        totals.failed = failures.values().sum();
-        Ok(totals)
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+        Ok(Totals::tally(results, workload))
     }
+}
+
+/// One EVENT_TYPE_TOOL_RESULT, as its client saw it.
+#[derive(Debug)]
+struct ToolResultSeen {
+    is_error: bool,
+    output: String,
 }
 
 /// What one run did, as its client saw it.
@@ -395,42 +524,139 @@ struct RunOutcome {
     first_output: Option<Duration>,
     events: usize,
     deltas: usize,
-    tool_results: usize,
+    /// Its tool results, in order.
+    tool_results: Vec<ToolResultSeen>,
+    /// From its `done` event.
     stop_reason: String,
+    /// Its model rounds, from its `done` event.
+    iterations: Option<u64>,
     failure: Option<String>,
+    /// It had no `done` event within [`RUN_DEADLINE`].
+    late: bool,
 }
 
-/// What a batch of runs did, all together.
+impl RunOutcome {
+    /// How the run differs from `workload`, if it does, in words.
+    fn differs_from(&self, workload: &Workload) -> Option<String> {
+        if let Some(failure) = &self.failure {
+            return Some(format!("it did not answer: {failure}"));
+        }
+        let errors: Vec<&ToolResultSeen> =
+            self.tool_results.iter().filter(|r| r.is_error).collect();
+        if let Some(first) = errors.first() {
+            let output: String = first.output.chars().take(300).collect();
+            return Some(format!(
+                "{} tool results ran, {} {} an error: {output}",
+                self.tool_results.len() - errors.len(),
+                errors.len(),
+                if errors.len() == 1 { "was" } else { "were" }
+            ));
+        }
+        let outputs: Vec<&str> = self.tool_results.iter().map(|r| &*r.output).collect();
+        if outputs != workload.tool_outputs {
+            return Some(format!(
+                "its tool results were {outputs:?}, not {:?}",
+                workload.tool_outputs
+            ));
+        }
+        if self.stop_reason != ANSWERED {
+            return Some(format!(
+                "it stopped with {:?}, not {ANSWERED}",
+                self.stop_reason
+            ));
+        }
+        if self.iterations != Some(workload.iterations) {
+            return Some(format!(
+                "its done event counts {} iterations, not {}",
+                self.iterations
+                    .map_or_else(|| "no".to_owned(), |n| n.to_string()),
+                workload.iterations
+            ));
+        }
+        if let Some(deltas) = workload.deltas
+            && self.deltas != deltas
+        {
+            return Some(format!(
+                "it streamed {} answer deltas, not {deltas}",
+                self.deltas
+            ));
+        }
+        None
+    }
+}
+
+/// What a batch of runs did: the runs that did their whole workload, all together, and
+/// how the others differed.
 #[derive(Debug, Default)]
 struct Totals {
+    runs: usize,
+    /// The workload, in words.
+    workload: String,
+    /// Runs that did all of their workload; the sums below are over them only.
+    completed: usize,
     events: usize,
     deltas: usize,
     tool_results: usize,
-    stop_reasons: std::collections::BTreeMap<String, usize>,
+    /// Runs that did not.
     failed: usize,
+    /// The first few of them, each as "run N: how it differed".
+    differences: Vec<String>,
 }
 
 impl Totals {
-    /// Refuses to go on when the runs did other work than a figure assumes: a figure from
-    /// such runs would count work that did not happen.
-    fn expect(
-        &self,
-        what: &str,
-        runs: usize,
-        tool_results: usize,
-        stop_reason: &str,
-    ) -> anyhow::Result<()> {
-        if self.failed > 0
-            || self.tool_results != tool_results
-            || self.stop_reasons.get(stop_reason) != Some(&runs)
-        {
+    /// Differing runs named in a refusal.
+    const DIFFERENCES_KEPT: usize = 5;
+
+    /// Checks each run (numbered) against `workload` and adds up the ones that did all of
+    /// it; says on stderr how the others differed, grouped.
+    fn tally(mut results: Vec<(usize, anyhow::Result<RunOutcome>)>, workload: &Workload) -> Self {
+        results.sort_by_key(|(i, _)| *i);
+        let mut totals = Self {
+            runs: results.len(),
+            workload: workload.describe(),
+            ..Self::default()
+        };
+        let mut failures = std::collections::BTreeMap::<String, usize>::new();
+        for (i, result) in results {
+            let outcome = result.unwrap_or_else(|error| RunOutcome {
+                failure: Some(format!("{error:#}")),
+                ..RunOutcome::default()
+            });
+            if let Some(difference) = outcome.differs_from(workload) {
+                if totals.differences.len() < Self::DIFFERENCES_KEPT {
+                    totals.differences.push(format!("run {i}: {difference}"));
+                }
+                *failures.entry(difference).or_default() += 1;
+                continue;
+            }
+            totals.completed += 1;
+            totals.events += outcome.events;
+            totals.deltas += outcome.deltas;
+            totals.tool_results += outcome.tool_results.len();
+        }
+        for (failure, count) in &failures {
+            eprintln!("  {count} runs failed: {failure}");
+        }
+        totals.failed = failures.values().sum();
+        totals
+    }
+
+    /// Refuses to go on unless every run did its whole workload (`runs` of them): a
+    /// figure from other runs would count work that did not happen.
+    fn expect(&self, what: &str, runs: usize) -> anyhow::Result<()> {
+        if self.failed > 0 || self.runs != runs || self.completed != runs {
+            let shown = if self.failed > self.differences.len() {
+                format!(" (the first {})", self.differences.len())
+            } else {
+                String::new()
+            };
             bail!(
-                "{what}: the runs did not do the work the figure counts: expected {runs} runs \
-                 ending {stop_reason:?} with {tool_results} tool results, got {} tool results, \
-                 stop reasons {:?}, {} failed runs",
-                self.tool_results,
-                self.stop_reasons,
-                self.failed
+                "{what}: {} of {} runs (of {runs} expected) did not do the work the figure \
+                 counts (each: {}), so it is not printed; they differed{shown}: {}",
+                self.failed,
+                self.runs,
+                self.workload,
+                self.differences.join("; ")
             );
         }
         Ok(())
@@ -448,9 +674,10 @@ fn model_protocol(cli: &Cli) -> &'static str {
     }
 }
 
-/// The agent-server's client of the simulator (the lean one speaks only h2c).
+/// The agent-server's client of the simulator: the lean one speaks only h2c, so over
+/// HTTPS or HTTP/1.1 agent-server takes the general one whatever `--model-client` says.
 fn model_client(cli: &Cli) -> &str {
-    if cli.model_tls {
+    if cli.model_tls || cli.model_http1 {
         "general"
     } else {
         &cli.model_client
@@ -565,7 +792,17 @@ async fn start(
                 .await?,
         );
     }
+    let agent_pids = agents
+        .iter()
+        .map(|a| a.pid().context("agent-server exited"))
+        .collect::<anyhow::Result<Vec<u32>>>()?;
+    let pid = |server: &Server, name: &str| server.pid().with_context(|| format!("{name} exited"));
     Ok(Arc::new(Stack {
+        agents_cpu: CpuMeter::start(&agent_pids)?,
+        tools_cpu: CpuMeter::start(&[pid(&tools, "tool-executor")?])?,
+        model_cpu: CpuMeter::start(&[pid(&model, "model-simulator")?])?,
+        bench_cpu: CpuMeter::start(&[std::process::id()])?,
+        in_flight: AtomicUsize::new(0),
         model,
         tools,
         agents,
@@ -656,11 +893,8 @@ async fn main() -> anyhow::Result<()> {
         return result;
     }
     let stack = start(&dir, &cli, cli.concurrent, &scenarios_file, &config_file).await?;
-    let (agent_pids, tools_pid) = stack.pids()?;
-    let agents_cpu =
-        |pids: &[u32]| -> anyhow::Result<Duration> { pids.iter().map(|pid| cpu_time(*pid)).sum() };
     let cpu = || -> anyhow::Result<(Duration, Duration)> {
-        Ok((agents_cpu(&agent_pids)?, cpu_time(tools_pid)?))
+        Ok((stack.agents_cpu.now()?, stack.tools_cpu.now()?))
     };
     let redis_cpu = || -> anyhow::Result<Duration> {
         redis
@@ -680,67 +914,63 @@ async fn main() -> anyhow::Result<()> {
     // Warm up connections, caches and the tokenizer.
     let warm = stack.engines("tool_loop", 20).await?;
     stack
-        .run_all(warm, 10)
+        .run_all(warm, 10, &Workload::tool_loop())
         .await?
-        .expect("warm-up", 20, 20 * TOOL_LOOP_ROUNDS, "final_answer")?;
+        .expect("warm-up", 20)?;
 
     // 1. CPU per tool iteration: 10 model rounds with a (different) tool call each, plus
-    // an answer; every run is checked to have made its 10 tool calls and answered.
+    // an answer; every run is checked to have had its 10 calculator results, none an
+    // error, each the expected number, and to have answered after 11 rounds.
     let engines = stack.engines("tool_loop", cli.tool_runs).await?;
     let (a0, t0) = cpu()?;
     let (r0, memory0) = match &redis {
         Some(r) => r.info()?,
         None => (Duration::ZERO, 0),
     };
-    let totals = stack.run_all(engines, 16).await?;
+    let totals = stack.run_all(engines, 16, &Workload::tool_loop()).await?;
+    // The work first: were a server gone, its runs' failures are what to report.
+    totals.expect("tool iterations", cli.tool_runs)?;
     let (a1, t1) = cpu()?;
     let (r1, memory1) = match &redis {
         Some(r) => r.info()?,
         None => (Duration::ZERO, 0),
     };
-    totals.expect(
-        "tool iterations",
-        cli.tool_runs,
-        cli.tool_runs * TOOL_LOOP_ROUNDS,
-        "final_answer",
-    )?;
-    let iterations = cli.tool_runs * TOOL_LOOP_ROUNDS;
-    let per_iteration = (a1 - a0 + t1 - t0) / iterations as u32;
+    // Every run had its 10 results, each the right number: these are the iterations.
+    let iterations = totals.tool_results;
+    let (agents_used, tools_used) = (a1.saturating_sub(a0), t1.saturating_sub(t0));
+    let per_iteration = (agents_used + tools_used) / iterations as u32;
     println!(
         "tool iteration CPU (agent-server + tool-executor): {:.1} us per iteration  [{} runs x {TOOL_LOOP_ROUNDS} tool calls, all run; agent-server {:?}, tool-executor {:?}]",
         per_iteration.as_secs_f64() * 1e6,
         cli.tool_runs,
-        a1 - a0,
-        t1 - t0
+        agents_used,
+        tools_used
     );
     if redis.is_some() {
+        let redis_used = r1.saturating_sub(r0);
         println!(
             "Redis: CPU {:.1} us per tool iteration, {:.0} us per run; memory {:.1} KB per ended run (retained)  [{} runs]",
-            (r1 - r0).as_secs_f64() * 1e6 / iterations as f64,
-            (r1 - r0).as_secs_f64() * 1e6 / cli.tool_runs as f64,
+            redis_used.as_secs_f64() * 1e6 / iterations as f64,
+            redis_used.as_secs_f64() * 1e6 / cli.tool_runs as f64,
             memory1.saturating_sub(memory0) as f64 / 1000.0 / cli.tool_runs as f64,
             cli.tool_runs
         );
     }
 
-    // 2. agent-server CPU per streamed answer delta.
+    // 2. agent-server CPU per streamed answer delta; every run is checked to have streamed
+    // its 2,000 deltas.
     let engines = stack.engines("long_answer", cli.stream_runs).await?;
     let (a0, _) = cpu()?;
     let r0 = redis_cpu()?;
-    let totals = stack.run_all(engines, cli.stream_concurrency).await?;
+    let totals = stack
+        .run_all(engines, cli.stream_concurrency, &Workload::long_answer())
+        .await?;
+    totals.expect("answer deltas", cli.stream_runs)?;
     let (a1, _) = cpu()?;
     let r1 = redis_cpu()?;
-    totals.expect("answer deltas", cli.stream_runs, 0, "final_answer")?;
-    if totals.deltas != cli.stream_runs * LONG_ANSWER_CHARS {
-        bail!(
-            "answer deltas: expected {} deltas, got {}",
-            cli.stream_runs * LONG_ANSWER_CHARS,
-            totals.deltas
-        );
-    }
     println!(
         "answer delta CPU (agent-server): {:.2} us per delta  [{} runs, {} at once, {} deltas, {} events]",
-        (a1 - a0).as_secs_f64() * 1e6 / totals.deltas as f64,
+        a1.saturating_sub(a0).as_secs_f64() * 1e6 / totals.deltas as f64,
         cli.stream_runs,
         cli.stream_concurrency,
         totals.deltas,
@@ -749,23 +979,30 @@ async fn main() -> anyhow::Result<()> {
     if redis.is_some() {
         println!(
             "Redis: CPU {:.2} us per delta",
-            (r1 - r0).as_secs_f64() * 1e6 / totals.deltas as f64
+            r1.saturating_sub(r0).as_secs_f64() * 1e6 / totals.deltas as f64
         );
     }
 
     // 3. Time to the first event, measured at the client (an upper bound of the time after
     // Execute reaches the server): sequential runs, no model latency.
     let engines = stack.engines("hello", cli.latency_runs).await?;
+    let hello = Workload::hello();
     let mut firsts = Vec::with_capacity(engines.len());
     let mut outputs = Vec::with_capacity(engines.len());
     for (i, id) in engines.into_iter().enumerate() {
         let outcome = stack.run(i, id).await?;
-        match (outcome.first_event, outcome.first_output, &outcome.failure) {
-            (Some(event), Some(output), None) => {
+        if let Some(difference) = outcome.differs_from(&hello) {
+            bail!(
+                "first event: run {i} did not do the work the figure counts (each: {}), so it is not printed: {difference}",
+                hello.describe()
+            );
+        }
+        match (outcome.first_event, outcome.first_output) {
+            (Some(event), Some(output)) => {
                 firsts.push(event);
                 outputs.push(output);
             }
-            _ => bail!("first event: a run did not answer with text: {outcome:?}"),
+            _ => bail!("first event: run {i} did not answer with text: {outcome:?}"),
         }
     }
     firsts.sort();
@@ -780,50 +1017,60 @@ async fn main() -> anyhow::Result<()> {
     );
 
     // 4. Load: runs of 3 model calls (each with the model latency) and 2 tool calls, all at
-    // once; CPU per run at 100 and at full concurrency; memory per in-flight run.
+    // once; CPU per run at 100 and at full concurrency; memory per in-flight run. Every run
+    // is checked to have had its 2 calculator results (42, not errors) and answered.
     let small = 100.min(cli.concurrent);
     let engines = stack.engines("three_calls", small).await?;
     let (a0, t0) = cpu()?;
-    stack.run_all(engines, small).await?.expect(
-        "load, 100 runs",
-        small,
-        small * 2,
-        "final_answer",
-    )?;
+    stack
+        .run_all(engines, small, &Workload::three_calls())
+        .await?
+        .expect("load, 100 runs", small)?;
     let (a1, t1) = cpu()?;
-    let cpu_small = (a1 - a0 + t1 - t0) / small as u32;
+    let cpu_small = (a1.saturating_sub(a0) + t1.saturating_sub(t0)) / small as u32;
 
     let r0 = redis_cpu()?;
     let load = load(&stack, cli.concurrent).await?;
     let r1 = redis_cpu()?;
+    load.totals.expect("load", cli.concurrent)?;
+    let (Some(cpu_per_run), Some(memory_per_run)) = (load.cpu_per_run(), load.memory_per_run_kb())
+    else {
+        bail!(
+            "load: no sample of agent-server's memory saw a run in flight, so memory per in-flight run is not printed"
+        );
+    };
     println!(
         "{} concurrent runs (3 model calls of {} ms, 2 tool calls each): wall {:.2} s; failed runs: {}  [CPU in s: agent-server {:.2}, tool-executor {:.2}, simulator {:.2}, bench client {:.2}]",
         cli.concurrent,
         cli.latency_ms,
         load.wall.as_secs_f64(),
-        load.failed,
+        load.totals.failed,
         load.agents_cpu.as_secs_f64(),
         load.tools_cpu.as_secs_f64(),
         load.model_cpu.as_secs_f64(),
         load.bench_cpu.as_secs_f64(),
     );
     if redis.is_some() {
+        let redis_used = r1.saturating_sub(r0);
         println!(
             "Redis: CPU {:.2} s in the load, {:.0} us per run",
-            (r1 - r0).as_secs_f64(),
-            (r1 - r0).as_secs_f64() * 1e6 / cli.concurrent as f64
+            redis_used.as_secs_f64(),
+            redis_used.as_secs_f64() * 1e6 / cli.concurrent as f64
         );
     }
     println!(
-        "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, peak {} KiB]",
-        load.memory_per_run_kb(),
+        "agent-server memory per in-flight run: {:.1} KB  [RSS {} KiB before, {} KiB with {} of {} runs in flight (the most seen), peak {} KiB]",
+        memory_per_run,
         load.rss_before,
+        load.rss_most_in_flight,
+        load.most_in_flight,
+        cli.concurrent,
         load.rss_peak
     );
     println!(
         "CPU per run (agent-server + tool-executor): {:.0} us at {small} concurrent, {:.0} us at {}",
         cpu_small.as_secs_f64() * 1e6,
-        load.cpu_per_run().as_secs_f64() * 1e6,
+        cpu_per_run.as_secs_f64() * 1e6,
         cli.concurrent
     );
     let _ = std::fs::remove_file(&scenarios_file);
@@ -835,7 +1082,8 @@ async fn main() -> anyhow::Result<()> {
 /// cost and did.
 struct Load {
     concurrent: usize,
-    failed: usize,
+    /// The runs, each checked against the `three_calls` workload.
+    totals: Totals,
     wall: Duration,
     agents_cpu: Duration,
     tools_cpu: Duration,
@@ -843,6 +1091,11 @@ struct Load {
     bench_cpu: Duration,
     rss_before: u64,
     rss_peak: u64,
+    /// The most runs in flight any memory sample saw (counted before and after reading
+    /// the memory, the smaller count), and agent-server's RSS then: the highest RSS of the
+    /// samples that saw that many.
+    most_in_flight: usize,
+    rss_most_in_flight: u64,
     /// Open descriptors of agent-server, most seen during the load.
     fds_peak: usize,
     /// Health checks on agent-server's health port during the load, each 50 ms apart.
@@ -852,12 +1105,73 @@ struct Load {
 }
 
 impl Load {
-    fn cpu_per_run(&self) -> Duration {
-        (self.agents_cpu + self.tools_cpu) / self.concurrent as u32
+    /// agent-server and tool-executor CPU per run that did its whole workload (the CPU
+    /// of runs that failed is in the sum, so with failures it is an upper bound); none
+    /// when no run did.
+    fn cpu_per_run(&self) -> Option<Duration> {
+        (self.totals.completed > 0)
+            .then(|| (self.agents_cpu + self.tools_cpu) / self.totals.completed as u32)
     }
 
-    fn memory_per_run_kb(&self) -> f64 {
-        self.rss_peak.saturating_sub(self.rss_before) as f64 * 1.024 / self.concurrent as f64
+    /// agent-server's memory per run in flight, in KB: its RSS when the most runs were in
+    /// flight, less before, over that many runs; none when no sample saw a run in flight.
+    fn memory_per_run_kb(&self) -> Option<f64> {
+        (self.most_in_flight > 0).then(|| {
+            self.rss_most_in_flight.saturating_sub(self.rss_before) as f64 * 1.024
+                / self.most_in_flight as f64
+        })
+    }
+
+    /// The load's row of the `--scale` table, and the notes under the table that go with
+    /// it: with failed runs, CPU per run is over the runs that finished their whole
+    /// workload, marked `*` and noted.
+    fn scale_row(&self) -> (String, Vec<String>) {
+        let health_p99 = if self.health.is_empty() {
+            "none".to_owned()
+        } else {
+            format!(
+                "{:.1} ms",
+                percentile(&self.health, 0.99).as_secs_f64() * 1e3
+            )
+        };
+        let (completed, failed) = (self.totals.completed, self.totals.failed);
+        let partial = if failed > 0 { "*" } else { "" };
+        let cpu = match self.cpu_per_run() {
+            Some(per_run) => format!(
+                "{:.0} us{partial} ({:.0} + {:.0})",
+                per_run.as_secs_f64() * 1e6,
+                self.agents_cpu.as_secs_f64() * 1e6 / completed as f64,
+                self.tools_cpu.as_secs_f64() * 1e6 / completed as f64,
+            ),
+            None => "none finished*".to_owned(),
+        };
+        let memory = self.memory_per_run_kb().map_or_else(
+            || "none in flight at a sample".to_owned(),
+            |kb| format!("{kb:.1} KB"),
+        );
+        let row = format!(
+            "| {} | {} | {:.1} s | {cpu} | {memory} | {:.1} s | {:.1} s | {} | {} ({} failed or over 1 s) |",
+            self.concurrent,
+            failed,
+            self.wall.as_secs_f64(),
+            self.model_cpu.as_secs_f64(),
+            self.bench_cpu.as_secs_f64(),
+            self.fds_peak,
+            health_p99,
+            self.health_failed,
+        );
+        let level = self.concurrent;
+        let mut notes = Vec::new();
+        if failed > 0 {
+            notes.push(format!(
+                "* at {level} concurrent runs: over the {completed} runs that finished their whole workload; {failed} failed"
+            ));
+        }
+        notes.push(format!(
+            "memory at {level} concurrent runs: {} KiB with {} runs in flight (the most a sample saw), {} KiB before, peak {} KiB",
+            self.rss_most_in_flight, self.most_in_flight, self.rss_before, self.rss_peak
+        ));
+        (row, notes)
     }
 }
 
@@ -866,33 +1180,64 @@ fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
+/// Resident memory of processes `pids` together, in KiB.
+fn rss_of(pids: &[u32]) -> anyhow::Result<u64> {
+    pids.iter().map(|pid| rss_kib(*pid)).sum()
+}
+
+/// What the load's sampler saw of agent-server's memory.
+#[derive(Default)]
+struct MemorySamples {
+    peak: u64,
+    most_in_flight: usize,
+    rss_most_in_flight: u64,
+}
+
 /// Runs `concurrent` runs of `three_calls` at once on `stack`, sampling agent-server's
-/// memory and descriptors and timing health checks meanwhile. Unless some failed, every
-/// run is checked to have answered after its 2 tool calls.
+/// memory (with the runs in flight at each sample) and descriptors and timing health
+/// checks meanwhile. Every run is checked against the workload; the caller decides what
+/// to do with runs that failed.
 async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
-    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
-    let (agent_pids, tools_pid) = stack.pids()?;
+    let (agent_pids, _) = stack.pids()?;
     let engines = stack.engines("three_calls", concurrent).await?;
-    let rss = |pids: &[u32]| -> anyhow::Result<u64> { pids.iter().map(|pid| rss_kib(*pid)).sum() };
-    let cpu_of =
-        |pids: &[u32]| -> anyhow::Result<Duration> { pids.iter().map(|pid| cpu_time(*pid)).sum() };
-    let rss_before = rss(&agent_pids)?;
-    let model_pid = stack.model.pid().context("model-simulator exited")?;
-    let bench_pid = std::process::id();
-    let (m0, b0) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
-    let (a0, t0) = (cpu_of(&agent_pids)?, cpu_time(tools_pid)?);
-    let peak = Arc::new(AtomicU64::new(rss_before));
+    let rss_before = rss_of(&agent_pids)?;
+    let cpu = || -> anyhow::Result<[Duration; 4]> {
+        Ok([
+            stack.agents_cpu.now()?,
+            stack.tools_cpu.now()?,
+            stack.model_cpu.now()?,
+            stack.bench_cpu.now()?,
+        ])
+    };
+    let cpu0 = cpu()?;
+    let samples = Arc::new(Mutex::new(MemorySamples {
+        peak: rss_before,
+        ..MemorySamples::default()
+    }));
     let fds_peak = Arc::new(AtomicUsize::new(0));
     let sampler = {
-        let (peak, fds_peak, pids) = (peak.clone(), fds_peak.clone(), agent_pids.clone());
+        let (samples, fds_peak, pids, stack) = (
+            samples.clone(),
+            fds_peak.clone(),
+            agent_pids.clone(),
+            stack.clone(),
+        );
         tokio::spawn(async move {
             loop {
-                if let Ok(rss) = pids
-                    .iter()
-                    .map(|pid| rss_kib(*pid))
-                    .sum::<anyhow::Result<u64>>()
-                {
-                    peak.fetch_max(rss, Relaxed);
+                let before = stack.in_flight.load(Relaxed);
+                if let Ok(rss) = rss_of(&pids) {
+                    // Runs that ended while the memory was read may have freed theirs.
+                    let in_flight = before.min(stack.in_flight.load(Relaxed));
+                    let mut samples = samples.lock().unwrap_or_else(|e| e.into_inner());
+                    samples.peak = samples.peak.max(rss);
+                    if in_flight > samples.most_in_flight
+                        || (in_flight > 0
+                            && in_flight == samples.most_in_flight
+                            && rss > samples.rss_most_in_flight)
+                    {
+                        samples.most_in_flight = in_flight;
+                        samples.rss_most_in_flight = rss;
+                    }
                 }
                 fds_peak.fetch_max(pids.iter().map(|pid| open_fds(*pid)).sum(), Relaxed);
                 tokio::time::sleep(Duration::from_millis(20)).await;
@@ -932,15 +1277,16 @@ async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
         }
     });
     let started = Instant::now();
-    let totals = stack.run_all(engines, concurrent).await?;
+    let totals = stack
+        .run_all(engines, concurrent, &Workload::three_calls())
+        .await?;
     let wall = started.elapsed();
     sampler.abort();
     prober.abort();
     let (mut health, health_failed) =
         std::mem::take(&mut *probes.lock().unwrap_or_else(|e| e.into_inner()));
     health.sort();
-    let failed = totals.failed;
-    if failed > 0 {
+    if totals.failed > 0 {
         for (name, server) in [
             ("model-simulator", &stack.model),
             ("agent-server", &stack.agents[0]),
@@ -952,28 +1298,34 @@ async fn load(stack: &Arc<Stack>, concurrent: usize) -> anyhow::Result<Load> {
                 eprintln!("    {line}");
             }
         }
-    } else {
-        totals.expect("load", concurrent, concurrent * 2, "final_answer")?;
     }
-    let (a1, t1) = (cpu_of(&agent_pids)?, cpu_time(tools_pid)?);
-    let (m1, b1) = (cpu_time(model_pid)?, cpu_time(bench_pid)?);
+    // Read after the logs: a server that died is reported, its runs' failures first.
+    let cpu1 = cpu()?;
+    let [agents_cpu, tools_cpu, model_cpu, bench_cpu] =
+        std::array::from_fn(|i| cpu1[i].saturating_sub(cpu0[i]));
+    let samples = std::mem::take(&mut *samples.lock().unwrap_or_else(|e| e.into_inner()));
     Ok(Load {
         concurrent,
-        failed,
+        totals,
         wall,
-        agents_cpu: a1 - a0,
-        tools_cpu: t1 - t0,
-        model_cpu: m1 - m0,
-        bench_cpu: b1 - b0,
+        agents_cpu,
+        tools_cpu,
+        model_cpu,
+        bench_cpu,
         rss_before,
-        rss_peak: peak.load(Relaxed),
+        rss_peak: samples.peak,
+        most_in_flight: samples.most_in_flight,
+        rss_most_in_flight: samples.rss_most_in_flight,
         fds_peak: fds_peak.load(Relaxed),
         health,
         health_failed,
     })
 }
 
-/// `--scale`: the load figure at each of `--scale-levels`, each on a fresh stack, as a table.
+/// `--scale`: the load figure at each of `--scale-levels`, each on a fresh stack, as a
+/// table. A level where runs failed keeps its row (how many fail is what the table
+/// shows), its CPU per run taken over the runs that did their whole workload and marked
+/// `*`, with a note under the table.
 async fn scale(
     dir: &Path,
     cli: &Cli,
@@ -989,41 +1341,19 @@ async fn scale(
         model_client(cli)
     );
     let mut rows = Vec::new();
+    let mut notes = Vec::new();
     for &level in &cli.scale_levels {
         let stack = start(dir, cli, level, scenarios_file, config_file).await?;
         let warm = stack.engines("three_calls", 100.min(level)).await?;
-        stack.run_all(warm, 100.min(level)).await?.expect(
-            "warm-up",
-            100.min(level),
-            2 * 100.min(level),
-            "final_answer",
-        )?;
+        stack
+            .run_all(warm, 100.min(level), &Workload::three_calls())
+            .await?
+            .expect("warm-up", 100.min(level))?;
         let load = load(&stack, level).await?;
-        let health_p99 = if load.health.is_empty() {
-            "none".to_owned()
-        } else {
-            format!(
-                "{:.1} ms",
-                percentile(&load.health, 0.99).as_secs_f64() * 1e3
-            )
-        };
-        let row = format!(
-            "| {} | {} | {:.1} s | {:.0} us ({:.0} + {:.0}) | {:.1} KB | {:.1} s | {:.1} s | {} | {} ({} failed or over 1 s) |",
-            load.concurrent,
-            load.failed,
-            load.wall.as_secs_f64(),
-            load.cpu_per_run().as_secs_f64() * 1e6,
-            load.agents_cpu.as_secs_f64() * 1e6 / load.concurrent as f64,
-            load.tools_cpu.as_secs_f64() * 1e6 / load.concurrent as f64,
-            load.memory_per_run_kb(),
-            load.model_cpu.as_secs_f64(),
-            load.bench_cpu.as_secs_f64(),
-            load.fds_peak,
-            health_p99,
-            load.health_failed,
-        );
+        let (row, level_notes) = load.scale_row();
         println!("{row}");
         rows.push(row);
+        notes.extend(level_notes);
         drop(stack);
         // Let the old stack's processes and sockets go before the next level.
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -1036,5 +1366,129 @@ async fn scale(
     for row in rows {
         println!("{row}");
     }
+    for note in notes {
+        println!("{note}");
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `tool_loop` run as it went: its calculator results (output, is_error).
+    fn tool_loop_run(results: &[(&str, bool)]) -> RunOutcome {
+        RunOutcome {
+            tool_results: results
+                .iter()
+                .map(|&(output, is_error)| ToolResultSeen {
+                    is_error,
+                    output: output.to_owned(),
+                })
+                .collect(),
+            stop_reason: ANSWERED.to_owned(),
+            iterations: Some(TOOL_LOOP_ROUNDS as u64 + 1),
+            ..RunOutcome::default()
+        }
+    }
+
+    fn all_ran() -> Vec<(String, bool)> {
+        (1..=TOOL_LOOP_ROUNDS)
+            .map(|i| ((i * 7).to_string(), false))
+            .collect()
+    }
+
+    fn as_refs(results: &[(String, bool)]) -> Vec<(&str, bool)> {
+        results.iter().map(|(o, e)| (o.as_str(), *e)).collect()
+    }
+
+    #[test]
+    fn a_run_that_did_its_workload_counts() {
+        let run = tool_loop_run(&as_refs(&all_ran()));
+        assert_eq!(run.differs_from(&Workload::tool_loop()), None);
+    }
+
+    #[test]
+    fn a_failed_tool_call_is_not_an_iteration_though_the_run_answered() {
+        let mut results = all_ran();
+        results[3] = ("calling tool-executor: UNAVAILABLE".to_owned(), true);
+        let failed = tool_loop_run(&as_refs(&results));
+        let ok = tool_loop_run(&as_refs(&all_ran()));
+        let totals = Totals::tally(vec![(0, Ok(ok)), (17, Ok(failed))], &Workload::tool_loop());
+        assert_eq!((totals.completed, totals.failed), (1, 1));
+        assert_eq!(
+            totals.tool_results, TOOL_LOOP_ROUNDS,
+            "only the whole run's"
+        );
+        let refused = totals.expect("tool iterations", 2).unwrap_err().to_string();
+        assert!(
+            refused.contains(
+                "run 17: 9 tool results ran, 1 was an error: calling tool-executor: UNAVAILABLE"
+            ),
+            "{refused}"
+        );
+    }
+
+    #[test]
+    fn a_wrong_result_or_iteration_count_is_refused() {
+        let mut results = all_ran();
+        results[0].0 = "8".to_owned();
+        let wrong = tool_loop_run(&as_refs(&results));
+        assert!(
+            wrong
+                .differs_from(&Workload::tool_loop())
+                .is_some_and(|d| d.contains("its tool results were")),
+        );
+        let mut short = tool_loop_run(&as_refs(&all_ran()));
+        short.iterations = Some(10);
+        assert_eq!(
+            short.differs_from(&Workload::tool_loop()).as_deref(),
+            Some("its done event counts 10 iterations, not 11")
+        );
+        let mut stopped = tool_loop_run(&as_refs(&all_ran()));
+        stopped.stop_reason = "max_iterations".to_owned();
+        assert!(stopped.differs_from(&Workload::tool_loop()).is_some());
+    }
+
+    #[test]
+    fn a_scale_row_with_failed_runs_is_over_the_runs_that_finished_and_marked() {
+        let load = Load {
+            concurrent: 1000,
+            totals: Totals {
+                runs: 1000,
+                completed: 800,
+                failed: 200,
+                ..Totals::default()
+            },
+            wall: Duration::from_secs(3),
+            agents_cpu: Duration::from_millis(400),
+            tools_cpu: Duration::from_millis(80),
+            model_cpu: Duration::from_millis(100),
+            bench_cpu: Duration::from_millis(100),
+            rss_before: 60_000,
+            rss_peak: 82_000,
+            most_in_flight: 500,
+            rss_most_in_flight: 80_000,
+            fds_peak: 28,
+            health: vec![Duration::from_millis(4)],
+            health_failed: 0,
+        };
+        let (row, notes) = load.scale_row();
+        assert!(
+            row.starts_with("| 1000 | 200 | 3.0 s | 600 us* (500 + 100) | 41.0 KB |"),
+            "{row}"
+        );
+        assert_eq!(
+            notes[0],
+            "* at 1000 concurrent runs: over the 800 runs that finished their whole workload; 200 failed"
+        );
+    }
+
+    #[test]
+    fn runs_missing_from_the_batch_are_refused() {
+        let ok = tool_loop_run(&as_refs(&all_ran()));
+        let totals = Totals::tally(vec![(0, Ok(ok))], &Workload::tool_loop());
+        assert!(totals.expect("tool iterations", 1).is_ok());
+        assert!(totals.expect("tool iterations", 2).is_err());
+    }
 }

@@ -17,7 +17,7 @@ use anyhow::{Context, bail, ensure};
 use futures_util::{StreamExt, stream};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::cpu_time;
+use crate::cpu::CpuMeter;
 
 /// Calls measured per figure.
 const CALLS: usize = 5_000;
@@ -85,7 +85,7 @@ pub(crate) async fn run(dir: &Path, everything_js: &Path) -> anyhow::Result<()> 
         &[("RUST_LOG", "warn,agentrt_grpc=info")],
     )
     .await;
-    let pid = tools.pid().context("tool-executor has no pid")?;
+    let cpu = CpuMeter::start(&[tools.pid().context("tool-executor has no pid")?])?;
     let channel = Endpoint::from_shared(tools.url())?
         .tcp_nodelay(true)
         .connect()
@@ -96,23 +96,23 @@ pub(crate) async fn run(dir: &Path, everything_js: &Path) -> anyhow::Result<()> 
     calls(&client, mcp_call, 200, IN_FLIGHT).await?;
     calls(&client, openapi_call, 200, IN_FLIGHT).await?;
 
-    let t0 = cpu_time(pid)?;
+    let t0 = cpu.now()?;
     let started = Instant::now();
     calls(&client, mcp_call, CALLS, IN_FLIGHT).await?;
     let mcp_wall = started.elapsed();
-    let mcp_cpu = (cpu_time(pid)? - t0) / CALLS as u32;
+    let mcp_cpu = cpu.now()?.saturating_sub(t0) / CALLS as u32;
 
-    let t0 = cpu_time(pid)?;
+    let t0 = cpu.now()?;
     let started = Instant::now();
     calls(&client, openapi_call, CALLS, IN_FLIGHT).await?;
     let openapi_wall = started.elapsed();
-    let openapi_cpu = (cpu_time(pid)? - t0) / CALLS as u32;
+    let openapi_cpu = cpu.now()?.saturating_sub(t0) / CALLS as u32;
 
     // The same gRPC call to a built-in: what any tool call costs before its source.
     calls(&client, builtin_call, 200, IN_FLIGHT).await?;
-    let t0 = cpu_time(pid)?;
+    let t0 = cpu.now()?;
     calls(&client, builtin_call, CALLS, IN_FLIGHT).await?;
-    let builtin_cpu = (cpu_time(pid)? - t0) / CALLS as u32;
+    let builtin_cpu = cpu.now()?.saturating_sub(t0) / CALLS as u32;
 
     let started = Instant::now();
     calls(&client, mcp_call, BURST, BURST).await?;

@@ -27,7 +27,7 @@ use anyhow::{Context, bail};
 use futures_util::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{Backends, RedisStats, cpu_time, rss_kib};
+use crate::{Backends, RedisStats, cpu::CpuMeter, rss_kib};
 
 /// Runs started (or answered) at once.
 const CONCURRENCY: usize = 256;
@@ -63,12 +63,12 @@ fn config() -> v1::AgentConfig {
     }
 }
 
-/// Waits until the process has used no CPU for a while.
-async fn idle(pid: u32) -> anyhow::Result<()> {
-    let mut last = cpu_time(pid)?;
+/// Waits until the process `cpu` meters has used no CPU for a while.
+async fn idle(cpu: &CpuMeter) -> anyhow::Result<()> {
+    let mut last = cpu.now()?;
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let now = cpu_time(pid)?;
+        let now = cpu.now()?;
         if now.saturating_sub(last) < Duration::from_millis(5) {
             return Ok(());
         }
@@ -166,6 +166,7 @@ pub async fn run(dir: &Path, state: &str, runs: usize) -> anyhow::Result<()> {
     )
     .await;
     let pid = server.pid().context("agent-server is not running")?;
+    let cpu = CpuMeter::start(&[pid])?;
     let channel = Endpoint::from_shared(server.url())?
         .tcp_nodelay(true)
         .connect()
@@ -180,13 +181,13 @@ pub async fn run(dir: &Path, state: &str, runs: usize) -> anyhow::Result<()> {
     // The engines (and their sessions) are made before the memory is measured: they are
     // not what a waiting run costs.
     let engine_ids = engines(&channel, runs).await?;
-    idle(pid).await?;
+    idle(&cpu).await?;
 
     let rss_before = rss_kib(pid)?;
     let redis_before = redis.as_ref().map(RedisStats::info).transpose()?;
     let began = Instant::now();
     let ids = start_waiting(&channel, engine_ids).await?;
-    idle(pid).await?;
+    idle(&cpu).await?;
     let rss_waiting = rss_kib(pid)?;
     let redis_waiting = redis.as_ref().map(RedisStats::info).transpose()?;
     // Every run waits (checked on a sample spread over all of them, and the count).
@@ -205,14 +206,14 @@ pub async fn run(dir: &Path, state: &str, runs: usize) -> anyhow::Result<()> {
         }
     }
     let started_in = began.elapsed();
-    idle(pid).await?;
+    idle(&cpu).await?;
 
-    let cpu_before = cpu_time(pid)?;
+    let cpu_before = cpu.now()?;
     let answering = Instant::now();
     answer_all(&channel, &ids).await?;
-    idle(pid).await?;
+    idle(&cpu).await?;
     let resumed_in = answering.elapsed();
-    let cpu_resuming = cpu_time(pid)?.saturating_sub(cpu_before);
+    let cpu_resuming = cpu.now()?.saturating_sub(cpu_before);
 
     // Every run ended as it should, before any figure is printed.
     let checked = futures_util::stream::iter(ids.iter())
