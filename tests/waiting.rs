@@ -950,6 +950,8 @@ async fn a_run_that_would_wait_past_its_budget_fails_and_says_why() {
     let state = get_run(&mut stack.engine, &end.run_id).await;
     assert_eq!(state.status, v1::RunStatus::Failed as i32);
     assert_eq!(state.stop_reason, v1::StopReason::BudgetExceeded as i32);
+    // Its last sequence is its `done` event's: the ACTION_REQUIRED left out is not counted.
+    assert_eq!(state.last_sequence, end.sequence, "{state:?}");
     // It waits for nothing (it listed the call it would have waited for).
     assert!(state.pending_tool_calls.is_empty(), "{state:?}");
 

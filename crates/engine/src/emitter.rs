@@ -194,6 +194,7 @@ impl Emitter {
     /// replica needs to continue the run from here) when given.
     pub(crate) async fn checkpoint(&mut self, progress: Option<Progress>) -> Result<(), Outcome> {
         let batch = std::mem::take(&mut self.pending);
+        let asks = batch.iter().any(|e| e.kind == EventKind::ActionRequired);
         // Numbered either way (see `publish_pending`).
         self.published += batch.len() as u64;
         self.record.last_sequence = self.published;
@@ -213,6 +214,13 @@ impl Emitter {
                 return Err(unpublished(&error));
             }
             Err(CheckpointError::Record(error) | CheckpointError::Turn(error)) => {
+                if asks && self.record.waiting() {
+                    // A wait that was not saved leaves its ACTION_REQUIRED out of the log,
+                    // and the events after it take its number: the run's last sequence is
+                    // one lower than counted.
+                    self.published -= 1;
+                    self.record.last_sequence = self.published;
+                }
                 return Err(unsaved(&error));
             }
         }

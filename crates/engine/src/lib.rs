@@ -967,8 +967,10 @@ impl Engine {
                         config.context.max_prompt_tokens,
                         counter,
                     );
+                    let mut fitted = fitted;
                     if asked {
                         state.messages.pop();
+                        join_last_user_messages(&mut fitted.messages);
                     }
                     if fitted.dropped + fitted.compacted + fitted.shortened > 0 {
                         debug!(
@@ -2001,6 +2003,20 @@ fn truncate_output(output: &mut String, max: usize) {
 
 /// How the mark of an output cut here begins.
 const CUT_MARK: &str = "\n[tool output truncated: ";
+
+/// Joins the prompt's last two messages into one when both are the user's: the final
+/// request after a ReAct observation (itself a user message). Chat templates that hold
+/// roles to alternating (Llama 2, Mistral, Gemma, served by vLLM or llama.cpp) refuse two
+/// user messages in a row.
+fn join_last_user_messages(messages: &mut Vec<ChatMessage>) {
+    if let [.., ChatMessage::User(_), ChatMessage::User(_)] = messages.as_slice()
+        && let Some(ChatMessage::User(last)) = messages.pop()
+        && let Some(ChatMessage::User(before)) = messages.last_mut()
+    {
+        before.push_str("\n\n");
+        before.push_str(&last);
+    }
+}
 
 /// The failure of a ReAct round whose reply was only native tool calls: the protocol asks
 /// for actions in text and offers no tools natively, so the calls are not run.

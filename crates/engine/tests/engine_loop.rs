@@ -729,6 +729,58 @@ async fn react_runs_parse_actions_and_feed_observations() {
     );
 }
 
+/// A ReAct run out of rounds is asked for its answer in the same user message as its last
+/// observation: chat templates that hold roles to alternating (Llama 2, Mistral, Gemma)
+/// refuse two user messages in a row.
+#[tokio::test]
+async fn react_asks_for_the_final_answer_without_two_user_messages_in_a_row() {
+    let act = |i: usize| {
+        Ok(vec![
+            ChatDelta::Content(format!(
+                "Thought: again\nAction: calc\nAction Input: {{\"x\": {i}}}\n"
+            )),
+            ChatDelta::Finish {
+                reason: FinishReason::Stop,
+                usage: None,
+            },
+        ])
+    };
+    let h = harness(Scripted {
+        rounds: Mutex::new(
+            (0..4)
+                .map(act)
+                .chain([Ok(vec![
+                    ChatDelta::Content("Final Answer: best effort".into()),
+                    ChatDelta::Finish {
+                        reason: FinishReason::Stop,
+                        usage: None,
+                    },
+                ])])
+                .collect(),
+        ),
+        ..Default::default()
+    });
+    let (_, record) = h
+        .run("r", config(Strategy::React, &["calc"]), Arc::default())
+        .await;
+    assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+    assert_eq!(record.final_answer, "best effort");
+    let requests = h.model.requests.lock().unwrap();
+    let last = requests.last().unwrap();
+    for pair in last.messages.windows(2) {
+        assert!(
+            !matches!(pair, [ChatMessage::User(_), ChatMessage::User(_)]),
+            "{:#?}",
+            last.messages
+        );
+    }
+    let Some(ChatMessage::User(asked)) = last.messages.last() else {
+        panic!("{:#?}", last.messages)
+    };
+    assert!(asked.starts_with("Observation: "), "{asked}");
+    assert!(asked.ends_with("followed by the answer."), "{asked}");
+}
+
 #[tokio::test]
 async fn the_session_remembers_earlier_turns() {
     let h = harness(Scripted {

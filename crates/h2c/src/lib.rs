@@ -29,8 +29,8 @@
 //! its own is going away), without counting as a retry: one refused with
 //! `REFUSED_STREAM`, one above the last stream id of the server's GOAWAY, one that failed
 //! before its stream opened (RFC 9113, section 8.7). A call whose connection broke under it
-//! after its stream opened, or whose stream the server reset otherwise, fails as
-//! [`Failure::Lost`]: the server may have processed it.
+//! after its stream opened fails as [`Failure::Lost`], and one whose stream the server
+//! reset otherwise as [`Failure::Reset`]: the server may have processed either.
 //!
 //! Streams this client resets (a run cancelled mid-answer, a server slow to end its stream
 //! after `[DONE]`) may still receive the frames the server had sent. RFC 9113 says to
@@ -68,9 +68,13 @@ pub enum Failure {
     /// The server did not process the call (it refused the stream, or the stream was
     /// past its GOAWAY), even after it was sent again on other connections.
     Unprocessed,
-    /// The call was sent, and its connection broke or its stream was reset (other than
-    /// refused) before the answer came: the server may have processed it.
+    /// The call was sent, and its connection broke (or went away) before the answer
+    /// came: the server may have processed it.
     Lost,
+    /// The call was sent, and the server reset its stream (other than refused) before the
+    /// answer came: the server may have processed it, and it chose to end the call; the
+    /// error's [`PostError::reason`] says with which code.
+    Reset,
     /// Anything else (the request could not be made, and was not sent).
     Other,
 }
@@ -141,6 +145,9 @@ const RESET_MEMORY: Duration = Duration::from_secs(10);
 /// Times one call is sent again because the server did not process it (refused, or past
 /// its GOAWAY, whose connection takes no more calls), before it fails.
 const MAX_UNPROCESSED_RESENDS: usize = 4;
+/// A connection whose streams reached this id takes no more calls: a client's stream ids
+/// are the odd numbers below 2^31, and h2 refuses to open a stream past the last one.
+const RETIRE_AFTER_STREAM_ID: u32 = (1 << 31) - (1 << 20);
 /// Connections opened before calls share them, and kept open when idle, unless
 /// [`H2cClient::with_min_connections`] says otherwise.
 const MIN_CONNECTIONS: usize = 2;
@@ -167,6 +174,11 @@ pub struct H2cClient {
     /// What to do about a server that answers in HTTP/1, for its errors.
     http1_hint: Option<&'static str>,
     pool: Mutex<Pool>,
+    /// Connections being opened, by calls that do not hold the pool meanwhile; each is
+    /// counted by a [`Connecting`] guard, so that a call dropped while it connects (its
+    /// deadline passed, its run was cancelled) does not leave the others waiting for a
+    /// connection nobody opens.
+    connecting: AtomicUsize,
     /// Told when a connection being opened is open, or could not be.
     connected: tokio::sync::Notify,
     /// The origin of the connections' times of last use.
@@ -183,8 +195,29 @@ struct Pool {
     /// at a time take the kept connections in turn (behind a load balancer, each may
     /// reach another replica of the server).
     turn: usize,
-    /// Connections being opened, by calls that do not hold the pool meanwhile.
-    connecting: usize,
+    /// Attempts to connect that failed while no connection was open, and the last one's
+    /// error: the calls that waited for such an attempt fail with it, instead of each
+    /// trying again in turn until their deadlines pass.
+    failed_connects: u64,
+    last_connect_failure: Option<PostError>,
+}
+
+/// A connection being opened, counted on the client until the guard is dropped, whether
+/// the attempt ended or the call making it was dropped; the calls waiting for it are told.
+struct Connecting<'a>(&'a H2cClient);
+
+impl<'a> Connecting<'a> {
+    fn start(client: &'a H2cClient) -> Self {
+        client.connecting.fetch_add(1, Ordering::SeqCst);
+        Self(client)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.connecting.fetch_sub(1, Ordering::SeqCst);
+        self.0.connected.notify_waiters();
+    }
 }
 
 /// Whole milliseconds of `duration`, the unit of the pool's times.
@@ -277,6 +310,7 @@ impl H2cClient {
             min_connections: MIN_CONNECTIONS,
             http1_hint: None,
             pool: Mutex::default(),
+            connecting: AtomicUsize::new(0),
             connected: tokio::sync::Notify::new(),
             epoch: Instant::now(),
         })
@@ -306,14 +340,28 @@ impl H2cClient {
     /// The call that opens a connection takes it; the pool is not held meanwhile, so other
     /// calls go on over the connections open (and wait for it only when none has room).
     async fn connection(&self) -> Result<(Connection, CallGuard), PostError> {
+        // Connect attempts that had failed when this call began waiting for one.
+        let mut waited_after: Option<u64> = None;
         loop {
+            // Made before the count of connections being opened is read: an attempt that
+            // ends after that still wakes this call.
+            let connected = self.connected.notified();
             let mut guard = self.pool.lock().await;
             let Pool {
                 connections: pool,
                 no_connect_before,
                 turn,
-                connecting,
+                failed_connects,
+                last_connect_failure,
             } = &mut *guard;
+            if let Some(before) = waited_after
+                && *failed_connects > before
+                && pool.is_empty()
+                && let Some(error) = last_connect_failure
+            {
+                // The attempt this call waited for found the server unreachable.
+                return Err(error.clone());
+            }
             let now = self.millis_since_epoch();
             let idle_since = now.saturating_sub(millis(self.idle_timeout));
             pool.retain(Connection::is_open);
@@ -338,39 +386,49 @@ impl H2cClient {
                 .filter(|c| c.has_room())
                 .min_by_key(|c| c.calls())
                 .cloned();
-            if spare.is_none() && *connecting > 0 {
+            let connecting = self.connecting.load(Ordering::SeqCst);
+            if spare.is_none() && connecting > 0 {
                 // Another call is opening a connection: this one waits for it.
-                let connected = self.connected.notified();
+                waited_after.get_or_insert(*failed_connects);
                 drop(guard);
                 connected.await;
                 continue;
             }
-            let opened = pool.len() + *connecting;
+            let opened = pool.len() + connecting;
             let wanted = opened < self.min_connections || spare.is_none();
             let allowed = opened == 0 || (opened < MAX_CONNECTIONS && now >= *no_connect_before);
             if wanted && allowed {
-                *connecting += 1;
+                let attempt = Connecting::start(self);
                 drop(guard);
                 // Boxed: the handshake's state is large, and a future that held it inline
                 // would carry that room through every call, though few calls connect.
                 let result = Box::pin(self.connect()).await;
                 let mut guard = self.pool.lock().await;
-                guard.connecting -= 1;
-                self.connected.notify_waiters();
-                match result {
+                let outcome = match result {
                     Ok(connection) => {
                         guard.connections.push(connection.clone());
                         let call = connection.call(self.millis_since_epoch());
-                        return Ok((connection, call));
+                        Some(Ok((connection, call)))
                     }
-                    Err(error) if guard.connections.is_empty() => return Err(error),
+                    Err(error) if guard.connections.is_empty() => {
+                        guard.failed_connects += 1;
+                        guard.last_connect_failure = Some(error.clone());
+                        Some(Err(error))
+                    }
                     Err(error) => {
                         debug!(address = %self.address, %error, "no other connection for now");
                         guard.no_connect_before = self
                             .millis_since_epoch()
                             .saturating_add(millis(CONNECT_BACKOFF));
-                        continue;
+                        None
                     }
+                };
+                // The waiting calls are told once the pool shows the outcome.
+                drop(guard);
+                drop(attempt);
+                match outcome {
+                    Some(outcome) => return outcome,
+                    None => continue,
                 }
             }
             // Else one with a stream to spare; with none, h2 queues the call on the least
@@ -548,7 +606,12 @@ impl H2cClient {
             unusable(&e);
             Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
         };
-        let sender = connection.sender.clone().ready().await.map_err(unsent)?;
+        // A connection that cannot open a stream (it broke, or its stream ids ran out) takes
+        // no other call.
+        let sender = connection.sender.clone().ready().await.map_err(|e| {
+            connection.closed.store(true, Ordering::Release);
+            unsent(e)
+        })?;
         // After the stream opened, the server saw the call unless it refused the stream or
         // its GOAWAY's last stream id is below it.
         let sent = |id: u32, e: h2::Error| {
@@ -558,9 +621,12 @@ impl H2cClient {
                     || (e.is_go_away() && connection.refused_by_go_away(id)));
             if refused {
                 Attempt::Unprocessed(PostError::of_h2(Failure::Unprocessed, &e))
+            } else if e.is_remote() && e.is_reset() {
+                // The server, still there, ended the stream with an error code.
+                Attempt::Failed(PostError::of_h2(Failure::Reset, &e))
             } else {
-                // The connection broke, or the stream was reset (with an error, or by a
-                // GOAWAY that covers it): the server may have processed the call.
+                // The connection broke, or went away with a GOAWAY that covers the
+                // stream: the server may have processed the call.
                 Attempt::Failed(PostError::of_h2(Failure::Lost, &e))
             }
         };
@@ -579,6 +645,11 @@ impl H2cClient {
             request_headers.insert(CONTENT_LENGTH, HeaderValue::from(body.len()));
             let (response, mut stream) = sender.send_request(request, false).map_err(unsent)?;
             let id = u32::from(response.stream_id());
+            if id >= RETIRE_AFTER_STREAM_ID {
+                // Its stream ids run out soon: the calls on it end there, the next ones go
+                // to another connection.
+                connection.closed.store(true, Ordering::Release);
+            }
             // The whole body is queued at once; h2 sends it as the stream's window allows.
             stream
                 .send_data(body.clone(), true)
@@ -1038,7 +1109,8 @@ mod tests {
     }
 
     /// A call the server saw, whose stream it then reset or whose connection it dropped
-    /// before answering, is lost (the server may have processed it), not unreachable.
+    /// before answering, is reset or lost (the server may have processed it), not
+    /// unreachable.
     #[tokio::test]
     async fn a_call_reset_or_cut_off_after_it_was_sent_is_lost() {
         let (url, seen) = h2_server(
@@ -1048,7 +1120,7 @@ mod tests {
         .await;
         let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
         let error = answer_after(&client, Duration::ZERO).await.unwrap_err();
-        assert_eq!(error.failure, Failure::Lost, "{error}");
+        assert_eq!(error.failure, Failure::Reset, "{error}");
         assert_eq!(error.reason, Some(h2::Reason::INTERNAL_ERROR));
         assert_eq!(seen.answered.load(Ordering::Relaxed), 1);
 
@@ -1068,6 +1140,73 @@ mod tests {
         let client = H2cClient::new(&url, Duration::from_secs(5)).unwrap();
         let error = answer_after(&client, Duration::ZERO).await.unwrap_err();
         assert_eq!(error.failure, Failure::Lost, "{error}");
+    }
+
+    /// A server whose first connection never answers the handshake, and whose later ones
+    /// are served; it counts the connections it accepted.
+    async fn first_connection_silent() -> (String, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            let mut silent = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                    silent.push(socket);
+                    continue;
+                }
+                tokio::spawn(async move {
+                    let mut connection = h2::server::handshake(socket).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        let mut stream = respond.send_response(event_stream(), false).unwrap();
+                        let _ = stream.send_data(Bytes::from_static(b"data: [DONE]\n\n"), true);
+                    }
+                });
+            }
+        });
+        (url, accepted)
+    }
+
+    /// A call dropped while it opens a connection (its deadline passed, its run was
+    /// cancelled) must not leave the calls after it waiting for that connection forever.
+    #[tokio::test]
+    async fn a_call_dropped_while_it_connects_does_not_stop_the_next_from_connecting() {
+        let (url, _) = first_connection_silent().await;
+        let client = H2cClient::new(&url, Duration::from_secs(30)).unwrap();
+        let first = tokio::time::timeout(
+            Duration::from_millis(200),
+            answer_after(&client, Duration::ZERO),
+        )
+        .await;
+        assert!(first.is_err(), "the first connection is never answered");
+        let next = tokio::time::timeout(
+            Duration::from_secs(10),
+            answer_after(&client, Duration::ZERO),
+        )
+        .await
+        .expect("the next call opened a connection of its own")
+        .unwrap();
+        assert_eq!(next, b"data: [DONE]\n\n");
+    }
+
+    /// Calls that waited for a connection that could not be opened fail with its error,
+    /// instead of each trying again in turn until their deadlines pass.
+    #[tokio::test]
+    async fn calls_waiting_for_a_connection_that_failed_fail_with_it() {
+        let (url, accepted) = first_connection_silent().await;
+        let client = H2cClient::new(&url, Duration::from_millis(300)).unwrap();
+        let calls = (0..5).map(|_| answer_after(&client, Duration::ZERO));
+        let errors = futures_util::future::join_all(calls).await;
+        for error in errors {
+            let error = error.unwrap_err();
+            assert_eq!(error.failure, Failure::Unreachable, "{error}");
+            assert!(
+                error.message.contains("no answer to the first ping"),
+                "{error}"
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "one attempt, shared");
     }
 
     /// A server that cannot be reached is not named by its address in the message, which

@@ -370,6 +370,11 @@ impl OpenAiChat {
                 "{who}: the call was cut off after it was sent, before the answer began: {}",
                 e.message
             )),
+            Failure::Reset => ModelError::LostBeforeAnswer(format!(
+                "{who}: the server reset the call after it was sent, before the answer \
+                 began: {}",
+                e.message
+            )),
             Failure::Unreachable | Failure::Unprocessed | Failure::Other => {
                 ModelError::Connect(format!("{who}: {}", e.message))
             }
@@ -1841,8 +1846,11 @@ impl Assembler {
                 continue;
             }
             out.push_back(ChatDelta::ToolCall(ModelToolCall {
+                // Made unique beyond this reply: the session's history holds the calls of
+                // earlier turns, and providers (Anthropic behind a proxy, templates that
+                // pair results with calls by id) refuse two calls of one id in a prompt.
                 id: if call.id.is_empty() {
-                    format!("call_{position}")
+                    format!("call_{:012x}_{position}", fastrand::u64(..) >> 16)
                 } else {
                     call.id
                 },
@@ -2182,9 +2190,22 @@ mod tests {
                     "calculator".into(),
                     "{\"expression\":\"2+2\"}".into()
                 ),
-                ("call_2".into(), "current_time".into(), "{}".into()),
+                (calls[2].0.clone(), "current_time".into(), "{}".into()),
             ]
         );
+        // A call the server gave no id gets one of its own, unique beyond the reply.
+        assert!(
+            calls[2].0.starts_with("call_") && calls[2].0.ends_with("_2"),
+            "{calls:?}"
+        );
+        let again: Vec<_> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call.id),
+                _ => None,
+            })
+            .collect();
+        assert_ne!(again[2], calls[2].0);
 
         // A server that repeats the id and the name on every fragment makes one call.
         let sse = concat!(

@@ -2015,6 +2015,13 @@ impl RedisBus {
 /// model streams a token at a time, and one write per token would cost Redis a command
 /// per token.
 const DELTA_LINGER: Duration = Duration::from_millis(10);
+/// After the flusher's write of a publisher's events failed, it tries again after this
+/// wait, doubled each time up to the most.
+const FLUSH_RETRY_FIRST: Duration = Duration::from_millis(100);
+const FLUSH_RETRY_MOST: Duration = Duration::from_secs(2);
+/// Writes the flusher tries for one batch (about a minute in all); the run's own next
+/// write tries again after that.
+const FLUSH_RETRIES: usize = 32;
 /// Deltas buffered at most before they are written at once.
 const DELTA_BUFFER: usize = 128;
 
@@ -2313,7 +2320,31 @@ impl Flusher {
                 if waiting {
                     // Each write on its own: one that waits for Redis holds up no other.
                     tokio::spawn(async move {
-                        let _ = core.write().await;
+                        let mut wait = FLUSH_RETRY_FIRST;
+                        for _ in 0..FLUSH_RETRIES {
+                            match core.write().await {
+                                Ok(()) | Err(BusError::Fenced(_)) => return,
+                                // The events stay buffered: they are written again after
+                                // a while (and with the run's next write, if that comes
+                                // first), not left for the run's next event, which may be
+                                // a long model call away.
+                                Err(error) => {
+                                    debug!(run_id = %core.run_id, %error, ?wait, "events waiting to be written could not be; trying again");
+                                    tokio::time::sleep(wait).await;
+                                    wait = (wait * 2).min(FLUSH_RETRY_MOST);
+                                    let state = core.state();
+                                    // Written meanwhile, due to be anyway, or let go by
+                                    // its run (this task holds the last reference).
+                                    if state.buffer.is_empty()
+                                        || state.fenced
+                                        || state.due.is_some()
+                                        || Arc::strong_count(&core) == 1
+                                    {
+                                        return;
+                                    }
+                                }
+                            }
+                        }
                     });
                 }
             }

@@ -683,3 +683,74 @@ async fn redis_end_writes_the_turn_with_the_end_or_neither() {
     assert!(sessions.history("s-tf").await.unwrap().is_empty());
     assert!(!b.runs().load("tf").await.unwrap().unwrap().ended());
 }
+
+/// A TCP relay to the test Redis that can be cut: while `down`, it closes the connections
+/// it has and every one it accepts.
+async fn breakable_relay() -> (String, Arc<tokio::sync::watch::Sender<bool>>) {
+    let target = redis_url();
+    let target = target
+        .strip_prefix("redis://")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let (down, watch) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let mut watch = watch.clone();
+            if *watch.borrow() {
+                continue;
+            }
+            let target = target.clone();
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                    _ = watch.wait_for(|down| *down) => {}
+                }
+            });
+        }
+    });
+    (format!("redis://{address}/0"), Arc::new(down))
+}
+
+/// Events a publisher let wait (published soon: a tool result before the next model call)
+/// whose write failed are written again once Redis is back, not held until the run's next
+/// event, which may be a long model call away.
+#[tokio::test]
+async fn redis_events_let_wait_are_written_after_a_failed_write_without_another_publish() {
+    let prefix = redis_prefix("flush-retry");
+    let (relayed, down) = breakable_relay().await;
+    let a = Redis::connect(&relayed, &prefix, limits(100)).unwrap();
+    let reader = Redis::connect(&redis_url(), &prefix, limits(100)).unwrap();
+    let publisher = a.bus().open("fr", "").await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    down.send_replace(true);
+    publisher
+        .publish_soon(vec![RunEvent::new(
+            EventKind::ToolResult,
+            1,
+            String::new(),
+            None,
+        )])
+        .await
+        .unwrap();
+    // The flusher's write fails while Redis cannot be reached.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    down.send_replace(false);
+    let mut events = reader.bus().subscribe("fr", 0).await.unwrap();
+    let first = events.next().await.unwrap().unwrap();
+    assert_eq!(first.sequence, 1);
+    let second = tokio::time::timeout(Duration::from_secs(10), events.next())
+        .await
+        .expect("the event let wait was written once Redis was back")
+        .unwrap()
+        .unwrap();
+    assert_eq!((second.sequence, second.kind), (2, EventKind::ToolResult));
+    drop(publisher);
+}

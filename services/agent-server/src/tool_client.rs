@@ -583,7 +583,14 @@ impl GrpcToolClient {
                     Code::NotFound => ToolResult::error(format!(
                         "tool {name:?} does not exist on the tool executor"
                     )),
-                    Code::DeadlineExceeded | Code::Cancelled => timed_out(),
+                    Code::DeadlineExceeded => timed_out(),
+                    // Cancelled by the tool executor (or a proxy) before the deadline: not
+                    // a timeout, whatever the code.
+                    Code::Cancelled if Instant::now() < deadline => ToolResult::error(format!(
+                        "tool {name:?} failed: the tool executor cancelled the call: {}",
+                        status.message()
+                    )),
+                    Code::Cancelled => timed_out(),
                     // Its address and the error's details are for the operator, in the log;
                     // the model and the client read what happened.
                     code => match unsent(&status) {

@@ -238,13 +238,46 @@ fn status_of(headers: &HeaderMap) -> Option<Result<(), Status>> {
         .unwrap_or_default();
     // With its details (`grpc-status-details-bin`: the ErrorInfo that says whether an
     // unavailable call may have run, and the RetryInfo that says when to try again).
+    // Decoded here, leniently: tonic's `Status::from_header_map` panics on a value that is
+    // not base64, which a proxy or another implementation of the tool executor may send;
+    // such details are left out.
     let details = headers
-        .contains_key("grpc-status-details-bin")
-        .then(|| Status::from_header_map(headers))
-        .flatten()
-        .map(|status| status.details().to_vec())
+        .get("grpc-status-details-bin")
+        .and_then(|value| base64_decode(value.as_bytes()))
         .unwrap_or_default();
     Some(Err(Status::with_details(code, message, details.into())))
+}
+
+/// `text` decoded as base64, standard or URL-safe, padded or not (gRPC's binary headers
+/// are sent unpadded and received either way); `None` when it is not base64.
+fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+    let digit = |c: u8| -> Option<u32> {
+        Some(u32::from(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            _ => return None,
+        }))
+    };
+    let text = text
+        .strip_suffix(b"==")
+        .or_else(|| text.strip_suffix(b"="))
+        .unwrap_or(text);
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    for chunk in text.chunks(4) {
+        let mut bits = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            bits |= digit(c)? << (18 - 6 * i);
+        }
+        let bytes = bits.to_be_bytes();
+        out.extend_from_slice(&bytes[1..chunk.len()]);
+    }
+    Some(out)
 }
 
 /// `grpc-message` as sent: percent-encoded UTF-8.
@@ -289,8 +322,10 @@ fn not_sent(error: PostError) -> Status {
         Failure::Lost => (Some(Unsent::Lost), Code::Unavailable),
         // Sent again by the client already, as often as a call refused through tonic.
         Failure::Unprocessed | Failure::NotHttp2 => (None, Code::Unavailable),
-        // The stream was ended with an HTTP/2 error code: the call may have run.
-        Failure::Other => (None, code_of(error.reason)),
+        // The tool executor reset the stream with an HTTP/2 error code (a handler that
+        // failed, a call it cancelled): it decided the call's end, which may have run, and
+        // it is not sent again.
+        Failure::Reset | Failure::Other => (None, code_of(error.reason)),
     };
     let mut status = Status::new(code, error.message);
     if let Some(mark) = mark {
@@ -339,6 +374,8 @@ mod tests {
         Large,
         /// The message, and no status after it.
         NoStatus,
+        /// The stream reset with INTERNAL_ERROR before any answer (a handler that failed).
+        Reset,
     }
 
     /// A raw HTTP/2 server on a free port that answers every call as `answer` says.
@@ -369,6 +406,7 @@ mod tests {
                         let mut ok = HeaderMap::new();
                         ok.insert("grpc-status", HeaderValue::from_static("0"));
                         match answer {
+                            Answer::Reset => respond.send_reset(h2::Reason::INTERNAL_ERROR),
                             Answer::NotFound => {
                                 let response = grpc
                                     .header("grpc-status", "5")
@@ -458,6 +496,11 @@ mod tests {
         let status = call(&server(Answer::NoStatus).await).await.unwrap_err();
         assert_eq!(status.code(), Code::Internal, "{status:?}");
         assert!(status.message().contains("without a status"), "{status:?}");
+        // A stream the tool executor reset is its answer: the call may have run, and is
+        // not sent again as one whose connection broke would be.
+        let status = call(&server(Answer::Reset).await).await.unwrap_err();
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        assert_eq!(super::super::unsent(&status), None, "{status:?}");
     }
 
     #[tokio::test]
@@ -536,5 +579,35 @@ mod tests {
         let read = status_of(&headers).unwrap().unwrap_err();
         assert_eq!((read.code(), read.message()), (Code::Unavailable, "down"));
         assert_eq!(read.details(), sent.details());
+        // Details that are not base64 (a proxy's, another implementation's) are left out,
+        // the status kept: tonic's own reading of them panics.
+        let mut headers = headers;
+        headers.insert(
+            "grpc-status-details-bin",
+            HeaderValue::from_static("not base64!"),
+        );
+        let read = status_of(&headers).unwrap().unwrap_err();
+        assert_eq!((read.code(), read.message()), (Code::Unavailable, "down"));
+        assert!(read.details().is_empty());
+    }
+
+    #[test]
+    fn base64_is_read_padded_or_not_standard_or_url_safe() {
+        for (text, bytes) in [
+            (&b""[..], &b""[..]),
+            (b"Zg", b"f"),
+            (b"Zg==", b"f"),
+            (b"Zm8", b"fo"),
+            (b"Zm8=", b"fo"),
+            (b"Zm9v", b"foo"),
+            (b"Zm9vYg", b"foob"),
+            (b"-_-_", &[0xfb, 0xff, 0xbf]),
+            (b"+/+/", &[0xfb, 0xff, 0xbf]),
+        ] {
+            assert_eq!(base64_decode(text).as_deref(), Some(bytes), "{text:?}");
+        }
+        for text in [&b"Z"[..], b"Zm9v!", b"Zm 9v", b"Zm9vY"] {
+            assert_eq!(base64_decode(text), None, "{text:?}");
+        }
     }
 }
