@@ -215,13 +215,11 @@ impl Kept<'_> {
 }
 
 /// An exchange with tool traffic as its question and final answer alone; `None` when it
-/// has none to leave out.
+/// has none to leave out. Its traffic is whatever lies between the two: native tool calls
+/// and results, or a ReAct turn's actions and observations (assistant and user messages of
+/// text).
 fn compact(exchange: &Exchange, counter: &TokenCounter) -> Option<(Vec<ChatMessage>, u32)> {
-    let traffic = exchange.messages.iter().any(|m| {
-        matches!(m, ChatMessage::Tool { .. })
-            || matches!(m, ChatMessage::Assistant { tool_calls, .. } if !tool_calls.is_empty())
-    });
-    if !traffic {
+    if exchange.messages.len() <= 2 {
         return None;
     }
     let question = exchange
@@ -354,6 +352,49 @@ mod tests {
             counter(),
         );
         assert_eq!(fitted.dropped, 2, "history stays contiguous");
+    }
+
+    /// A ReAct turn's actions and observations are text (assistant and user messages):
+    /// they are its tool traffic all the same, left out when the exchange does not fit
+    /// whole.
+    #[test]
+    fn a_react_exchange_that_does_not_fit_goes_in_as_question_and_answer() {
+        let react = Arc::new(Exchange {
+            messages: vec![
+                ChatMessage::User("big react".into()),
+                ChatMessage::Assistant {
+                    content: "Thought: look\nAction: search\nAction Input: {}".into(),
+                    tool_calls: vec![],
+                },
+                ChatMessage::User(format!("Observation: {}", "x ".repeat(2000))),
+                ChatMessage::Assistant {
+                    content: "Thought: done\nFinal Answer: found".into(),
+                    tool_calls: vec![],
+                },
+            ],
+            tokens: 2100,
+            kept_ms: 0,
+        });
+        let fitted = fit(
+            &[],
+            &[react],
+            &[(ChatMessage::User("q".into()), 10)],
+            0,
+            200,
+            counter(),
+        );
+        assert_eq!((fitted.dropped, fitted.compacted), (0, 1));
+        assert_eq!(
+            fitted.messages,
+            [
+                ChatMessage::User("big react".into()),
+                ChatMessage::Assistant {
+                    content: "Thought: done\nFinal Answer: found".into(),
+                    tool_calls: vec![],
+                },
+                ChatMessage::User("q".into()),
+            ]
+        );
     }
 
     #[test]
