@@ -2,9 +2,13 @@
 """Runs a tool-using agent turn on agent-server from Python, over plain gRPC.
 
 Generates the Python stubs from the repository's proto/ on the fly (grpcio-tools), creates
-an engine, streams one Execute and prints what happens as it happens. When the stream ends
-with UNAVAILABLE (the replica serving it shut down and handed the run over, or the
-connection broke), it resumes by itself with Subscribe(run_id, after_sequence).
+an engine, streams one Execute and prints what happens as it happens. The Execute is sent with
+`detach` set, so that the run outlives a broken connection: when the stream ends with
+UNAVAILABLE (the replica serving it shut down and handed the run over, or the connection
+broke), or with OUT_OF_RANGE `EVENTS_LAGGED` (this client read too slowly and the run went
+on without it), it resumes by itself with Subscribe(run_id, after_sequence). Since the run
+does not end with the stream, the script cancels it (Cancel) when it quits before the
+run's end: on Ctrl-C or an error.
 
 The agent has the tool executor's calculator and a client tool, lookup_order, that this
 script runs itself: when the run asks for it (EVENT_TYPE_ACTION_REQUIRED, action
@@ -21,7 +25,11 @@ model reads) and answers with ApproveToolCalls, or answers by itself with
     python3 examples/python/run_agent.py --model gpt-4o-mini --approve-tool calculator \
         --auto-approve no --deny-reason "not today" --query "Where is order A-17? And 6 * 7?"
 
-Exits 0 when the run ends with a final answer, 1 otherwise.
+Prints the answer (the final answer deltas of the run's last iteration) and how the run
+ended. Exits 0 when the run ends with a complete answer (stop reason `final_answer` or
+`max_iterations`); 1 when the answer is incomplete (`max_tokens`: the partial answer is
+printed, and why it is cut), when the run failed (no answer; its error's code, message and
+category are printed) or on a client error; 130 on Ctrl-C.
 """
 
 import argparse
@@ -132,33 +140,159 @@ def answer_action(engine, agent_engine_pb2, run_id, calls, decide):
         else:
             print(f"[unknown action {call['action']!r} for {name}: left unanswered]")
     if outputs:
-        engine.SubmitToolOutputs(agent_engine_pb2.SubmitToolOutputsRequest(
-            run_id=run_id, outputs=outputs), timeout=10)
+        send_answers(engine, "SubmitToolOutputs", agent_engine_pb2.SubmitToolOutputsRequest(
+            run_id=run_id, outputs=outputs))
     if decisions:
-        engine.ApproveToolCalls(agent_engine_pb2.ApproveToolCallsRequest(
-            run_id=run_id, decisions=decisions), timeout=10)
+        send_answers(engine, "ApproveToolCalls", agent_engine_pb2.ApproveToolCallsRequest(
+            run_id=run_id, decisions=decisions))
 
 
 RESUME_FIRST_WAIT = 0.2  # seconds before the first retry; doubles up to RESUME_MAX_WAIT
 RESUME_MAX_WAIT = 2.0
-RESUME_BUDGET = 30.0  # give up after this long without a new event
+RESUME_BUDGET = 30.0  # give up after this long without a new event (or answer taken)
+CANCEL_TIMEOUT = 3.0  # seconds a Cancel may take when the script quits early
+
+# Client keepalive: a ping every 30 s on a connection with a call open (a run's stream may
+# be quiet for long, e.g. while it waits for an answer typed on the terminal), and a
+# connection that does not answer one within 10 s is broken: the stream ends UNAVAILABLE
+# and is resumed. gRPC core stops pinging after two pings without data unless
+# max_pings_without_data is 0 (no limit).
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
 
 
 class StreamLost(Exception):
-    """The run's stream stayed UNAVAILABLE for RESUME_BUDGET seconds."""
+    """The run's stream (or an answer to it) stayed UNAVAILABLE for RESUME_BUDGET seconds."""
+
+
+class Backoff:
+    """The waits between retries: RESUME_FIRST_WAIT doubling up to RESUME_MAX_WAIT, until
+    RESUME_BUDGET has passed since the first failure after the last progress (`reset`)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.wait, self.give_up_at = RESUME_FIRST_WAIT, None
+
+    def next_wait(self):
+        """Seconds to wait before the next attempt, or None when the budget is spent."""
+        self.give_up_at = self.give_up_at or time.monotonic() + RESUME_BUDGET
+        if time.monotonic() + self.wait > self.give_up_at:
+            return None
+        wait, self.wait = self.wait, min(self.wait * 2, RESUME_MAX_WAIT)
+        return wait
+
+
+def send_answers(engine, method, request):
+    """Sends `request` with the AgentEngine `method` (SubmitToolOutputs or
+    ApproveToolCalls), retrying UNAVAILABLE with the stream's backoff: the same answer sent
+    again is accepted once.
+
+    FAILED_PRECONDITION means the run does not wait for these answers (any more): it ended
+    meanwhile (cancelled, timed out waiting, ...), or the calls were answered otherwise.
+    That is not this client's end: the run's stream goes on and tells how the run ends.
+    """
+    import grpc
+
+    backoff = Backoff()
+    while True:
+        try:
+            getattr(engine, method)(request, timeout=10)
+            return
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                print(f"[{method} not taken: {error.details()}; reading on to the run's end]")
+                return
+            if error.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            wait = backoff.next_wait()
+            if wait is None:
+                raise StreamLost(f"{method}: still UNAVAILABLE after {RESUME_BUDGET:.0f}s of "
+                                 f"retries: {error.details()}") from error
+            print(f"[{method} failed: {error.details()}; sending it again in {wait:.1f}s]")
+            time.sleep(wait)
+
+
+def proto_fields(data):
+    """The length-delimited fields of a serialized protobuf message, as (number, bytes);
+    the others are skipped. Enough to read a google.rpc.Status and its ErrorInfo without
+    their generated classes (googleapis-common-protos is not among this script's packages).
+    """
+    fields, i = [], 0
+
+    def varint():
+        nonlocal i
+        value, shift = 0, 0
+        while True:
+            byte = data[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:  # varint
+            varint()
+        elif wire_type == 1:  # 64-bit
+            i += 8
+        elif wire_type == 5:  # 32-bit
+            i += 4
+        elif wire_type == 2:  # length-delimited: strings, bytes, messages
+            size = varint()
+            fields.append((number, data[i:i + size]))
+            i += size
+        else:
+            raise ValueError(f"unexpected wire type {wire_type}")
+    if i > len(data):
+        raise ValueError("truncated message")
+    return fields
+
+
+def error_info(error):
+    """The google.rpc.ErrorInfo of a gRPC error as (reason, metadata), read from its
+    `grpc-status-details-bin` trailer (a google.rpc.Status: details = 3, each a
+    google.protobuf.Any with type_url = 1, value = 2; ErrorInfo: reason = 1, metadata = 3,
+    each entry key = 1, value = 2); ("", {}) when it has none."""
+    try:
+        trailers = dict(error.trailing_metadata() or ())
+        for number, detail in proto_fields(trailers.get("grpc-status-details-bin", b"")):
+            any_ = dict(proto_fields(detail)) if number == 3 else {}
+            if any_.get(1, b"").decode().endswith("/google.rpc.ErrorInfo"):
+                info = proto_fields(any_.get(2, b""))
+                reason = dict(info).get(1, b"").decode()
+                metadata = {}
+                for n, entry in info:
+                    if n == 3:
+                        entry = dict(proto_fields(entry))
+                        metadata[entry.get(1, b"").decode()] = entry.get(2, b"").decode()
+                return reason, metadata
+    except (ValueError, IndexError, UnicodeDecodeError):
+        pass  # unreadable details: as if there were none
+    return "", {}
 
 
 def stream_run(engine, agent_engine_pb2, request, timeout=None):
     """Yields the events of the run `request` starts, each once, in order, up to `done`.
 
     On UNAVAILABLE it resumes with Subscribe(run_id, after_sequence) on the same target,
-    or, before the first event, repeats the Execute: its message_id makes it the same run.
+    or, before the first event, repeats the Execute: its message_id makes it the same run
+    (the request sets `detach`, so that the run is not cancelled when its stream breaks).
+    OUT_OF_RANGE with reason EVENTS_LAGGED (this client fell further behind than the run's
+    replay log; the run goes on) is resumed the same way, with the run id the error names
+    when no event came yet.
     The streams have no deadline unless `timeout` (seconds) says: a run may wait for an
     answer typed on the terminal, and the server ends every run within its own timeouts.
     """
     import grpc
 
-    run_id, last, wait, give_up_at = None, 0, RESUME_FIRST_WAIT, None
+    run_id, last, backoff = None, 0, Backoff()
     while True:
         if run_id is None:
             call = engine.Execute(request, timeout=timeout)
@@ -170,22 +304,69 @@ def stream_run(engine, agent_engine_pb2, request, timeout=None):
                 if event.sequence <= last:
                     continue  # seen before the stream was lost
                 run_id, last = event.run_id, event.sequence
-                wait, give_up_at = RESUME_FIRST_WAIT, None
+                backoff.reset()
                 yield event
                 if event.done:
                     return
             return  # ended without a `done` event; the caller tells
         except grpc.RpcError as error:
-            if error.code() != grpc.StatusCode.UNAVAILABLE:
+            if error.code() == grpc.StatusCode.OUT_OF_RANGE:
+                reason, metadata = error_info(error)
+                if reason != "EVENTS_LAGGED" or not (run_id or metadata.get("run")):
+                    raise  # events expired, or a run this client cannot name
+                run_id = run_id or metadata["run"]
+            elif error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
-            give_up_at = give_up_at or time.monotonic() + RESUME_BUDGET
-            if time.monotonic() + wait > give_up_at:
-                raise StreamLost(f"run {run_id or '(not started)'}: still UNAVAILABLE after "
-                                 f"{RESUME_BUDGET:.0f}s of retries: {error.details()}") from error
+            wait = backoff.next_wait()
+            if wait is None:
+                raise StreamLost(f"run {run_id or '(not started)'}: still "
+                                 f"{error.code().name} after {RESUME_BUDGET:.0f}s of retries: "
+                                 f"{error.details()}") from error
             where = f"run {run_id} after event {last}" if run_id else "the Execute"
             print(f"[stream lost: {error.details()}; resuming {where} in {wait:.1f}s]")
             time.sleep(wait)
-            wait = min(wait * 2, RESUME_MAX_WAIT)
+
+
+def cancel_run(engine, agent_engine_pb2, run_id):
+    """Cancels the run this script leaves before its end (Ctrl-C, an error): started with
+    `detach`, it would go on, or wait for answers, with nobody reading it. Errors are
+    reported and ignored; the server ends every run within its own timeouts anyway."""
+    import grpc
+
+    if run_id is None:
+        print("[the run's id is not known yet: it cannot be cancelled]", file=sys.stderr)
+        return
+    try:
+        engine.Cancel(agent_engine_pb2.CancelRequest(run_id=run_id), timeout=CANCEL_TIMEOUT)
+        print(f"[run {run_id} cancelled]", file=sys.stderr)
+    except grpc.RpcError as error:
+        print(f"[could not cancel run {run_id}: gRPC {error.code().name}: {error.details()}]",
+              file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"[run {run_id} left running: interrupted again]", file=sys.stderr)
+
+
+def report(answer, done) -> int:
+    """Prints the answer and how the run ended (`done`: the type, data and iteration of its
+    done event); the exit status: 0 for a complete answer only."""
+    kind, data, iteration = done
+    stop_reason = data.get("stop_reason")
+    if kind != "EVENT_TYPE_ERROR":
+        # The final answer rule: only the deltas of the done event's iteration are the
+        # answer; text of earlier iterations is what the model wrote before calling tools.
+        print(f"answer: {''.join(text for i, text in answer if i == iteration)}")
+    print(f"done: {kind} stop_reason={stop_reason}")
+    if kind == "EVENT_TYPE_ERROR":  # the run failed: there is no answer
+        print(f"run failed: {data.get('code')}: {data.get('message')} "
+              f"(category {data.get('category')})")
+        return 1
+    if stop_reason in ("final_answer", "max_iterations"):
+        return 0
+    # An answer cut short (max_tokens: the provider's token limit), or a reason this
+    # script does not know: not a success.
+    message = data.get("message")
+    print(f"the answer is incomplete ({stop_reason})" + (f": {message}" if message else ""))
+    return 1
 
 
 def event_type(events_pb2, value) -> str:
@@ -221,7 +402,7 @@ def main() -> int:
 
     pb = load_stubs(pathlib.Path(args.proto_dir))
     config_pb2, events_pb2 = pb["config_pb2"], pb["events_pb2"]
-    with grpc.insecure_channel(args.target) as channel:
+    with grpc.insecure_channel(args.target, options=CHANNEL_OPTIONS) as channel:
         service = pb["agent_service_pb2_grpc"].AgentServiceStub(channel)
         engine = pb["agent_engine_pb2_grpc"].AgentEngineStub(channel)
 
@@ -238,16 +419,21 @@ def main() -> int:
         print(f"engine {created.engine_id} in session {created.session_id}")
 
         # The message id is the turn's idempotency key: an Execute repeated with it (after
-        # UNAVAILABLE before the first event) re-attaches to the same run.
+        # UNAVAILABLE before the first event) re-attaches to the same run. `detach` keeps
+        # the run going when the stream breaks, for this script to resume it; the script
+        # cancels it itself when it quits early.
         request = pb["agent_engine_pb2"].ExecuteRequest(
-            engine_id=created.engine_id, query=args.query, message_id=str(uuid.uuid4()))
-        answer, last = [], None  # answer: (iteration, delta)
+            engine_id=created.engine_id, query=args.query, message_id=str(uuid.uuid4()),
+            detach=True)
+        answer, done = [], None  # answer: (iteration, delta)
+        run_id = None  # from the first event (RUN_STARTED): the run to cancel on quitting
         try:
             for event in stream_run(engine, pb["agent_engine_pb2"], request):
+                run_id = event.run_id
                 kind = event_type(events_pb2, event.type)
                 data = json_format.MessageToDict(event.data) if event.HasField("data") else {}
                 if event.done:
-                    last = (kind, data)
+                    done = (kind, data, event.iteration)
                 elif kind == "EVENT_TYPE_THOUGHT":
                     print(f"[thought] {event.content}")
                 elif kind == "EVENT_TYPE_TOOL_CALL":
@@ -266,19 +452,27 @@ def main() -> int:
                     answer = [(i, text) for i, text in answer if i != round_]
                 elif kind == "EVENT_TYPE_FINAL_ANSWER":
                     answer.append((event.iteration, event.content))
+        # Leaving before the done event leaves the run (detached) going: cancel it.
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            cancel_run(engine, pb["agent_engine_pb2"], run_id)
+            return 130
         except StreamLost as error:
             print(f"error: {error}", file=sys.stderr)
+            cancel_run(engine, pb["agent_engine_pb2"], run_id)
             return 1
         except grpc.RpcError as error:
             print(f"error: gRPC {error.code().name}: {error.details()}", file=sys.stderr)
+            cancel_run(engine, pb["agent_engine_pb2"], run_id)
             return 1
-        print(f"answer: {''.join(text for _, text in answer)}")
-        if last is None:
+        except Exception:
+            cancel_run(engine, pb["agent_engine_pb2"], run_id)
+            raise
+        if done is None:
             print("the stream ended without a done event")
+            cancel_run(engine, pb["agent_engine_pb2"], run_id)
             return 1
-        kind, data = last
-        print(f"done: {kind} stop_reason={data.get('stop_reason')}")
-        return 0 if kind == "EVENT_TYPE_FINAL_ANSWER" else 1
+        return report(answer, done)
 
 
 if __name__ == "__main__":
