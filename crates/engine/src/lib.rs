@@ -950,26 +950,27 @@ impl Engine {
                         carried.recovered = None;
                     }
                     em.begin_round(iteration);
-                    // The final request is asked once and not kept in the turn.
-                    let asked = !with_tools;
-                    if asked {
-                        strategy::push(
-                            &mut state.messages,
-                            ChatMessage::User(strategy.final_request()),
-                            counter,
-                        );
-                    }
-                    let fitted = fit(
+                    // The final request is asked once and not kept in the turn. Its room is
+                    // reserved, as the tool definitions' is in the other rounds: it is what
+                    // the round is for, and is never shortened to fit as the turn's tool
+                    // results and observations are.
+                    let final_request = (!with_tools).then(|| {
+                        let message = ChatMessage::User(strategy.final_request());
+                        let tokens = counter.message(&message);
+                        (message, tokens)
+                    });
+                    let mut fitted = fit(
                         &pinned,
                         &history,
                         &state.messages,
-                        if with_tools { reserved } else { 0 },
+                        final_request
+                            .as_ref()
+                            .map_or(reserved, |(_, tokens)| *tokens),
                         config.context.max_prompt_tokens,
                         counter,
                     );
-                    let mut fitted = fitted;
-                    if asked {
-                        state.messages.pop();
+                    if let Some((message, _)) = final_request {
+                        fitted.messages.push(message);
                         join_last_user_messages(&mut fitted.messages);
                     }
                     if fitted.dropped + fitted.compacted + fitted.shortened > 0 {

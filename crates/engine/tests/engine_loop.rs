@@ -927,6 +927,34 @@ async fn a_turn_over_the_token_budget_sends_its_tool_results_shortened_not_whole
     );
 }
 
+/// The request for a final answer, in the last round of a turn over its token budget, is
+/// sent whole: it is what the round is for, and is not shortened as the turn's tool
+/// results are.
+#[tokio::test]
+async fn the_final_request_is_sent_whole_in_a_turn_over_its_budget() {
+    let h = harness(calls_then_done(vec![call("small", "calc", "{}")]));
+    let mut config = config(Strategy::FunctionCall, &["calc"]);
+    // A system prompt that takes nearly the whole budget: the turn is over it, and its
+    // tool result is too short to shorten.
+    config.system_prompt = "word ".repeat(1990);
+    config.context.max_prompt_tokens = 2000;
+    config.max_iterations = 1;
+    let (events, record) = h.run("r1", config, Arc::default()).await;
+    assert_well_formed(&events);
+    assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
+    let requests = h.model.requests.lock().unwrap();
+    let last = requests.last().unwrap();
+    assert!(last.tools.is_empty(), "the last round offers no tools");
+    let Some(ChatMessage::User(asked)) = last.messages.last() else {
+        panic!("{:#?}", last.messages)
+    };
+    assert!(
+        asked.starts_with("You have used all the steps you may take."),
+        "{asked}"
+    );
+    assert!(!asked.contains("left out to fit"), "{asked}");
+}
+
 #[tokio::test]
 async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
     let h = harness(Scripted::default());
