@@ -9,11 +9,10 @@
 
 mod common;
 
-use std::{path::PathBuf, process::Stdio, time::Duration};
+use std::path::PathBuf;
 
 use agentrt_test_support::run_example_client;
 use common::Stack;
-use tokio::io::AsyncWriteExt;
 
 /// A model that calls the example's client tool and the calculator in one round, then
 /// answers with the tool results it was sent.
@@ -54,79 +53,19 @@ async fn the_node_example_runs_a_tool_using_turn() {
 /// Runs the example against `stack` with `args` and `stdin` piped in; panics with both of
 /// its outputs unless it exits 0. Returns what it printed.
 async fn run_example(stack: &Stack, args: &[&str], stdin: &str) -> String {
-    run_example_exiting(stack, args, stdin, 0).await
+    common::run_example_exiting("node", &script(), stack, args, stdin, 0).await
 }
-
-/// As [`run_example`], for an example that must exit with `code`; what it printed, both
-/// outputs.
-async fn run_example_exiting(stack: &Stack, args: &[&str], stdin: &str, code: i32) -> String {
-    let mut child = tokio::process::Command::new("node")
-        .arg(script())
-        .args(["--target", &stack.agents.addr.to_string()])
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("cannot run node");
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin.as_bytes()).await.unwrap();
-    drop(input);
-    let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("the example with {args:?} did not end within 60 s"))
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(
-        output.status.code(),
-        Some(code),
-        "the example with {args:?} exited {} (not {code})\nstdout:\n{stdout}\nstderr:\n{stderr}",
-        output.status
-    );
-    if code == 0 {
-        stdout
-    } else {
-        format!("{stdout}{stderr}")
-    }
-}
-
-/// Models whose runs end otherwise than with a complete answer, or speak before they call
-/// a tool.
-const OUTCOMES: &str = r#"{"scenarios": {
-  "chatty": {"turns": [
-    {"content": "Let me work that out.", "tool_calls": [
-      {"id": "c1", "name": "calculator", "arguments": {"expression": "6 * 7"}}]},
-    {"content": "It is 42."}]},
-  "cut": {"turns": [{"content": "The answer is", "finish_reason": "length"}]},
-  "broken": {"turns": [{"error": {"status": 400, "message": "the prompt is malformed"}}]}
-}}"#;
 
 /// The example tells a complete answer from a cut one and from a failed run, and prints as
 /// the answer only the text of the run's last round.
 #[tokio::test]
 async fn the_example_reports_each_outcome_as_it_is() {
-    let stack = Stack::up(OUTCOMES, &[]).await;
-    let stdout = run_example(&stack, &["--model", "chatty", "--query", "6 * 7?"], "").await;
-    assert!(stdout.contains("answer: It is 42.\n"), "{stdout}");
-    assert!(
-        !stdout.contains("Let me work that out.It is 42."),
-        "{stdout}"
-    );
-
-    let output = run_example_exiting(&stack, &["--model", "cut", "--query", "6 * 7?"], "", 1).await;
-    assert!(output.contains("answer: The answer is"), "{output}");
-    assert!(
-        output.contains("the answer is incomplete (max_tokens)"),
-        "{output}"
-    );
-
-    let output =
-        run_example_exiting(&stack, &["--model", "broken", "--query", "6 * 7?"], "", 1).await;
-    assert!(!output.contains("answer: "), "{output}");
-    assert!(output.contains("run failed: "), "{output}");
-    assert!(output.contains("the prompt is malformed"), "{output}");
+    let stack = Stack::up(common::EXAMPLE_OUTCOMES, &[]).await;
+    let script = script();
+    common::example_reports_each_outcome(|args, code| {
+        common::run_example_exiting("node", &script, &stack, args, "", code)
+    })
+    .await;
 }
 
 /// The `answer: ` line the example printed.

@@ -309,3 +309,87 @@ pub async fn serve_http(
     });
     (addr, guard)
 }
+
+/// Models whose runs end otherwise than with a complete answer, or speak before they call
+/// a tool: what the example clients' outcome tests run against.
+pub const EXAMPLE_OUTCOMES: &str = r#"{"scenarios": {
+  "chatty": {"turns": [
+    {"content": "Let me work that out.", "tool_calls": [
+      {"id": "c1", "name": "calculator", "arguments": {"expression": "6 * 7"}}]},
+    {"content": "It is 42."}]},
+  "cut": {"turns": [{"content": "The answer is", "finish_reason": "length"}]},
+  "broken": {"turns": [{"error": {"status": 400, "message": "the prompt is malformed"}}]}
+}}"#;
+
+/// Checks that an example client tells a complete answer from a cut one and from a failed
+/// run, and prints as the answer only the text of the run's last round, against a stack of
+/// [`EXAMPLE_OUTCOMES`]. `run(args, code)` runs the example with `args`, fails unless it
+/// exits with `code`, and returns what it printed.
+pub async fn example_reports_each_outcome<F, Fut>(run: F)
+where
+    F: Fn(&'static [&'static str], i32) -> Fut,
+    Fut: std::future::Future<Output = String>,
+{
+    let stdout = run(&["--model", "chatty", "--query", "6 * 7?"], 0).await;
+    assert!(stdout.contains("answer: It is 42.\n"), "{stdout}");
+    assert!(
+        !stdout.contains("Let me work that out.It is 42."),
+        "{stdout}"
+    );
+
+    let output = run(&["--model", "cut", "--query", "6 * 7?"], 1).await;
+    assert!(output.contains("answer: The answer is"), "{output}");
+    assert!(
+        output.contains("the answer is incomplete (max_tokens)"),
+        "{output}"
+    );
+
+    let output = run(&["--model", "broken", "--query", "6 * 7?"], 1).await;
+    assert!(!output.contains("answer: "), "{output}");
+    assert!(output.contains("run failed: "), "{output}");
+    assert!(output.contains("the prompt is malformed"), "{output}");
+}
+
+/// Runs example client `script` with `program` (python3, node) against `stack`, with
+/// `args` and `stdin` piped in; fails unless it exits with `code` within 60 s. Returns its
+/// standard output when it was to succeed, both outputs otherwise.
+pub async fn run_example_exiting(
+    program: &str,
+    script: &Path,
+    stack: &Stack,
+    args: &[&str],
+    stdin: &str,
+    code: i32,
+) -> String {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(program)
+        .arg(script)
+        .args(["--target", &stack.agents.addr.to_string()])
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.as_bytes()).await.unwrap();
+    drop(input);
+    let output = tokio::time::timeout(Duration::from_secs(60), child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("the example with {args:?} did not end within 60 s"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "the example with {args:?} exited {} (not {code})\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    if code == 0 {
+        stdout
+    } else {
+        format!("{stdout}{stderr}")
+    }
+}
