@@ -1919,18 +1919,8 @@ mod tests {
     use serde_json::json;
 
     async fn run(sse: &str) -> Vec<Result<ChatDelta, ModelError>> {
-        let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = sse
-            .as_bytes()
-            .chunks(7) // arbitrary cuts, as the network makes them
-            .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
-            .collect();
-        decode(
-            futures_util::stream::iter(chunks),
-            ResponseLimits::default(),
-            offered(),
-        )
-        .collect()
-        .await
+        // Arbitrary cuts, as the network makes them.
+        run_in_pieces(sse.as_bytes(), 7).await
     }
 
     /// The tools the tests' requests offer.
