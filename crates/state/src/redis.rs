@@ -2319,33 +2319,7 @@ impl Flusher {
                 };
                 if waiting {
                     // Each write on its own: one that waits for Redis holds up no other.
-                    tokio::spawn(async move {
-                        let mut wait = FLUSH_RETRY_FIRST;
-                        for _ in 0..FLUSH_RETRIES {
-                            match core.write().await {
-                                Ok(()) | Err(BusError::Fenced(_)) => return,
-                                // The events stay buffered: they are written again after
-                                // a while (and with the run's next write, if that comes
-                                // first), not left for the run's next event, which may be
-                                // a long model call away.
-                                Err(error) => {
-                                    debug!(run_id = %core.run_id, %error, ?wait, "events waiting to be written could not be; trying again");
-                                    tokio::time::sleep(wait).await;
-                                    wait = (wait * 2).min(FLUSH_RETRY_MOST);
-                                    let state = core.state();
-                                    // Written meanwhile, due to be anyway, or let go by
-                                    // its run (this task holds the last reference).
-                                    if state.buffer.is_empty()
-                                        || state.fenced
-                                        || state.due.is_some()
-                                        || Arc::strong_count(&core) == 1
-                                    {
-                                        return;
-                                    }
-                                }
-                            }
-                        }
-                    });
+                    tokio::spawn(core.write_until_written());
                 }
             }
         }
@@ -2389,6 +2363,34 @@ struct PublisherCore {
 }
 
 impl PublisherCore {
+    /// The flusher's write of the events a run let wait. After a failure they stay
+    /// buffered and are written again after a while (and with the run's next write, if that
+    /// comes first), not left for the run's next event, which may be a long model call
+    /// away; it stops once they were written, the run was fenced or let its publisher go,
+    /// or after [`FLUSH_RETRIES`] tries.
+    async fn write_until_written(self: Arc<Self>) {
+        let mut wait = FLUSH_RETRY_FIRST;
+        for _ in 0..FLUSH_RETRIES {
+            let error = match self.write().await {
+                Ok(()) | Err(BusError::Fenced(_)) => return,
+                Err(error) => error,
+            };
+            debug!(run_id = %self.run_id, %error, ?wait, "events waiting to be written could not be; trying again");
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(FLUSH_RETRY_MOST);
+            let state = self.state();
+            // Written meanwhile, due to be anyway, or let go by its run (this task holds
+            // the last reference).
+            if state.buffer.is_empty()
+                || state.fenced
+                || state.due.is_some()
+                || Arc::strong_count(&self) == 1
+            {
+                return;
+            }
+        }
+    }
+
     fn state(&self) -> MutexGuard<'_, PublisherState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
