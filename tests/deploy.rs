@@ -202,8 +202,9 @@ fn network_policies_open_each_port_only_to_its_callers() {
         }
     }
 
-    // Production names the client namespaces, opens only the plaintext health port
-    // besides, and lets only agent-server's certificate reach the tool executor.
+    // Production names the client namespaces and opens nothing else (the kubelet's probes
+    // of the plaintext health port need no rule), and lets only agent-server's
+    // certificate reach the tool executor.
     let kustomization = documents("deploy/k8s/overlays/production/kustomization.yaml");
     let patches = serde_json::to_string(&kustomization[0]["patches"]).unwrap();
     assert!(

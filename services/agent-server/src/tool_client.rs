@@ -20,10 +20,13 @@ use tokio::time::Instant;
 use tonic::{
     Code, ConnectError, Status,
     metadata::{Ascii, MetadataValue},
-    transport::{Channel, ClientTlsConfig, Endpoint},
+    transport::{ClientTlsConfig, Endpoint},
 };
 
+mod checked;
 mod unary;
+
+use checked::CheckedChannel;
 
 /// A lazily connected gRPC client of `agent.v1.ToolExecutor`, over a few connections.
 ///
@@ -38,7 +41,7 @@ mod unary;
 #[derive(Clone)]
 pub struct GrpcToolClient {
     endpoint: String,
-    clients: Arc<[ToolExecutorClient<Channel>]>,
+    clients: Arc<[ToolExecutorClient<CheckedChannel>]>,
     next: Arc<AtomicUsize>,
     timeout: Duration,
     authorization: Option<MetadataValue<Ascii>>,
@@ -261,7 +264,7 @@ impl GrpcToolClient {
         };
         let clients = (0..channels)
             .map(|_| {
-                ToolExecutorClient::new(endpoint.connect_lazy())
+                ToolExecutorClient::new(CheckedChannel(endpoint.connect_lazy()))
                     // The catalogue may be larger than a message a peer may send.
                     .max_decoding_message_size(
                         max_message_bytes.max(agentrt_grpc::MAX_CATALOGUE_BYTES),
@@ -307,7 +310,7 @@ impl GrpcToolClient {
     }
 
     /// The client of the next connection in turn.
-    fn client(&self) -> ToolExecutorClient<Channel> {
+    fn client(&self) -> ToolExecutorClient<CheckedChannel> {
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         self.clients[turn % self.clients.len()].clone()
     }
@@ -663,5 +666,62 @@ mod tests {
             )),
             None
         );
+    }
+
+    /// A tool executor that fails every call with `DATA_LOSS` and status details that are
+    /// not base64: in its headers (trailers only), or in trailers after the headers.
+    async fn garbled_details_server(in_trailers: bool) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((io, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut connection = h2::server::handshake(io).await.unwrap();
+                    while let Some(Ok((_, mut respond))) = connection.accept().await {
+                        let grpc = http::Response::builder()
+                            .header(http::header::CONTENT_TYPE, "application/grpc");
+                        let mut status = http::HeaderMap::new();
+                        status.insert("grpc-status", http::HeaderValue::from_static("15"));
+                        status.insert(
+                            "grpc-status-details-bin",
+                            http::HeaderValue::from_static("not base64!"),
+                        );
+                        if in_trailers {
+                            let mut stream = respond
+                                .send_response(grpc.body(()).unwrap(), false)
+                                .unwrap();
+                            stream.send_trailers(status).unwrap();
+                        } else {
+                            let mut response = grpc.body(()).unwrap();
+                            response.headers_mut().extend(status);
+                            respond.send_response(response, true).unwrap();
+                        }
+                    }
+                });
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn status_details_that_are_not_base64_are_left_out_not_a_panic() {
+        for in_trailers in [false, true] {
+            let url = garbled_details_server(in_trailers).await;
+            let options = ToolClientOptions {
+                timeout: Duration::from_secs(5),
+                max_message_bytes: 1 << 20,
+                tls: None,
+                token: None,
+                connections: 1,
+            };
+            let client = GrpcToolClient::new(&url, options).unwrap();
+            // Through tonic's channel, as every call to an `https://` tool executor.
+            let error = client.list_tools().await.unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                "the tool executor is unavailable: it answered DataLoss",
+                "in trailers: {in_trailers}"
+            );
+        }
     }
 }

@@ -250,7 +250,7 @@ fn status_of(headers: &HeaderMap) -> Option<Result<(), Status>> {
 
 /// `text` decoded as base64, standard or URL-safe, padded or not (gRPC's binary headers
 /// are sent unpadded and received either way); `None` when it is not base64.
-fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+pub(super) fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
     let digit = |c: u8| -> Option<u32> {
         Some(u32::from(match c {
             b'A'..=b'Z' => c - b'A',
