@@ -160,7 +160,8 @@ async fn queries_and_contexts_beyond_their_limits_are_invalid_argument() {
                 ],
             ),
             "llm_context",
-            "has 31 characters of content; at most 30 are accepted (runs.max_context_chars)",
+            "has 31 characters of content and tool calls; at most 30 are accepted \
+             (runs.max_context_chars)",
         ),
     ];
     for (request, field, description) in cases {

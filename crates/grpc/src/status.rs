@@ -100,23 +100,33 @@ pub fn not_found(reason: &str, what: &str, id: &str) -> Status {
     Status::with_error_details(Code::NotFound, format!("{what} {id:?} not found"), details)
 }
 
+/// A status with `details` and `message`, bounded: messages often quote what a client
+/// sent (an id, a name).
+fn with_details(code: Code, message: String, details: ErrorDetails) -> Status {
+    let message = match bounded(&message, MESSAGE_BYTES + 64) {
+        std::borrow::Cow::Borrowed(_) => message,
+        std::borrow::Cow::Owned(cut) => cut,
+    };
+    Status::with_error_details(code, message, details)
+}
+
 /// `FAILED_PRECONDITION` with an `ErrorInfo` naming the reason.
 pub fn failed_precondition(reason: &str, message: String) -> Status {
     let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
-    Status::with_error_details(Code::FailedPrecondition, message, details)
+    with_details(Code::FailedPrecondition, message, details)
 }
 
 /// `INTERNAL` with an `ErrorInfo` naming the reason: the server cannot serve the request
 /// as it is set up, and no retry helps until an operator changes what the message names.
 pub fn misconfigured(reason: &str, message: String) -> Status {
     let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
-    Status::with_error_details(Code::Internal, message, details)
+    with_details(Code::Internal, message, details)
 }
 
 /// `ALREADY_EXISTS` with an `ErrorInfo` naming the reason.
 pub fn already_exists(reason: &str, message: String) -> Status {
     let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
-    Status::with_error_details(Code::AlreadyExists, message, details)
+    with_details(Code::AlreadyExists, message, details)
 }
 
 /// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason, and in its metadata what is out
@@ -130,7 +140,7 @@ pub fn out_of_range(reason: &str, message: String, of: Option<(&str, &str)>) -> 
             .into_iter()
             .collect::<std::collections::HashMap<_, _>>(),
     );
-    Status::with_error_details(Code::OutOfRange, message, details)
+    with_details(Code::OutOfRange, message, details)
 }
 
 /// `INTERNAL` with an `ErrorInfo`: what no client did wrong and no retry mends (state
@@ -141,7 +151,7 @@ pub fn internal(reason: &str, message: String) -> Status {
         ERROR_DOMAIN,
         std::collections::HashMap::<String, String>::new(),
     );
-    Status::with_error_details(Code::Internal, message, details)
+    with_details(Code::Internal, message, details)
 }
 
 /// `UNAVAILABLE` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
@@ -163,21 +173,21 @@ pub fn unavailable_about(
         .collect();
     let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, metadata);
     details.set_retry_info(Some(retry_after));
-    Status::with_error_details(Code::Unavailable, message, details)
+    with_details(Code::Unavailable, message, details)
 }
 
 /// `RESOURCE_EXHAUSTED` with an `ErrorInfo`, for what no retry changes (a limit of the
 /// server's that the request goes past).
 pub fn resource_exhausted_for_good(reason: &str, message: String) -> Status {
     let details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
-    Status::with_error_details(Code::ResourceExhausted, message, details)
+    with_details(Code::ResourceExhausted, message, details)
 }
 
 /// `RESOURCE_EXHAUSTED` with an `ErrorInfo` and a `RetryInfo` telling when to try again.
 pub fn resource_exhausted(reason: &str, message: String, retry_after: Duration) -> Status {
     let mut details = ErrorDetails::with_error_info(reason, ERROR_DOMAIN, []);
     details.set_retry_info(Some(retry_after));
-    Status::with_error_details(Code::ResourceExhausted, message, details)
+    with_details(Code::ResourceExhausted, message, details)
 }
 
 #[cfg(test)]
@@ -260,6 +270,19 @@ mod tests {
         assert_eq!(left_out.metadata["total"], "40");
         let status = not_found("RUN_NOT_FOUND", "run", &"x".repeat(100_000));
         assert!(status.message().len() < 200);
+        // A message quoting a client's id, whatever its length.
+        let message = format!("run is not waiting for call {:?}", "é".repeat(50_000));
+        let status = failed_precondition("TOOL_CALL_NOT_PENDING", message);
+        assert!(
+            status.message().len() <= MESSAGE_BYTES + 64,
+            "{}",
+            status.message().len()
+        );
+        assert!(status.message().ends_with('…'));
+        assert_eq!(
+            status.get_details_error_info().unwrap().reason,
+            "TOOL_CALL_NOT_PENDING"
+        );
     }
 
     #[test]

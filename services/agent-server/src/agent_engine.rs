@@ -189,23 +189,43 @@ const MAX_ANSWERS: usize = 128;
 /// server's tool output limit of it).
 const MAX_OUTPUT_BYTES: usize = 1024 * 1024;
 
-/// Checks the form of an answer request: a run id, at least one answer, each with a
-/// call id, each call once.
+/// Longest call id accepted in an answer, in bytes (the ids of a run's calls are shorter).
+const MAX_CALL_ID_BYTES: usize = 256;
+
+/// Checks the form of an answer request: a run id, one to [`MAX_ANSWERS`] answers, each
+/// with a call id, each call once. Too many answers are refused before any is read.
 fn check_answers<'a>(
     run_id: &str,
     field: &str,
-    answers: impl Iterator<Item = (&'a str, ToolAnswer)>,
+    answers: impl ExactSizeIterator<Item = (&'a str, ToolAnswer)>,
 ) -> Result<Vec<(String, ToolAnswer)>, Status> {
     let mut violations = Vec::new();
     if run_id.is_empty() {
         violations.push(Violation::new("run_id", "required"));
     }
-    let mut checked: Vec<(String, ToolAnswer)> = Vec::new();
+    if answers.len() == 0 {
+        violations.push(Violation::new(field, "at least one is required"));
+    } else if answers.len() > MAX_ANSWERS {
+        violations.push(Violation::new(
+            field,
+            format!("at most {MAX_ANSWERS}, got {}", answers.len()),
+        ));
+        return Err(Error::InvalidRequest(violations).into());
+    }
+    let mut checked: Vec<(String, ToolAnswer)> = Vec::with_capacity(answers.len());
     for (index, (call_id, answer)) in answers.enumerate() {
         if call_id.is_empty() {
             violations.push(Violation::new(
                 format!("{field}[{index}].tool_call_id"),
                 "required",
+            ));
+        } else if call_id.len() > MAX_CALL_ID_BYTES {
+            violations.push(Violation::new(
+                format!("{field}[{index}].tool_call_id"),
+                format!(
+                    "at most {MAX_CALL_ID_BYTES} bytes, got {}: no call of a run has such an id",
+                    call_id.len()
+                ),
             ));
         } else if let Some(first) = checked.iter().position(|(id, _)| id == call_id) {
             violations.push(Violation::new(
@@ -228,14 +248,6 @@ fn check_answers<'a>(
             ));
         }
         checked.push((call_id.to_owned(), answer));
-    }
-    if checked.is_empty() {
-        violations.push(Violation::new(field, "at least one is required"));
-    } else if checked.len() > MAX_ANSWERS {
-        violations.push(Violation::new(
-            field,
-            format!("at most {MAX_ANSWERS}, got {}", checked.len()),
-        ));
     }
     if violations.is_empty() {
         Ok(checked)
@@ -404,17 +416,30 @@ fn check_execute(
         ));
         return Err(violations);
     }
+    // Their text, and their tool calls' (ids, names and arguments): all of it goes to the
+    // model. Arguments count by their encoded size (each is at least a character).
     let context_chars: usize = request
         .llm_context
         .iter()
-        .map(|m| m.content.chars().count())
+        .map(|m| {
+            let calls: usize = m
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    c.id.chars().count()
+                        + c.name.chars().count()
+                        + c.arguments.as_ref().map_or(0, prost::Message::encoded_len)
+                })
+                .sum();
+            m.content.chars().count() + m.tool_call_id.chars().count() + calls
+        })
         .sum();
     if context_chars > limits.context_chars {
         violations.push(Violation::new(
             "llm_context",
             format!(
-                "has {context_chars} characters of content; at most {} are accepted \
-                 (runs.max_context_chars)",
+                "has {context_chars} characters of content and tool calls; at most {} are \
+                 accepted (runs.max_context_chars)",
                 limits.context_chars
             ),
         ));
@@ -789,11 +814,42 @@ mod tests {
             ),
             (
                 vec![v1::ChatMessage {
-                    tool_calls: vec![v1::ToolCall::default()],
+                    tool_calls: vec![v1::ToolCall {
+                        id: "c1".into(),
+                        ..Default::default()
+                    }],
                     ..message(v1::Role::Assistant, &[], "")
                 }],
                 "llm_context[0].tool_calls[0].name",
                 "required",
+            ),
+            (
+                vec![message(v1::Role::Assistant, &["c1", ""], "")],
+                "llm_context[0].tool_calls[1].id",
+                "required",
+            ),
+            (
+                vec![
+                    message(v1::Role::Assistant, &["c1", "c1"], ""),
+                    message(v1::Role::Tool, &[], "c1"),
+                    message(v1::Role::Tool, &[], "c1"),
+                ],
+                "llm_context[0].tool_calls[1].id",
+                "duplicate of tool_calls[0]",
+            ),
+            (
+                // Calls the model would be sent with no assistant message making them.
+                vec![
+                    message(v1::Role::User, &["c1"], ""),
+                    message(v1::Role::Tool, &[], "c1"),
+                ],
+                "llm_context[0].tool_calls",
+                "only a ROLE_ASSISTANT message",
+            ),
+            (
+                vec![message(v1::Role::User, &[], "c1")],
+                "llm_context[0].tool_call_id",
+                "only a ROLE_TOOL message",
             ),
             (
                 // The query comes next: a call left open at the end has no answer either.
@@ -810,5 +866,96 @@ mod tests {
                 "{field}: {violations:?}"
             );
         }
+    }
+
+    #[test]
+    fn an_llm_context_is_bounded_by_its_calls_too() {
+        let calls = |n: usize, arguments: Option<prost_types::Struct>| v1::ChatMessage {
+            role: v1::Role::Assistant as i32,
+            tool_calls: (0..n)
+                .map(|i| v1::ToolCall {
+                    id: format!("c{i}"),
+                    name: "calculator".into(),
+                    arguments: arguments.clone(),
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let request = |llm_context| v1::ExecuteRequest {
+            engine_id: "e".into(),
+            query: "q".into(),
+            llm_context,
+            ..Default::default()
+        };
+        // More calls in a message than a model's reply may hold: one violation, read
+        // without a look at each call.
+        let violations = check_execute(
+            &request(vec![calls(100_000, None)]),
+            RequestLimits {
+                context_chars: usize::MAX,
+                ..LIMITS
+            },
+        )
+        .unwrap_err();
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert_eq!(violations[0].field, "llm_context[0].tool_calls");
+        assert!(
+            violations[0].description.contains("at most 128"),
+            "{violations:?}"
+        );
+        // Their arguments count as characters of the context (1000 here).
+        let large = prost_types::Struct {
+            fields: [(
+                "expression".to_owned(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue("9".repeat(600))),
+                },
+            )]
+            .into(),
+        };
+        let violations = check_execute(&request(vec![calls(2, Some(large))]), LIMITS).unwrap_err();
+        assert_eq!(violations[0].field, "llm_context");
+        assert!(
+            violations[0].description.contains("runs.max_context_chars"),
+            "{violations:?}"
+        );
+    }
+
+    #[test]
+    fn answers_are_bounded_before_they_are_read() {
+        use tonic::Code;
+        let output = |id: String| {
+            (
+                id,
+                ToolAnswer::Output {
+                    output: "42".into(),
+                    is_error: false,
+                },
+            )
+        };
+        let check = |answers: Vec<(String, ToolAnswer)>| {
+            check_answers(
+                "run-1",
+                "outputs",
+                answers.iter().map(|(id, a)| (id.as_str(), a.clone())),
+            )
+        };
+        assert!(check((0..128).map(|i| output(format!("c{i}"))).collect()).is_ok());
+        // Too many: refused as a whole, with one violation (not one per duplicate).
+        let status = check((0..100_000).map(|_| output("c".into())).collect()).unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(
+            status.message(),
+            "invalid request: outputs: at most 128, got 100000"
+        );
+        // An id no call of a run has: refused, and not echoed back whole.
+        let status = check(vec![output("c".repeat(100_000))]).unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(
+            status.message().contains("at most 256 bytes, got 100000"),
+            "{}",
+            status.message()
+        );
+        assert!(status.message().len() < 1200);
     }
 }

@@ -418,29 +418,61 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
     }
 }
 
+/// Most tool calls of one `llm_context` message: as many as a model's reply may hold.
+pub const MAX_CONTEXT_CALLS: usize = 128;
+
 /// A message of an `Execute` request's `llm_context`, as the model is sent it; `index`
-/// names it in the violation when it is not one.
+/// names it in the violation when it is not one. Only an assistant message makes tool
+/// calls (at most [`MAX_CONTEXT_CALLS`], each with an id and a name, the ids distinct),
+/// and only a tool message answers one.
 pub fn message_from_wire(
     index: usize,
     message: &v1::ChatMessage,
 ) -> Result<agentrt_models::ChatMessage, Violation> {
     use agentrt_models::{ChatMessage, ModelToolCall};
+    let role = v1::Role::try_from(message.role);
+    if !message.tool_calls.is_empty() && role != Ok(v1::Role::Assistant) {
+        return Err(Violation::new(
+            format!("llm_context[{index}].tool_calls"),
+            "only a ROLE_ASSISTANT message makes tool calls",
+        ));
+    }
+    if !message.tool_call_id.is_empty() && role != Ok(v1::Role::Tool) {
+        return Err(Violation::new(
+            format!("llm_context[{index}].tool_call_id"),
+            "only a ROLE_TOOL message answers a tool call",
+        ));
+    }
+    if message.tool_calls.len() > MAX_CONTEXT_CALLS {
+        return Err(Violation::new(
+            format!("llm_context[{index}].tool_calls"),
+            format!(
+                "at most {MAX_CONTEXT_CALLS} per message, got {}",
+                message.tool_calls.len()
+            ),
+        ));
+    }
+    for (call, c) in message.tool_calls.iter().enumerate() {
+        // Providers refuse a call without a name or an id (and the whole request with it),
+        // and some refuse two calls of one id.
+        let field = |what: &str| format!("llm_context[{index}].tool_calls[{call}].{what}");
+        if c.id.is_empty() {
+            return Err(Violation::new(field("id"), "required"));
+        }
+        if c.name.is_empty() {
+            return Err(Violation::new(field("name"), "required"));
+        }
+        if let Some(first) = message.tool_calls[..call].iter().position(|o| o.id == c.id) {
+            return Err(Violation::new(
+                field("id"),
+                format!("duplicate of tool_calls[{first}]: each call has an id of its own"),
+            ));
+        }
+    }
     let content = message.content.clone();
-    match v1::Role::try_from(message.role) {
+    match role {
         Ok(v1::Role::System) => Ok(ChatMessage::System(content)),
         Ok(v1::Role::User) => Ok(ChatMessage::User(content)),
-        // Providers refuse a call without a name (and the whole request with it).
-        Ok(v1::Role::Assistant) if message.tool_calls.iter().any(|c| c.name.is_empty()) => {
-            let call = message
-                .tool_calls
-                .iter()
-                .take_while(|c| !c.name.is_empty())
-                .count();
-            Err(Violation::new(
-                format!("llm_context[{index}].tool_calls[{call}].name"),
-                "required",
-            ))
-        }
         Ok(v1::Role::Assistant) => Ok(ChatMessage::Assistant {
             content,
             tool_calls: message
