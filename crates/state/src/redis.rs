@@ -1003,8 +1003,8 @@ end
 return taken
 ";
 
-/// Keeps answers for waiting run `ARGV[1]` (`KEYS[1]` its wait, `KEYS[2]` the leases):
-/// `ARGV[2..]` are call id and answer pairs. Answers `{'a', completed, left...}`, `{'n'}`
+/// Keeps answers for waiting run `ARGV[1]` (`KEYS[1]` its wait, `KEYS[2]` the leases),
+/// unless its wait ran out: `ARGV[2..]` are call id and answer pairs. Answers `{'a', completed, left...}`, `{'n'}`
 /// (not waiting), `{'p', id}` (not pending) or `{'c', id}` (answered otherwise before). A
 /// call of an earlier wait ('e:ID', its answer's digest) takes the same answer again.
 const ANSWER: &str = r"
@@ -1016,8 +1016,11 @@ local function earlier(i)
   if not digest then return nil end
   return digest == redis.sha1hex(ARGV[i + 1])
 end
+-- Out of time (`timeouts.action`) when its lease lapsed: the replica that takes the run
+-- over ends it, however soon that is.
+local lapses = tonumber(redis.call('ZSCORE', KEYS[2], ARGV[1]) or '0')
 if redis.call('HEXISTS', KEYS[1], '!taken') == 1 or redis.call('HEXISTS', KEYS[1], '!done') == 1
-    or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 then
+    or redis.call('HEXISTS', KEYS[1], '!cancel') == 1 or (lapses > 0 and lapses <= now_ms()) then
   -- A repeat of answers it received is accepted (cancelled, the run still publishes
   -- them); anything else is late.
   for i = 2, #ARGV, 2 do

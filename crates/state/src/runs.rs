@@ -1196,7 +1196,14 @@ impl RunStore for MemoryRunStore {
                     .map(|(_, digest)| *digest == answer_digest(answer))
             };
             let complete = wait.answers.iter().all(|(_, a)| a.is_some());
-            if wait.taken || wait.cancelled || complete {
+            // Out of time (`timeouts.action`): the replica that takes the run over ends it,
+            // however soon that is.
+            let ran_out = inner
+                .leases
+                .by_run
+                .get(run_id)
+                .is_some_and(|(_, lapses, _)| *lapses <= Instant::now());
+            if wait.taken || wait.cancelled || complete || ran_out {
                 // A repeat of an answer the run received is accepted (cancelled, the run
                 // still publishes it); anything else is late.
                 for (id, answer) in answers {

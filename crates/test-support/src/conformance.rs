@@ -1625,6 +1625,22 @@ where
     assert_eq!(store.take_over("wt", "x.3").await.unwrap(), None);
     tokio::time::sleep(TEST_LEASE + Duration::from_millis(100)).await;
     assert!(is_lapsed(&*store, "wt").await, "out of time: it lapses");
+    // Before any replica takes it over (none may have room), it takes no more answers:
+    // a repeat is accepted as before, a new one is late.
+    assert_eq!(
+        other
+            .answer("wt", &answers(&[("c1", "\"late\"")]))
+            .await
+            .unwrap(),
+        Answered::NotWaiting
+    );
+    assert_eq!(
+        other
+            .answer("wt", &answers(&[("c2", "\"out\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], false)
+    );
     let taken = take_over_once(&store, &other, "wt").await;
     assert_eq!(taken.waited, told(&[("c2", "\"out\"")], false));
     assert_eq!(taken.previous_owner, "");

@@ -1064,7 +1064,13 @@ impl RunManager {
         match self.store.answer(run_id, &encoded).await? {
             Answered::NotWaiting => Err(Error::RunNotWaiting {
                 run_id: run_id.to_owned(),
-                status: status_name(record.status),
+                // Its record, read before, may still say it waits: its wait ended since
+                // (all answered, cancelled, or out of time) or is ending.
+                status: if record.waiting() {
+                    "done waiting: answered, cancelled or out of time (timeouts.action)"
+                } else {
+                    status_name(record.status)
+                },
             }),
             Answered::NotPending(call_id) => Err(Error::CallNotPending {
                 run_id: run_id.to_owned(),
