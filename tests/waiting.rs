@@ -1163,3 +1163,99 @@ async fn sigterm_ends_a_run_waiting_in_memory_with_a_done_event() {
         Some(0)
     );
 }
+
+/// A run answered while its principal has every run it may have in progress here
+/// (`runs.max_active_per_principal`) is left for when one of them ends; cancelled
+/// meanwhile, it ends at once, and `Cancel` says so (it answered that the run still waited,
+/// and the run sat for a lease taken by nobody).
+#[tokio::test]
+async fn an_answered_run_whose_principal_has_no_room_is_cancelled_at_once() {
+    let dir = common::TempDir::new("waiting-principal-full");
+    let tokens = dir.write("tokens", "alice-token-0123456789 principal=alice\n");
+    let config = dir.write(
+        "agent-server.toml",
+        "[runs]\nmax_active_per_principal = 1\n",
+    );
+    let (tokens, config) = (tokens.to_string_lossy(), config.to_string_lossy());
+    let mut stack = Stack::up(
+        SCENARIOS,
+        &["--auth-tokens-file", &tokens, "--config", &config],
+    )
+    .await;
+    fn alice<T>(mut request: tonic::Request<T>) -> tonic::Request<T> {
+        request.metadata_mut().insert(
+            "authorization",
+            "Bearer alice-token-0123456789".parse().unwrap(),
+        );
+        request
+    }
+    let mut engines = Vec::new();
+    for model in ["client", "busy"] {
+        let created = stack
+            .service
+            .create_agent_engine(alice(tonic::Request::new(v1::CreateAgentEngineRequest {
+                config: Some(waiting_agent(model, false)),
+                session_id: String::new(),
+            })))
+            .await
+            .unwrap()
+            .into_inner();
+        engines.push(created.engine_id);
+    }
+    let execute = |engine_id: &str| {
+        alice(tonic::Request::new(v1::ExecuteRequest {
+            engine_id: engine_id.into(),
+            query: "where is my order?".into(),
+            ..Default::default()
+        }))
+    };
+    let mut waiting = stack
+        .engine
+        .execute(execute(&engines[0]))
+        .await
+        .unwrap()
+        .into_inner();
+    let (before, _) = until_action(&mut waiting).await;
+    let run_id = before[0].run_id.clone();
+    // Alice's one run in progress: its model takes 6 s to answer.
+    let mut busy = stack
+        .engine
+        .execute(execute(&engines[1]))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!busy.next().await.unwrap().unwrap().done);
+    let answered = stack
+        .engine
+        .submit_tool_outputs(alice(tonic::Request::new(v1::SubmitToolOutputsRequest {
+            run_id: run_id.clone(),
+            outputs: vec![v1::ToolOutput {
+                tool_call_id: "k1".into(),
+                output: "shipped".into(),
+                is_error: false,
+            }],
+        })))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(answered.pending_tool_call_ids.is_empty(), "{answered:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let asked = std::time::Instant::now();
+    let cancelled = stack
+        .engine
+        .cancel(alice(tonic::Request::new(v1::CancelRequest {
+            run_id: run_id.clone(),
+        })))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cancelled.status, v1::RunStatus::Cancelled as i32);
+    let events: Vec<Event> = before.into_iter().chain(rest(waiting).await).collect();
+    assert!(
+        asked.elapsed() < Duration::from_secs(3),
+        "ended at once, not after a lease or once the busy run ended: {:?}",
+        asked.elapsed()
+    );
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "cancelled");
+}

@@ -461,7 +461,7 @@ impl RunManager {
         // it, however late this runtime reads the answer (a renewal before that is refused,
         // and does nothing).
         self.resuming().insert(run_id.clone(), token.clone());
-        let _resuming = Resuming(self, &run_id);
+        let resuming = Resuming(self, &run_id);
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
@@ -490,6 +490,20 @@ impl RunManager {
             && principal_full(&self.usage(), &charge, self.limits.max_active_per_principal)
         {
             debug!(%run_id, principal = %charge.principal, "its principal has no room for it here yet");
+            // A run that waited is let go at once, to be taken again (here or elsewhere)
+            // as soon as its principal has room, or it is cancelled: left to lapse, it
+            // would sit for a lease taken by nobody. (A run whose owner died lapses
+            // again: let go, it would pass for one handed over.)
+            if taken.waited.is_some() {
+                drop(resuming);
+                let lease = Lease {
+                    run_id: run_id.clone(),
+                    token,
+                };
+                if let Err(error) = self.store.release(&[lease]).await {
+                    debug!(%run_id, %error, "cannot let a run that waited go at once");
+                }
+            }
             return Ok(false);
         }
         // Accepted before: charged, never refused.
@@ -1148,7 +1162,8 @@ impl RunManager {
         // Nobody executes a waiting run: cancelled, it ends here, or on whichever replica
         // takes it first, told so by the store. Not stopped besides: it publishes the
         // answers it accepted before it ends.
-        let wait_cancelled = record.waiting() && self.store.cancel_waiting(run_id).await?;
+        let was_waiting = record.waiting();
+        let wait_cancelled = was_waiting && self.store.cancel_waiting(run_id).await?;
         if wait_cancelled && let Err(error) = self.take_over(run_id.to_owned(), None, true).await {
             warn!(%run_id, %error, "cannot end a cancelled waiting run here yet");
         }
@@ -1189,8 +1204,11 @@ impl RunManager {
                 while tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_millis(20));
+                    // A run that begins to wait as it is stopped is answered waiting (its
+                    // wait is cancelled next); one that waited already, and whose wait
+                    // was taken (all answered, going on somewhere), is followed to its end.
                     if let Some(record) = self.store.load(run_id).await?
-                        && (record.ended() || (!wait_cancelled && record.waiting()))
+                        && (record.ended() || (!wait_cancelled && !was_waiting && record.waiting()))
                     {
                         return Ok(record);
                     }
