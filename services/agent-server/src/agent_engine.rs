@@ -692,10 +692,8 @@ impl AgentEngine for AgentEngineImpl {
     ) -> Result<Response<v1::AgentState>, Status> {
         let caller = Principal::of(&request);
         let record = self.run(&caller, &request.into_inner().run_id).await?;
-        Ok(Response::new(convert::record_to_wire(
-            &record,
-            self.limits.max_message_bytes,
-        )))
+        let state = convert::record_to_wire(&record, self.limits.max_message_bytes)?;
+        Ok(Response::new(state))
     }
 }
 

@@ -11,6 +11,8 @@ use agentrt_core::{
     Violation,
 };
 use agentrt_engine::{RunRecord, RunStatus, StopReason};
+
+use crate::error::Error;
 use agentrt_events::{EventData, EventKind, RunEvent};
 
 /// Converts a config that passed validation (defaults applied, every field in range).
@@ -263,18 +265,22 @@ const RESPONSE_MARGIN_BYTES: usize = 4096;
 /// A run's record as `GetRun` answers it, within `max_bytes` encoded: when the whole
 /// record does not fit, the steps' texts and tool-call arguments are cut first (the longest
 /// first), then the arguments of the calls the run waits for, then the final answer, each
-/// cut marked, and `truncated` says so. The events carry every text whole.
-pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
+/// cut marked with the size of the whole, and `truncated` says so. The events carry every
+/// text whole. A record that does not fit even so (its query alone is larger) is
+/// [`Error::AnswerTooLarge`].
+pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> Result<v1::AgentState, Error> {
     use prost::Message;
-    let mut state = whole_record_to_wire(record);
+    let whole = whole_record_to_wire(record);
     let budget = max_bytes.saturating_sub(RESPONSE_MARGIN_BYTES);
-    if state.encoded_len() <= budget {
-        return state;
+    if whole.encoded_len() <= budget {
+        return Ok(whole);
     }
-    state.truncated = true;
-    // Halve the room of each step text until the whole fits.
+    // Halve the room of each step text until the whole fits, cutting from the whole texts
+    // each time (a cut of a cut would say its marker's size).
+    let mut state = whole.clone();
     let mut room = 64 * 1024;
     while state.encoded_len() > budget && room > 0 {
+        state.clone_from(&whole);
         for step in &mut state.steps {
             cut_text(&mut step.thought, room);
             cut_text(&mut step.answer, room);
@@ -285,6 +291,7 @@ pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
         }
         room /= 2;
     }
+    state.truncated = true;
     // The calls it waits for (their `TOOL_CALL` events have them whole), the largest
     // first.
     let mut order: Vec<usize> = (0..state.pending_tool_calls.len()).collect();
@@ -307,7 +314,14 @@ pub fn record_to_wire(record: &RunRecord, max_bytes: usize) -> v1::AgentState {
         let keep = state.final_answer.len().saturating_sub(over + 256);
         cut_text(&mut state.final_answer, keep);
     }
-    state
+    let bytes = state.encoded_len();
+    if bytes > max_bytes {
+        return Err(Error::AnswerTooLarge {
+            bytes,
+            max: max_bytes,
+        });
+    }
+    Ok(state)
 }
 
 /// Cuts `text` to at most `max` bytes at a character boundary, marking the cut.
@@ -604,7 +618,7 @@ mod tests {
         };
         let limit = 4 * 1024 * 1024;
         // 2 MiB answers, each held twice and a thought beside: 6 MiB whole.
-        let state = record_to_wire(&record, limit);
+        let state = record_to_wire(&record, limit).unwrap();
         assert!(state.encoded_len() <= limit, "{}", state.encoded_len());
         assert!(state.truncated);
         assert_eq!(
@@ -613,8 +627,27 @@ mod tests {
         );
         assert!(state.steps[0].answer.contains("[cut: "));
         // An answer larger than the limit itself is cut too, and marked.
-        let state = record_to_wire(&record, 1024 * 1024);
+        let state = record_to_wire(&record, 1024 * 1024).unwrap();
         assert!(state.encoded_len() <= 1024 * 1024);
+        // Each cut says the size of the whole text, however often its room was halved.
+        let whole = format!(
+            "of {} bytes; Subscribe to the run for the whole text]",
+            big.len()
+        );
+        assert!(
+            state.steps[0].answer.ends_with(&whole),
+            "{}",
+            &state.steps[0].answer[..100]
+        );
+        // A record whose query alone is larger than the limit is refused, not sent over it.
+        let asked = RunRecord {
+            query: big.clone(),
+            ..record.clone()
+        };
+        assert!(matches!(
+            record_to_wire(&asked, 1024 * 1024),
+            Err(Error::AnswerTooLarge { max: 1_048_576, .. })
+        ));
         assert!(
             state
                 .final_answer
@@ -652,7 +685,7 @@ mod tests {
             }],
             ..record.clone()
         };
-        let state = record_to_wire(&waiting, limit);
+        let state = record_to_wire(&waiting, limit).unwrap();
         assert!(state.encoded_len() <= limit, "{}", state.encoded_len());
         assert!(state.truncated);
         let cut = |call: &Option<prost_types::Struct>| {
@@ -667,7 +700,7 @@ mod tests {
             "",
             "kept when it fits"
         );
-        let state = record_to_wire(&waiting, 1024 * 1024);
+        let state = record_to_wire(&waiting, 1024 * 1024).unwrap();
         assert!(
             state.encoded_len() <= 1024 * 1024,
             "{}",
@@ -682,7 +715,7 @@ mod tests {
             final_answer: "42".into(),
             ..record
         };
-        assert!(!record_to_wire(&small, limit).truncated);
+        assert!(!record_to_wire(&small, limit).unwrap().truncated);
     }
 
     #[test]

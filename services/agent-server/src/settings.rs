@@ -314,13 +314,17 @@ impl Settings {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.server.validate()?;
         self.state()?;
+        // Printable ASCII: it names every Redis key, and shows in logs and redis-cli.
         if self.state_key_prefix.is_empty()
             || self.state_key_prefix.len() > 64
-            || self.state_key_prefix.contains(char::is_whitespace)
+            || !self.state_key_prefix.bytes().all(|b| b.is_ascii_graphic())
         {
             return Err(ConfigError::Invalid {
                 field: "state_key_prefix",
-                message: "must be 1 to 64 characters without whitespace".into(),
+                message: format!(
+                    "must be 1 to 64 printable ASCII characters without whitespace, got {:?}",
+                    agentrt_grpc::status::bounded(&self.state_key_prefix, 80)
+                ),
             });
         }
         if !(self.tool_executor.starts_with("http://")
@@ -353,7 +357,7 @@ impl Settings {
                 message: "give the token or a token file, not both".into(),
             });
         }
-        if self.tool_executor_timeout.is_zero()
+        if self.tool_executor_timeout < Duration::from_millis(1)
             || self.tool_executor_timeout > Duration::from_secs(300)
         {
             return Err(ConfigError::Invalid {
@@ -614,6 +618,34 @@ mod tests {
             assert!(error.contains(says), "{bad}: {error}");
             assert!(!error.contains("pw"), "{bad}: {error}");
         }
+    }
+
+    #[test]
+    fn settings_are_held_to_what_their_messages_say() {
+        type Set = fn(&mut Settings);
+        let cases: [(&str, Set); 3] = [
+            ("tool_executor_timeout", |s| {
+                s.tool_executor_timeout = Duration::from_micros(500);
+            }),
+            ("state_key_prefix", |s| {
+                s.state_key_prefix = "agent\u{7}rt".into()
+            }),
+            ("state_key_prefix", |s| {
+                s.state_key_prefix = "agentré".into()
+            }),
+        ];
+        for (field, set) in cases {
+            let mut settings = Settings::default();
+            set(&mut settings);
+            let error = settings.validate().unwrap_err().to_string();
+            assert!(error.contains(field), "{field}: {error}");
+        }
+        let settings = Settings {
+            tool_executor_timeout: Duration::from_millis(1),
+            state_key_prefix: "team-a:agentrt".into(),
+            ..Settings::default()
+        };
+        assert!(settings.validate().is_ok());
     }
 
     #[test]
