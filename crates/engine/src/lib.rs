@@ -546,6 +546,11 @@ impl Engine {
         let spec = RunSpec::read(&taken.spec, &taken.agent).map_err(|e| corrupt("spec", &e))?;
         let mut state: RunState =
             serde_json::from_str(&taken.state).map_err(|e| corrupt("state", &e))?;
+        // A run that waited once outlives its client on every replica that continues it
+        // (the replica that took its answers tells its control so itself).
+        if state.has_waited {
+            control.outlive_client();
+        }
         state.messages = taken
             .messages
             .iter()

@@ -31,6 +31,10 @@ pub struct RunState {
     /// under way: time that does not count against its time limit.
     #[serde(default)]
     pub waited_ms: u64,
+    /// Whether the run has waited for answers: from then on it outlives the client of its
+    /// `Execute`, also on the replica that takes it over.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub has_waited: bool,
 }
 
 /// Where a run is.
@@ -189,6 +193,7 @@ impl RunState {
             previous_calls: None,
             repeats: 0,
             waited_ms: 0,
+            has_waited: false,
         }
     }
 
@@ -390,6 +395,7 @@ impl RunState {
             since_ms: now_ms,
             approved: Vec::new(),
         };
+        self.has_waited = true;
     }
 
     /// The answers of [`Phase::Waiting`] arrived: `results` has those of the calls that
@@ -534,6 +540,7 @@ mod tests {
             fc,
             counter,
         );
+        assert!(!state.has_waited);
         state.wait(vec![None], Vec::new(), 10_000);
         assert_eq!(state.waited(12_000).as_millis(), 2_000);
         state.decided(vec![None], &["a".to_owned()], 13_000);
@@ -543,6 +550,11 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
         state.answered(vec![result("42")], 73_000, fc, counter);
         assert_eq!(state.waited(80_000).as_millis(), 3_000);
+        // Gone on, it still says it waited (a replica that takes it over lets it outlive
+        // its client), also as saved.
+        let state: RunState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        assert!(state.has_waited);
     }
 
     #[test]
