@@ -45,6 +45,9 @@ pub struct SessionLimits {
     /// used sessions are dropped first (and a session alone past it keeps its newest
     /// exchanges that fit, at least the last one).
     pub max_bytes: usize,
+    /// Most bytes of one session's exchanges; beyond, its oldest are dropped (the newest
+    /// stays).
+    pub max_history_bytes: usize,
 }
 
 impl Default for SessionLimits {
@@ -54,6 +57,7 @@ impl Default for SessionLimits {
             max_sessions: 100_000,
             max_exchanges: 200,
             max_bytes: usize::MAX,
+            max_history_bytes: usize::MAX,
         }
     }
 }
@@ -102,6 +106,8 @@ struct Inner {
 struct Session {
     /// Each exchange with its weight.
     exchanges: VecDeque<(Arc<Exchange>, usize)>,
+    /// Their weights together.
+    bytes: usize,
     expires_at: Instant,
 }
 
@@ -157,8 +163,7 @@ impl Inner {
     /// Drops session `id` from the map and the total (not from `by_expiry`).
     fn forget(&mut self, id: &str) {
         if let Some(session) = self.sessions.remove(id) {
-            let bytes: usize = session.exchanges.iter().map(|(_, w)| w).sum();
-            self.bytes = self.bytes.saturating_sub(bytes);
+            self.bytes = self.bytes.saturating_sub(session.bytes);
         }
     }
 }
@@ -227,17 +232,22 @@ impl SessionStore for InMemorySessionStore {
             .entry(session_id.to_owned())
             .or_insert_with(|| Session {
                 exchanges: VecDeque::new(),
+                bytes: 0,
                 expires_at,
             });
         session.expires_at = expires_at;
         session.exchanges.push_back((exchange, bytes));
+        session.bytes += bytes;
         *total += bytes;
-        // Then its own oldest exchanges, beyond the count or the bytes (the newest stays).
+        // Then its own oldest exchanges, beyond the count or the bytes, its own or all
+        // sessions' (the newest stays).
         while session.exchanges.len() > self.limits.max_exchanges.max(1)
-            || (*total > self.limits.max_bytes && session.exchanges.len() > 1)
+            || ((*total > self.limits.max_bytes || session.bytes > self.limits.max_history_bytes)
+                && session.exchanges.len() > 1)
         {
             if let Some((_, dropped)) = session.exchanges.pop_front() {
                 *total = total.saturating_sub(dropped);
+                session.bytes = session.bytes.saturating_sub(dropped);
             }
         }
         Ok(())
@@ -263,6 +273,7 @@ mod tests {
             max_sessions: 2,
             max_exchanges: 3,
             max_bytes: usize::MAX,
+            max_history_bytes: usize::MAX,
         });
         for n in 0..5 {
             store.append("a", exchange(n).into()).await.unwrap();

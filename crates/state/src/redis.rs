@@ -90,6 +90,9 @@ pub struct RedisLimits {
     pub session_ttl: Duration,
     /// Exchanges kept per session.
     pub max_exchanges: usize,
+    /// Bytes of one session's exchanges (as stored, JSON); beyond, its oldest go (its
+    /// newest stays).
+    pub max_history_bytes: usize,
     /// How long an ended run (record and events) stays readable.
     pub run_retention: Duration,
     /// Events kept per run.
@@ -654,18 +657,36 @@ if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], AR
 return {redis.call('LRANGE', KEYS[1], 0, -1)}
 ";
 
-/// Appends exchange `ARGV[1]` to session `KEYS[1]`, keeping its last `ARGV[2]`, for at
-/// least `ARGV[3]` ms from now (a longer time to live it has is kept).
+/// Appends `exchange` to session history `key`, keeping its last `keep` exchanges and, of
+/// those, the newest within `max_bytes` (at least the last one).
+const SESSION_PUSH: &str = r"
+local function push_exchange(key, exchange, keep, max_bytes)
+  redis.call('RPUSH', key, exchange)
+  redis.call('LTRIM', key, -tonumber(keep), -1)
+  local items = redis.call('LRANGE', key, 0, -1)
+  local total = 0
+  for i = 1, #items do total = total + #items[i] end
+  local first = 1
+  while total > tonumber(max_bytes) and first < #items do
+    total = total - #items[first]
+    first = first + 1
+  end
+  if first > 1 then redis.call('LTRIM', key, first - 1, -1) end
+end
+";
+
+/// Appends exchange `ARGV[1]` to session `KEYS[1]` as [`SESSION_PUSH`] does (`ARGV[2]`
+/// exchanges, `ARGV[4]` bytes), for at least `ARGV[3]` ms from now (a longer time to
+/// live it has is kept).
 const SESSION_APPEND: &str = r"
-redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('LTRIM', KEYS[1], -tonumber(ARGV[2]), -1)
+push_exchange(KEYS[1], ARGV[1], ARGV[2], ARGV[4])
 if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 return 0
 ";
 
 fn session_append_script() -> &'static redis::Script {
     static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
-    SCRIPT.get_or_init(|| redis::Script::new(SESSION_APPEND))
+    SCRIPT.get_or_init(|| redis::Script::new(&format!("{SESSION_PUSH}{SESSION_APPEND}")))
 }
 
 fn session_keep_script() -> &'static redis::Script {
@@ -721,6 +742,7 @@ impl SessionStore for RedisSessions {
             .arg(json)
             .arg(keep)
             .arg(millis(self.0.limits.session_ttl))
+            .arg(self.0.limits.max_history_bytes.max(1))
             .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
@@ -813,7 +835,8 @@ if allowed ~= 1 then return allowed end
 /// ids, then record fields and progress fields, with flag `a` the agent of the run's
 /// engine, and with flag `t` last the turn kept in the session's history (`KEYS[10]`,
 /// as `RedisSessions::append` keeps it, once per run: the record's `!turn` field marks
-/// it kept): the exchange, how many the session keeps, its time to live (ms). A run that waits
+/// it kept): the exchange, how many the session keeps, its time to live (ms), and the
+/// bytes it keeps. A run that waits
 /// has no owner (`KEYS[2]` empty), its lease lapses when the wait ends, and its answers
 /// are kept in `KEYS[7]` (`c:<call id>` fields, empty until answered; `!done`, `!cancel`
 /// and `!taken` marks). The agent is one key for all its runs (`KEYS[8]`, given with it;
@@ -827,12 +850,11 @@ local first = string.find(ARGV[5], 'f', 1, true)
 local ended = string.find(ARGV[5], 'e', 1, true)
 local last = #ARGV
 if string.find(ARGV[5], 't', 1, true) then
-  last = last - 3
+  last = last - 4
   -- Once per run: a write that timed out after Redis ran it, sent again, keeps no
   -- second turn.
   if redis.call('HSETNX', KEYS[1], '!turn', '1') == 1 then
-    redis.call('RPUSH', KEYS[10], ARGV[last + 1])
-    redis.call('LTRIM', KEYS[10], -tonumber(ARGV[last + 2]), -1)
+    push_exchange(KEYS[10], ARGV[last + 1], ARGV[last + 2], ARGV[last + 4])
     -- Never shorter than it was kept for (a run of it may wait).
     if redis.call('PTTL', KEYS[10]) < tonumber(ARGV[last + 3]) then
       redis.call('PEXPIRE', KEYS[10], ARGV[last + 3])
@@ -1313,7 +1335,7 @@ macro_rules! script {
     };
 }
 
-script!(save_script, SAVE_FENCE, SAVE);
+script!(save_script, SESSION_PUSH, SAVE_FENCE, SAVE);
 script!(renew_script, RENEW);
 script!(release_script, RELEASE);
 script!(lapsed_script, LAPSED);
@@ -1438,6 +1460,7 @@ impl RedisRuns {
                     .map_err(|e| corrupt("exchange", &e))?;
                 args.push(self.0.limits.max_exchanges.max(1));
                 args.push(millis(self.0.limits.session_ttl));
+                args.push(self.0.limits.max_history_bytes.max(1));
                 Some(self.0.key("session", &record.session_id))
             }
             None => None,

@@ -23,6 +23,7 @@ fn limits(events_per_run: usize) -> RedisLimits {
         engine_ttl: HOUR,
         session_ttl: HOUR,
         max_exchanges: 3,
+        max_history_bytes: 2500,
         run_retention: Duration::from_secs(600),
         events_per_run,
         retained_events: 1_000_000,
@@ -68,6 +69,7 @@ async fn memory_session_store() {
     conformance::session_store(|| async {
         let store: Arc<dyn SessionStore> = Arc::new(InMemorySessionStore::new(SessionLimits {
             max_exchanges: 3,
+            max_history_bytes: 2500,
             ..SessionLimits::default()
         }));
         (store.clone(), store)

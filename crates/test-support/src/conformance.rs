@@ -208,8 +208,8 @@ where
     );
 }
 
-/// The session store suite; `new` makes a store keeping 3 exchanges per session, and
-/// `pair` two handles on one.
+/// The session store suite; `new` makes a store keeping 3 exchanges per session and 2500
+/// bytes of them, and `pair` two handles on one.
 pub async fn session_store<F, Fut>(new: F)
 where
     F: Fn() -> Fut,
@@ -260,6 +260,24 @@ where
     let history = store.history("busy").await.unwrap();
     assert_eq!(history.len(), 3);
     assert!(history.iter().all(|e| e.messages.len() == 1));
+
+    // Beyond the bytes a session keeps (about two exchanges of a thousand bytes here), its
+    // oldest exchanges go; its newest stays, however large, whichever replica kept it.
+    let large = |n: u32, bytes: usize| Exchange {
+        messages: vec![agentrt_models::ChatMessage::User("x".repeat(bytes))],
+        tokens: n,
+        kept_ms: 0,
+    };
+    let tokens =
+        |history: Vec<Arc<Exchange>>| -> Vec<u32> { history.iter().map(|e| e.tokens).collect() };
+    for n in 1..=3 {
+        store.append("long", large(n, 1000).into()).await.unwrap();
+    }
+    assert_eq!(tokens(other.history("long").await.unwrap()), [2, 3]);
+    other.append("long", large(4, 10_000).into()).await.unwrap();
+    assert_eq!(tokens(store.history("long").await.unwrap()), [4]);
+    store.append("long", large(5, 100).into()).await.unwrap();
+    assert_eq!(tokens(other.history("long").await.unwrap()), [5]);
 }
 
 /// Session lifetimes, for stores whose sessions live 1 s from their last use: reading a

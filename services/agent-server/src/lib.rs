@@ -90,6 +90,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     max_sessions: settings.sessions.max_sessions,
                     max_exchanges: settings.sessions.max_turns,
                     max_bytes: settings.sessions.max_bytes,
+                    max_history_bytes: settings.sessions.max_history_bytes,
                 })),
                 runs: Arc::new(MemoryRunStore::new(RunRetention {
                     ended: settings.runs.retention,
@@ -116,6 +117,7 @@ fn stores(settings: &Settings) -> std::result::Result<Stores, StartError> {
                     engine_ttl: settings.engines.ttl,
                     session_ttl: settings.sessions.ttl,
                     max_exchanges: settings.sessions.max_turns,
+                    max_history_bytes: settings.sessions.max_history_bytes,
                     run_retention: settings.runs.retention,
                     events_per_run: settings.runs.events_per_run,
                     retained_events: settings.runs.retained_events,

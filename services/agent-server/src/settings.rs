@@ -163,6 +163,9 @@ impl Default for RunSettings {
 /// ended runs) fit the 1 GiB the manifests give a replica that keeps its state in memory,
 /// with room for the rest.
 pub const DEFAULT_BUDGET_BYTES: usize = 128 * 1024 * 1024;
+/// The default bound of one session's history: 8 MiB, some two million tokens, more than
+/// any model's context holds.
+pub const DEFAULT_HISTORY_BYTES: usize = 8 * 1024 * 1024;
 
 /// Bounds of the conversation histories kept per session.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -178,6 +181,10 @@ pub struct SessionSettings {
     /// Most bytes of history kept in memory (with `state = memory`), all sessions
     /// together; beyond, the least recently used sessions are forgotten.
     pub max_bytes: usize,
+    /// Most bytes of one session's history (in memory and in Redis); beyond, its oldest
+    /// turns are forgotten (its newest is always kept). Every run reads its session's
+    /// history whole: this bounds what one run of a long session reads and holds.
+    pub max_history_bytes: usize,
 }
 
 impl Default for SessionSettings {
@@ -187,6 +194,7 @@ impl Default for SessionSettings {
             max_sessions: 100_000,
             max_turns: 200,
             max_bytes: DEFAULT_BUDGET_BYTES,
+            max_history_bytes: DEFAULT_HISTORY_BYTES,
         }
     }
 }
@@ -440,6 +448,10 @@ impl Settings {
                 self.runs.max_waiting_per_principal,
             ),
             ("sessions.max_bytes", self.sessions.max_bytes),
+            (
+                "sessions.max_history_bytes",
+                self.sessions.max_history_bytes,
+            ),
             ("sessions.max_sessions", self.sessions.max_sessions),
             ("sessions.max_turns", self.sessions.max_turns),
         ] {

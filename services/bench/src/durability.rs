@@ -338,6 +338,7 @@ pub async fn run(
             engine_ttl: Duration::from_secs(60),
             session_ttl: Duration::from_secs(60),
             max_exchanges: 1,
+            max_history_bytes: usize::MAX,
             run_retention: Duration::from_secs(60),
             events_per_run: 100,
             retained_events: 100,
