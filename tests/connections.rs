@@ -352,3 +352,57 @@ async fn bad_connection_limits_are_refused_at_start() {
         assert!(stderr.contains(says), "{extra:?}: {stderr}");
     }
 }
+
+/// A client that makes the server reset streams for the client's own errors (here a
+/// WINDOW_UPDATE that overflows a stream's window, as in "MadeYouReset", CVE-2025-8671) is
+/// stopped: past 1024 such resets the connection ends with GOAWAY `ENHANCE_YOUR_CALM`
+/// (tonic turned h2's guard off). Raw frames against the real tool executor.
+#[tokio::test]
+async fn a_client_that_makes_the_server_reset_streams_is_stopped() {
+    let server = Server::start("tool-executor", &["--listen", "127.0.0.1:0"], &[]).await;
+    let mut conn = TcpStream::connect(server.addr).await.unwrap();
+    conn.write_all(PREFACE).await.unwrap();
+    let (mut read, mut write) = conn.into_split();
+    // Each stream: HEADERS (POST /, END_HEADERS, the request left open), then a
+    // WINDOW_UPDATE past the largest window the stream may have.
+    let frames = tokio::spawn(async move {
+        for batch in 0..30u32 {
+            let mut bytes = Vec::new();
+            for i in 0..100 {
+                let id = (batch * 100 + i) * 2 + 1;
+                bytes.extend_from_slice(&[0, 0, 3, 0x1, 0x4]);
+                bytes.extend_from_slice(&id.to_be_bytes());
+                bytes.extend_from_slice(&[0x83, 0x86, 0x84]);
+                bytes.extend_from_slice(&[0, 0, 4, 0x8, 0]);
+                bytes.extend_from_slice(&id.to_be_bytes());
+                bytes.extend_from_slice(&0x7fff_ffffu32.to_be_bytes());
+            }
+            if write.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+    });
+    // Frames until GOAWAY (type 7: last stream id, then the error code).
+    let mut goaway = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut head = [0u8; 9];
+        let read_head = tokio::time::timeout_at(deadline, read.read_exact(&mut head)).await;
+        let Ok(Ok(_)) = read_head else { break };
+        let length = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; length];
+        if read.read_exact(&mut payload).await.is_err() {
+            break;
+        }
+        if head[3] == 0x7 && length >= 8 {
+            goaway = Some(u32::from_be_bytes(payload[4..8].try_into().unwrap()));
+            break;
+        }
+    }
+    frames.abort();
+    assert_eq!(
+        goaway,
+        Some(0xb),
+        "no GOAWAY ENHANCE_YOUR_CALM after 3000 streams reset for the client's errors"
+    );
+}

@@ -284,6 +284,7 @@ impl GrpcServer {
         let server = builder
             .tcp_nodelay(true)
             .max_concurrent_streams(self.settings.max_concurrent_streams)
+            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
             // Thousands of streams opening at once on one connection exhaust h2's default
             // 1 MiB connection window and make it send GOAWAY; give it room.
             .initial_connection_window_size(16 * 1024 * 1024)
@@ -393,6 +394,16 @@ impl GrpcServer {
 /// How long a connection to the health-only port lasts (then it is closed, its calls
 /// given a grace to end; a `Watch` is made again by its client).
 const HEALTH_CONNECTION_AGE: Duration = Duration::from_secs(60);
+/// How long the calls of a health connection past its age have to end (a `Watch` is
+/// ended, and made again by its client on a new connection).
+const HEALTH_CONNECTION_GRACE: Duration = Duration::from_secs(5);
+/// Streams at once on one health connection (a probe makes one call).
+const HEALTH_STREAMS: u32 = 16;
+/// Streams the server may reset on one connection for errors of the client's (a frame a
+/// stream may not carry, a window it overflows) before it closes the connection with
+/// `ENHANCE_YOUR_CALM`: h2's guard against "MadeYouReset" (CVE-2025-8671). hyper keeps
+/// 1024 by default, but tonic hands it "none", which turns the guard off.
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
 
 fn serve_health_apart<S>(
     listener: std::net::TcpListener,
@@ -429,9 +440,12 @@ where
                 // connections cannot hold the port's slots for good.
                 let served = Server::builder()
                     .tcp_nodelay(true)
+                    .max_concurrent_streams(HEALTH_STREAMS)
+                    .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
                     .http2_keepalive_interval(Some(Duration::from_secs(10)))
                     .http2_keepalive_timeout(Some(Duration::from_secs(5)))
                     .max_connection_age(HEALTH_CONNECTION_AGE)
+                    .max_connection_age_grace(HEALTH_CONNECTION_GRACE)
                     .add_service(health)
                     .serve_with_incoming_shutdown(
                         listener::admit(
