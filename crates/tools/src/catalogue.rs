@@ -243,11 +243,22 @@ impl Catalogue {
             .tools
             .get(name)
             .ok_or_else(|| self.not_listed(name))?;
-        let violations: Vec<Violation> = entry
-            .validator
-            .iter_errors(&arguments)
-            .flat_map(|error| violations_of(&error))
-            .collect();
+        // The first violations are named (a status carries a few dozen), the rest counted:
+        // arguments with a million wrong items cost no million messages.
+        let mut violations: Vec<Violation> = Vec::new();
+        let mut left_out = 0usize;
+        for error in entry.validator.iter_errors(&arguments) {
+            let room = MAX_VIOLATIONS.saturating_sub(violations.len());
+            let (named, more) = violations_of(&error, room);
+            violations.extend(named);
+            left_out = left_out.saturating_add(more);
+        }
+        if left_out > 0 {
+            violations.push(Violation::new(
+                "arguments",
+                format!("and {left_out} more violations, left out"),
+            ));
+        }
         if !violations.is_empty() {
             return Err(ExecuteError::InvalidArguments {
                 tool: name.to_owned(),
@@ -312,11 +323,20 @@ impl Catalogue {
 }
 
 /// The violations one schema error stands for, each naming the field a client should fix:
-/// a missing or unexpected property is named itself, not the object that holds it.
-fn violations_of(error: &jsonschema::ValidationError<'_>) -> Vec<Violation> {
+/// a missing or unexpected property is named itself, not the object that holds it. At most
+/// `room` are made; the others are counted.
+fn violations_of(error: &jsonschema::ValidationError<'_>, room: usize) -> (Vec<Violation>, usize) {
     use jsonschema::error::ValidationErrorKind as Kind;
+    if room == 0 {
+        let count = match error.kind() {
+            Kind::AdditionalProperties { unexpected }
+            | Kind::UnevaluatedProperties { unexpected } => unexpected.len(),
+            _ => 1,
+        };
+        return (Vec::new(), count);
+    }
     let at = argument_path(error.instance_path().as_str());
-    match error.kind() {
+    let named = match error.kind() {
         Kind::Required { property } => {
             let name = property
                 .as_str()
@@ -329,6 +349,7 @@ fn violations_of(error: &jsonschema::ValidationError<'_>) -> Vec<Violation> {
         Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
             unexpected
                 .iter()
+                .take(room)
                 .map(|name| {
                     Violation::new(
                         format!("{at}.{name}"),
@@ -338,8 +359,19 @@ fn violations_of(error: &jsonschema::ValidationError<'_>) -> Vec<Violation> {
                 .collect()
         }
         _ => vec![Violation::new(at, error.to_string())],
-    }
+    };
+    let count = match error.kind() {
+        Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
+            unexpected.len()
+        }
+        _ => 1,
+    };
+    let more = count.saturating_sub(named.len());
+    (named, more)
 }
+
+/// Violations of a call's arguments named one by one; the rest are counted.
+const MAX_VIOLATIONS: usize = 50;
 
 /// Turns a JSON pointer into the request's field path: `/items/0/name` becomes
 /// `arguments.items[0].name`, and the root becomes `arguments`.
@@ -416,6 +448,31 @@ mod tests {
                 "arguments.expression",
                 "required property is missing"
             )]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_violations_is_named_in_part_and_counted() {
+        let mut arguments = serde_json::Map::new();
+        arguments.insert("expression".into(), json!("1"));
+        for i in 0..10_000 {
+            arguments.insert(format!("k{i}"), json!(null));
+        }
+        let err = catalogue()
+            .await
+            .execute("calculator", arguments.into(), &ToolContext::default())
+            .await
+            .unwrap_err();
+        let ExecuteError::InvalidArguments { violations, .. } = err else {
+            panic!("expected invalid arguments, got {err:?}");
+        };
+        assert_eq!(violations.len(), MAX_VIOLATIONS + 1);
+        assert_eq!(
+            violations.last().unwrap(),
+            &Violation::new(
+                "arguments",
+                format!("and {} more violations, left out", 10_000 - MAX_VIOLATIONS)
+            )
         );
     }
 

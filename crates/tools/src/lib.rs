@@ -87,7 +87,8 @@ pub trait Tool: Send + Sync {
 /// What a tool call knows of its caller.
 #[derive(Debug, Clone, Default)]
 pub struct ToolContext {
-    /// The call's id, as the caller gave it.
+    /// The call's idempotency key: its id, as the caller gave it, under the caller's
+    /// principal when it has one (`PRINCIPAL/ID`).
     pub call_id: String,
     /// The run making the call.
     pub run_id: String,

@@ -75,6 +75,7 @@ impl ToolExecutor for ToolExecutorService {
             .extensions()
             .get::<agentrt_grpc::metrics::Arrival>()
             .map_or_else(Instant::now, |arrival| arrival.0);
+        let caller = agentrt_grpc::security::Principal::of(&request);
         let deadline = limit.and_then(|limit| {
             Some((
                 limit,
@@ -113,7 +114,7 @@ impl ToolExecutor for ToolExecutorService {
             .as_ref()
             .map_or_else(|| serde_json::json!({}), json::struct_to_json);
         let ctx = ToolContext {
-            call_id: request.call_id.clone(),
+            call_id: idempotency_key(&caller, &request.call_id),
             run_id: request.run_id.clone(),
             session_id: request.session_id.clone(),
             cancel: self.drain.child_token(),
@@ -325,8 +326,34 @@ fn grpc_timeout(metadata: &MetadataMap) -> Option<Duration> {
     agentrt_grpc::parse_grpc_timeout(metadata.get("grpc-timeout")?.to_str().ok()?)
 }
 
+/// The idempotency key sources are sent for a call (`Idempotency-Key`, MCP's `_meta`): its
+/// `call_id`, under its caller's principal when it has one (`PRINCIPAL/ID`), so that two
+/// callers' calls of the same id are never taken for one.
+fn idempotency_key(caller: &agentrt_grpc::security::Principal, call_id: &str) -> String {
+    if caller.name.is_empty() || call_id.is_empty() {
+        call_id.to_owned()
+    } else {
+        format!("{}/{call_id}", caller.name)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_callers_calls_have_keys_of_their_own() {
+        let caller = |name: &str| agentrt_grpc::security::Principal {
+            name: name.into(),
+            operator: false,
+        };
+        assert_eq!(idempotency_key(&caller(""), "call-1"), "call-1");
+        assert_eq!(idempotency_key(&caller("shop"), "call-1"), "shop/call-1");
+        assert_ne!(
+            idempotency_key(&caller("shop"), "call-1"),
+            idempotency_key(&caller("billing"), "call-1")
+        );
+        assert_eq!(idempotency_key(&caller("shop"), ""), "", "no id, no key");
+    }
+
     use super::*;
 
     fn metadata(timeout: &str) -> MetadataMap {
