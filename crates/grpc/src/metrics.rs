@@ -300,6 +300,11 @@ impl<B> Drop for MeteredBody<B> {
     }
 }
 
+/// How long a connection to the metrics port lasts before it ends after its current answer.
+const METRICS_CONNECTION_AGE: Duration = Duration::from_secs(60);
+/// How long that answer may then take to be read.
+const METRICS_CONNECTION_GRACE: Duration = Duration::from_secs(10);
+
 /// Serves `GET /metrics` (OpenMetrics text, which Prometheus reads) on `listener` until `stop` is cancelled,
 /// taking connections within `limits` (a request's headers must arrive within the
 /// handshake timeout).
@@ -329,12 +334,24 @@ pub(crate) async fn serve_metrics(
                     TokioIo::new(stream),
                     hyper::service::service_fn(metrics_response),
                 );
+            tokio::pin!(connection);
+            // A connection lasts a while, then ends after the answer it is writing: a
+            // client that asks and never reads its answers (hyper has no write timeout)
+            // holds a slot for that long at most. Prometheus connects again.
+            let aged = tokio::time::sleep(METRICS_CONNECTION_AGE);
+            tokio::pin!(aged);
             tokio::select! {
-                result = connection => {
+                result = connection.as_mut() => {
                     if let Err(error) = result {
                         debug!(%error, "metrics connection ended with an error");
                     }
+                    return;
                 }
+                () = &mut aged => connection.as_mut().graceful_shutdown(),
+                () = stop.cancelled() => return,
+            }
+            tokio::select! {
+                _ = tokio::time::timeout(METRICS_CONNECTION_GRACE, connection) => {}
                 () = stop.cancelled() => {}
             }
         });
