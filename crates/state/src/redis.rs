@@ -988,6 +988,15 @@ end
 return 0
 ";
 
+/// Lets run `ARGV[2]`'s lease go `ARGV[4]` ms from now when its owner is `ARGV[3]`
+/// (`KEYS[1]` the leases, `ARGV[1]` the owner keys' prefix).
+const DEFER: &str = r"
+if redis.call('GET', ARGV[1] .. ':owner:' .. ARGV[2]) == ARGV[3] then
+  redis.call('ZADD', KEYS[1], 'XX', now_ms() + tonumber(ARGV[4]), ARGV[2])
+end
+return 0
+";
+
 /// Runs whose lease lapsed, at most `ARGV[1]`.
 const LAPSED: &str = r"
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms(), 'LIMIT', 0, tonumber(ARGV[1]))
@@ -1338,6 +1347,7 @@ macro_rules! script {
 script!(save_script, SESSION_PUSH, SAVE_FENCE, SAVE);
 script!(renew_script, RENEW);
 script!(release_script, RELEASE);
+script!(defer_script, DEFER);
 script!(lapsed_script, LAPSED);
 script!(take_over_script, TAKE_OVER);
 script!(answer_script, ANSWER);
@@ -1689,6 +1699,19 @@ impl RunStore for RedisRuns {
             script.arg(&lease.run_id).arg(&lease.token);
         }
         let _: i64 = script
+            .invoke(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))?;
+        Ok(())
+    }
+
+    async fn defer(&self, lease: &Lease, by: Duration) -> StateResult<()> {
+        let _: i64 = ScriptCall::new(defer_script(), 1)
+            .key(self.0.key("leases", "all"))
+            .arg(&self.0.prefix)
+            .arg(&lease.run_id)
+            .arg(&lease.token)
+            .arg(millis(by))
             .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))?;
@@ -2078,7 +2101,7 @@ fn checkpoint_script() -> &'static redis::Script {
     static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
     SCRIPT.get_or_init(|| {
         redis::Script::new(&format!(
-            "{FENCE}
+            "{FENCE}{SESSION_PUSH}
 local function publish(KEYS, ARGV)
 {PUBLISH}
 end

@@ -347,6 +347,11 @@ pub trait RunStore: Send + Sync {
     /// Lets `leases` go at once: other replicas may take the runs over now.
     async fn release(&self, leases: &[Lease]) -> StateResult<()>;
 
+    /// Lets `lease` go `by` from now, for a run taken over that cannot go on here yet:
+    /// it lapses then (not handed over), behind the runs that lapsed before. Nothing
+    /// when `lease` is no longer the run's.
+    async fn defer(&self, lease: &Lease, by: Duration) -> StateResult<()>;
+
     /// Runs whose lease lapsed or was let go, at most `limit`, longest lapsed first.
     async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>>;
 
@@ -1303,6 +1308,16 @@ impl RunStore for MemoryRunStore {
                 .leases
                 .moved(&lease.run_id, Some(&lease.token), now, Some(true));
         }
+        Ok(())
+    }
+
+    async fn defer(&self, lease: &Lease, by: Duration) -> StateResult<()> {
+        self.lock().leases.moved(
+            &lease.run_id,
+            Some(&lease.token),
+            Instant::now() + by,
+            Some(false),
+        );
         Ok(())
     }
 

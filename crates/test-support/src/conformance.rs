@@ -724,6 +724,20 @@ where
     assert!(handed.handed_over);
     assert_eq!(handed.previous_owner, winner);
     assert_eq!(handed.stop, None);
+    // A run taken over that cannot go on there yet is let go a while later, by its owner
+    // only.
+    other
+        .defer(&lease("lr", "x.1"), Duration::ZERO)
+        .await
+        .unwrap();
+    assert!(!is_lapsed(&*store, "lr").await, "only the owner defers");
+    other
+        .defer(&lease("lr", "c.1"), Duration::from_millis(150))
+        .await
+        .unwrap();
+    assert!(!is_lapsed(&*store, "lr").await);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert!(is_lapsed(&*store, "lr").await, "lapsed once deferred");
 
     // A stop requested of a run whose owner is gone is kept for the replica that takes it
     // over.

@@ -146,6 +146,10 @@ const HANDOVER_PATIENCE: Duration = Duration::from_secs(5);
 /// takes it over (the replica that claimed it writes the record at once, unless it died).
 const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
 
+/// When a run taken over whose principal has no room for it here is let go, to be taken
+/// again.
+const NO_ROOM_RETRY: Duration = Duration::from_secs(1);
+
 /// How long an answer waits for a running run's record to say it waits: a run publishes
 /// its EVENT_TYPE_ACTION_REQUIRED before it saves that record, and a client may answer
 /// the event at once.
@@ -490,19 +494,17 @@ impl RunManager {
             && principal_full(&self.usage(), &charge, self.limits.max_active_per_principal)
         {
             debug!(%run_id, principal = %charge.principal, "its principal has no room for it here yet");
-            // A run that waited is let go at once, to be taken again (here or elsewhere)
-            // as soon as its principal has room, or it is cancelled: left to lapse, it
-            // would sit for a lease taken by nobody. (A run whose owner died lapses
-            // again: let go, it would pass for one handed over.)
-            if taken.waited.is_some() {
-                drop(resuming);
-                let lease = Lease {
-                    run_id: run_id.clone(),
-                    token,
-                };
-                if let Err(error) = self.store.release(&[lease]).await {
-                    debug!(%run_id, %error, "cannot let a run that waited go at once");
-                }
+            // Let go soon, to be taken again (here or elsewhere) once its principal has
+            // room, or it is cancelled: left to lapse, it would sit for a lease taken by
+            // nobody. Soon, not at once: behind the runs that lapsed before it, so that
+            // a principal's runs never keep the others' from being taken over.
+            drop(resuming);
+            let lease = Lease {
+                run_id: run_id.clone(),
+                token,
+            };
+            if let Err(error) = self.store.defer(&lease, NO_ROOM_RETRY).await {
+                debug!(%run_id, %error, "cannot let a run its principal has no room for go");
             }
             return Ok(false);
         }
@@ -1512,6 +1514,9 @@ mod tests {
         }
         async fn release(&self, leases: &[Lease]) -> agentrt_state::StateResult<()> {
             self.inner.release(leases).await
+        }
+        async fn defer(&self, lease: &Lease, by: Duration) -> agentrt_state::StateResult<()> {
+            self.inner.defer(lease, by).await
         }
         async fn lapsed(&self, limit: usize) -> agentrt_state::StateResult<Vec<String>> {
             self.inner.lapsed(limit).await

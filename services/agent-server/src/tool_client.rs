@@ -671,36 +671,27 @@ mod tests {
     /// A tool executor that fails every call with `DATA_LOSS` and status details that are
     /// not base64: in its headers (trailers only), or in trailers after the headers.
     async fn garbled_details_server(in_trailers: bool) -> String {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            while let Ok((io, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut connection = h2::server::handshake(io).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = connection.accept().await {
-                        let grpc = http::Response::builder()
-                            .header(http::header::CONTENT_TYPE, "application/grpc");
-                        let mut status = http::HeaderMap::new();
-                        status.insert("grpc-status", http::HeaderValue::from_static("15"));
-                        status.insert(
-                            "grpc-status-details-bin",
-                            http::HeaderValue::from_static("not base64!"),
-                        );
-                        if in_trailers {
-                            let mut stream = respond
-                                .send_response(grpc.body(()).unwrap(), false)
-                                .unwrap();
-                            stream.send_trailers(status).unwrap();
-                        } else {
-                            let mut response = grpc.body(()).unwrap();
-                            response.headers_mut().extend(status);
-                            respond.send_response(response, true).unwrap();
-                        }
-                    }
-                });
+        unary::tests::raw_server(move |mut respond| {
+            let grpc =
+                http::Response::builder().header(http::header::CONTENT_TYPE, "application/grpc");
+            let mut status = http::HeaderMap::new();
+            status.insert("grpc-status", http::HeaderValue::from_static("15"));
+            status.insert(
+                "grpc-status-details-bin",
+                http::HeaderValue::from_static("not base64!"),
+            );
+            if in_trailers {
+                let mut stream = respond
+                    .send_response(grpc.body(()).unwrap(), false)
+                    .unwrap();
+                stream.send_trailers(status).unwrap();
+            } else {
+                let mut response = grpc.body(()).unwrap();
+                response.headers_mut().extend(status);
+                respond.send_response(response, true).unwrap();
             }
-        });
-        url
+        })
+        .await
     }
 
     #[tokio::test]

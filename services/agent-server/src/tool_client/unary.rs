@@ -358,7 +358,7 @@ fn code_of(reason: Option<h2::Reason>) -> Code {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use agentrt::v1;
 
     use super::*;
@@ -378,61 +378,71 @@ mod tests {
         Reset,
     }
 
-    /// A raw HTTP/2 server on a free port that answers every call as `answer` says.
-    async fn server(answer: Answer) -> String {
+    /// A raw HTTP/2 server on a free port that answers every call with `respond`.
+    pub(in crate::tool_client) async fn raw_server<F>(respond: F) -> String
+    where
+        F: Fn(h2::server::SendResponse<Bytes>) + Clone + Send + 'static,
+    {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move {
             while let Ok((io, _)) = listener.accept().await {
+                let respond = respond.clone();
                 tokio::spawn(async move {
                     let mut connection = h2::server::handshake(io).await.unwrap();
-                    while let Some(Ok((_, mut respond))) = connection.accept().await {
-                        let message = v1::ExecuteToolResponse {
-                            output: if matches!(answer, Answer::Large) {
-                                "x".repeat(4096)
-                            } else {
-                                "42".into()
-                            },
-                            ..Default::default()
-                        };
-                        let mut framed = BytesMut::new();
-                        framed.put_u8(0);
-                        framed
-                            .put_u32(u32::try_from(prost::Message::encoded_len(&message)).unwrap());
-                        prost::Message::encode(&message, &mut framed).unwrap();
-                        let framed = framed.freeze();
-                        let grpc =
-                            http::Response::builder().header(CONTENT_TYPE, "application/grpc");
-                        let mut ok = HeaderMap::new();
-                        ok.insert("grpc-status", HeaderValue::from_static("0"));
-                        match answer {
-                            Answer::Reset => respond.send_reset(h2::Reason::INTERNAL_ERROR),
-                            Answer::NotFound => {
-                                let response = grpc
-                                    .header("grpc-status", "5")
-                                    .header("grpc-message", "no%20such%20tool")
-                                    .body(())
-                                    .unwrap();
-                                respond.send_response(response, true).unwrap();
-                            }
-                            Answer::Split | Answer::Large | Answer::NoStatus => {
-                                let mut stream = respond
-                                    .send_response(grpc.body(()).unwrap(), false)
-                                    .unwrap();
-                                stream.send_data(framed.slice(..3), false).unwrap();
-                                if matches!(answer, Answer::NoStatus) {
-                                    stream.send_data(framed.slice(3..), true).unwrap();
-                                } else {
-                                    stream.send_data(framed.slice(3..), false).unwrap();
-                                    stream.send_trailers(ok).unwrap();
-                                }
-                            }
-                        }
+                    while let Some(Ok((_, sender))) = connection.accept().await {
+                        respond(sender);
                     }
                 });
             }
         });
         url
+    }
+
+    /// A raw HTTP/2 server on a free port that answers every call as `answer` says.
+    async fn server(answer: Answer) -> String {
+        raw_server(move |mut respond| {
+            let message = v1::ExecuteToolResponse {
+                output: if matches!(answer, Answer::Large) {
+                    "x".repeat(4096)
+                } else {
+                    "42".into()
+                },
+                ..Default::default()
+            };
+            let mut framed = BytesMut::new();
+            framed.put_u8(0);
+            framed.put_u32(u32::try_from(prost::Message::encoded_len(&message)).unwrap());
+            prost::Message::encode(&message, &mut framed).unwrap();
+            let framed = framed.freeze();
+            let grpc = http::Response::builder().header(CONTENT_TYPE, "application/grpc");
+            let mut ok = HeaderMap::new();
+            ok.insert("grpc-status", HeaderValue::from_static("0"));
+            match answer {
+                Answer::Reset => respond.send_reset(h2::Reason::INTERNAL_ERROR),
+                Answer::NotFound => {
+                    let response = grpc
+                        .header("grpc-status", "5")
+                        .header("grpc-message", "no%20such%20tool")
+                        .body(())
+                        .unwrap();
+                    respond.send_response(response, true).unwrap();
+                }
+                Answer::Split | Answer::Large | Answer::NoStatus => {
+                    let mut stream = respond
+                        .send_response(grpc.body(()).unwrap(), false)
+                        .unwrap();
+                    stream.send_data(framed.slice(..3), false).unwrap();
+                    if matches!(answer, Answer::NoStatus) {
+                        stream.send_data(framed.slice(3..), true).unwrap();
+                    } else {
+                        stream.send_data(framed.slice(3..), false).unwrap();
+                        stream.send_trailers(ok).unwrap();
+                    }
+                }
+            }
+        })
+        .await
     }
 
     async fn call(url: &str) -> Result<v1::ExecuteToolResponse, Status> {
