@@ -543,20 +543,29 @@ impl Engine {
             category: "internal",
             retryable: false,
         };
-        let spec = RunSpec::read(&taken.spec, &taken.agent).map_err(|e| corrupt("spec", &e))?;
-        let mut state: RunState =
-            serde_json::from_str(&taken.state).map_err(|e| corrupt("state", &e))?;
+        let read = || -> Result<(RunSpec, RunState), RunError> {
+            let spec = RunSpec::read(&taken.spec, &taken.agent).map_err(|e| corrupt("spec", &e))?;
+            let mut state: RunState =
+                serde_json::from_str(&taken.state).map_err(|e| corrupt("state", &e))?;
+            state.messages = taken
+                .messages
+                .iter()
+                .map(|m| serde_json::from_str(m))
+                .collect::<Result<_, _>>()
+                .map_err(|e| corrupt("messages", &e))?;
+            Ok((spec, state))
+        };
+        let (spec, state) = match read() {
+            Ok(read) => read,
+            // What no replica can read (written by another version, or damaged) ends the
+            // run here, failed, instead of being taken over again and again for ever.
+            Err(error) => return Err(end_unreadable(taken.record, bus, store, error).await),
+        };
         // A run that waited once outlives its client on every replica that continues it
         // (the replica that took its answers tells its control so itself).
         if state.has_waited {
             control.outlive_client();
         }
-        state.messages = taken
-            .messages
-            .iter()
-            .map(|m| serde_json::from_str(m))
-            .collect::<Result<_, _>>()
-            .map_err(|e| corrupt("messages", &e))?;
         let mut record = taken.record;
         if record.waiting() {
             // It goes on: it will say so at its next checkpoint.
@@ -704,6 +713,58 @@ impl Engine {
                 started_ms,
             })),
         })))
+    }
+}
+
+/// Ends a run taken over whose continuation cannot be read (`error` says why): its `done`
+/// event (`INTERNAL`) and its ended record, as any failed run's. `RUN_ENDED` once ended;
+/// `error` itself when even that cannot be written yet (it is tried again, by whichever
+/// replica takes the run over next).
+async fn end_unreadable(
+    mut record: RunRecord,
+    bus: &dyn EventBus,
+    store: Arc<dyn RunStore>,
+    error: RunError,
+) -> RunError {
+    tracing::error!(run_id = %record.run_id, error = %error.message, "a run taken over cannot be read: it ends");
+    if record.waiting() {
+        record.status = RunStatus::Running;
+    }
+    let Ok(resumed) = bus
+        .resume(&record.run_id, &record.owner, record.last_sequence)
+        .await
+    else {
+        return error;
+    };
+    // Ended already (its end is made its record's when it can be read).
+    if resumed.tail.iter().any(|event| event.done) {
+        return error;
+    }
+    let last = resumed
+        .tail
+        .iter()
+        .map(|event| event.sequence)
+        .fold(record.last_sequence, u64::max);
+    let iteration = record.steps.last().map_or(1, |step| step.iteration.max(1));
+    let run_id = record.run_id.clone();
+    let emitter = Emitter::resumed(resumed.publisher, store.clone(), record, last, iteration);
+    emitter
+        .finish_failed(
+            StopReason::InternalError,
+            RunError {
+                retryable: false,
+                ..error.clone()
+            },
+        )
+        .await;
+    match store.load(&run_id).await {
+        Ok(Some(record)) if record.ended() => RunError {
+            code: "RUN_ENDED".into(),
+            message: format!("the run ended: {}", error.message),
+            category: "internal",
+            retryable: false,
+        },
+        _ => error,
     }
 }
 

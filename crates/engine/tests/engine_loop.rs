@@ -1798,3 +1798,66 @@ async fn a_run_that_could_not_publish_ends_with_its_record_at_its_last_event() {
         "the record ends at the run's last event"
     );
 }
+
+#[tokio::test]
+async fn a_run_whose_continuation_cannot_be_read_ends_failed_once() {
+    let h = harness(Scripted::default());
+    // Leases of 50 ms: its replica never runs it, and it lapses at once.
+    let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
+        Duration::from_secs(600),
+        Duration::from_millis(50),
+    )));
+    let publisher = h.bus.open("r1", "a.1").await.unwrap();
+    let started = h
+        .engine
+        .start(
+            spec("r1", config(Strategy::FunctionCall, &[])),
+            "a.1",
+            publisher,
+            store.clone(),
+            Arc::default(),
+        )
+        .await
+        .unwrap();
+    // Its replica stops without a word (its log left open, as a crash leaves it).
+    std::mem::forget(started);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let mut taken = store
+        .take_over("r1", "b.1")
+        .await
+        .unwrap()
+        .expect("its lease lapsed");
+    // Written by a version of agent-server that this one cannot read.
+    taken.state = "{\"phase\": \"NextVersion\"}".into();
+    let resumed = h
+        .engine
+        .resume(taken, false, &h.bus, store.clone(), Arc::default())
+        .await;
+    let error = resumed.err().expect("it is not continued");
+    assert_eq!(error.code, "RUN_ENDED", "{error:?}");
+    let record = store.load("r1").await.unwrap().unwrap();
+    assert_eq!(
+        (record.status, record.stop_reason),
+        (RunStatus::Failed, Some(StopReason::InternalError))
+    );
+    assert!(
+        record
+            .error
+            .as_ref()
+            .is_some_and(|e| e.message.contains("cannot read the state")),
+        "{record:?}"
+    );
+    let events: Vec<Arc<RunEvent>> = h
+        .bus
+        .subscribe("r1", 0)
+        .await
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+        .await;
+    assert_eq!(events.iter().filter(|e| e.done).count(), 1, "{events:?}");
+    assert!(
+        store.take_over("r1", "c.1").await.unwrap().is_none(),
+        "taken over no more"
+    );
+}
