@@ -2906,13 +2906,24 @@ impl Drop for Follow {
             let listeners = self.listeners.clone();
             let gates = self.subscribing.clone();
             runtime.spawn(async move {
-                let _gate = gate_of(&gates, &channel).lock().await;
-                // A reader that came meanwhile follows the channel again (and subscribed,
-                // or waits to): it stays subscribed.
-                if lock(&listeners).events.contains_key(&channel) {
-                    return;
+                // Until Redis confirms: the connection subscribes again, on reconnecting,
+                // to every channel it was not confirmed to have left, and a channel left
+                // while Redis was down would be followed by nobody for good.
+                let mut pause = Duration::from_millis(100);
+                loop {
+                    {
+                        let _gate = gate_of(&gates, &channel).lock().await;
+                        // A reader that came meanwhile follows the channel again (and
+                        // subscribed, or waits to): it stays subscribed.
+                        if lock(&listeners).events.contains_key(&channel)
+                            || subscriptions.unsubscribe(&channel).await.is_ok()
+                        {
+                            return;
+                        }
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
                 }
-                let _ = subscriptions.unsubscribe(&channel).await;
             });
         }
     }
