@@ -1031,10 +1031,14 @@ impl RunManager {
         answers: Vec<(String, ToolAnswer)>,
     ) -> Result<AnswerOutcome, crate::error::Error> {
         use crate::error::Error;
+        // Looked at soon, then less often: an answer to a run that does not wait reads its
+        // record a handful of times, not fifty.
         let mut waited = Duration::ZERO;
+        let mut pause = Duration::from_millis(20);
         while !record.waiting() && !record.ended() && waited < ANSWER_PATIENCE {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            waited += Duration::from_millis(20);
+            tokio::time::sleep(pause).await;
+            waited += pause;
+            pause = (pause * 2).min(Duration::from_millis(250));
             match self.store.load(&record.run_id).await? {
                 Some(fresh) => record = fresh,
                 None => break,
