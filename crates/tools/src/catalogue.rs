@@ -249,7 +249,7 @@ impl Catalogue {
         let mut left_out = 0usize;
         for error in entry.validator.iter_errors(&arguments) {
             let room = MAX_VIOLATIONS.saturating_sub(violations.len());
-            let (named, more) = violations_of(&error, room);
+            let (named, more) = violations_of(&error, &arguments, room);
             violations.extend(named);
             left_out = left_out.saturating_add(more);
         }
@@ -325,7 +325,11 @@ impl Catalogue {
 /// The violations one schema error stands for, each naming the field a client should fix:
 /// a missing or unexpected property is named itself, not the object that holds it. At most
 /// `room` are made; the others are counted.
-fn violations_of(error: &jsonschema::ValidationError<'_>, room: usize) -> (Vec<Violation>, usize) {
+fn violations_of(
+    error: &jsonschema::ValidationError<'_>,
+    arguments: &serde_json::Value,
+    room: usize,
+) -> (Vec<Violation>, usize) {
     use jsonschema::error::ValidationErrorKind as Kind;
     if room == 0 {
         let count = match error.kind() {
@@ -335,7 +339,7 @@ fn violations_of(error: &jsonschema::ValidationError<'_>, room: usize) -> (Vec<V
         };
         return (Vec::new(), count);
     }
-    let at = argument_path(error.instance_path().as_str());
+    let at = argument_path(error.instance_path().as_str(), arguments);
     let named = match error.kind() {
         Kind::Required { property } => {
             let name = property
@@ -373,20 +377,27 @@ fn violations_of(error: &jsonschema::ValidationError<'_>, room: usize) -> (Vec<V
 /// Violations of a call's arguments named one by one; the rest are counted.
 const MAX_VIOLATIONS: usize = 50;
 
-/// Turns a JSON pointer into the request's field path: `/items/0/name` becomes
-/// `arguments.items[0].name`, and the root becomes `arguments`.
-fn argument_path(pointer: &str) -> String {
+/// Turns a JSON pointer into `arguments`' field path: `/items/0/name` becomes
+/// `arguments.items[0].name`, and the root becomes `arguments`. A segment is an index
+/// where `arguments` holds an array there (a property may be named `0` too).
+fn argument_path(pointer: &str, arguments: &serde_json::Value) -> String {
     let mut path = String::from("arguments");
+    let mut at = Some(arguments);
     for segment in pointer.split('/').skip(1) {
         let segment = segment.replace("~1", "/").replace("~0", "~");
-        if !segment.is_empty() && segment.bytes().all(|b| b.is_ascii_digit()) {
-            path.push('[');
-            path.push_str(&segment);
-            path.push(']');
-        } else {
-            path.push('.');
-            path.push_str(&segment);
-        }
+        at = match at {
+            Some(serde_json::Value::Array(items)) => {
+                path.push('[');
+                path.push_str(&segment);
+                path.push(']');
+                segment.parse::<usize>().ok().and_then(|i| items.get(i))
+            }
+            node => {
+                path.push('.');
+                path.push_str(&segment);
+                node.and_then(|node| node.get(&segment))
+            }
+        };
     }
     path
 }
@@ -408,9 +419,18 @@ mod tests {
 
     #[test]
     fn pointers_become_field_paths() {
-        assert_eq!(argument_path(""), "arguments");
-        assert_eq!(argument_path("/expression"), "arguments.expression");
-        assert_eq!(argument_path("/items/0/a~1b"), "arguments.items[0].a/b");
+        let arguments = json!({"expression": "1", "items": [{"a/b": 1}], "0": {"1": [2]}});
+        assert_eq!(argument_path("", &arguments), "arguments");
+        assert_eq!(
+            argument_path("/expression", &arguments),
+            "arguments.expression"
+        );
+        assert_eq!(
+            argument_path("/items/0/a~1b", &arguments),
+            "arguments.items[0].a/b"
+        );
+        // Properties named with digits are properties, not indexes.
+        assert_eq!(argument_path("/0/1/0", &arguments), "arguments.0.1[0]");
     }
 
     #[tokio::test]
