@@ -955,11 +955,13 @@ async fn the_final_request_is_sent_whole_in_a_turn_over_its_budget() {
     assert!(!asked.contains("left out to fit"), "{asked}");
 }
 
-#[tokio::test]
-async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
-    let h = harness(Scripted::default());
-    // Leases of 50 ms: the run's first replica never runs it (its first write's answer
-    // was lost, say), and the run lapses at once.
+/// Run `r1`, started on replica `a.1` with leases of 50 ms and left there (`leave`: dropped,
+/// its events ended by the bus, or forgotten, its log left open as a crash leaves it),
+/// then taken over by `b.1`: its store, and what `b.1` took.
+async fn taken_over(
+    h: &Harness,
+    leave: fn(agentrt_engine::StartedRun),
+) -> (Arc<MemoryRunStore>, agentrt_state::Resumable) {
     let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
         Duration::from_secs(600),
         Duration::from_millis(50),
@@ -976,18 +978,23 @@ async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
         )
         .await
         .unwrap();
-    // Dropped unrun: its events end with the bus's own `done`.
-    drop(started);
+    leave(started);
     tokio::time::sleep(Duration::from_millis(150)).await;
     let taken = store
         .take_over("r1", "b.1")
         .await
         .unwrap()
         .expect("its lease lapsed");
-    let resumed = h
-        .engine
-        .resume(taken, false, &h.bus, store.clone(), Arc::default())
-        .await;
+    (store, taken)
+}
+
+/// Checks that a take-over of `r1` ended it, failed, with one `done` event, and that
+/// nobody takes it over again: its record.
+async fn ended_by_take_over(
+    h: &Harness,
+    store: &MemoryRunStore,
+    resumed: Result<agentrt_engine::StartedRun, agentrt_engine::RunError>,
+) -> agentrt_engine::RunRecord {
     let error = resumed.err().expect("it is not continued");
     assert_eq!(error.code, "RUN_ENDED", "{error:?}");
     let record = store.load("r1").await.unwrap().unwrap();
@@ -1006,6 +1013,20 @@ async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
         .await;
     assert_eq!(events.iter().filter(|e| e.done).count(), 1, "{events:?}");
     assert!(store.take_over("r1", "c.1").await.unwrap().is_none());
+    record
+}
+
+#[tokio::test]
+async fn a_run_whose_log_has_its_done_is_not_continued_by_a_take_over() {
+    let h = harness(Scripted::default());
+    // Its first replica never runs it (its first write's answer was lost, say): dropped
+    // unrun, its events end with the bus's own `done`.
+    let (store, taken) = taken_over(&h, drop).await;
+    let resumed = h
+        .engine
+        .resume(taken, false, &h.bus, store.clone(), Arc::default())
+        .await;
+    ended_by_take_over(&h, &store, resumed).await;
 }
 
 fn deltas_then(finish: FinishReason, usage: Option<Usage>, texts: &[&str]) -> Vec<ChatDelta> {
@@ -1802,62 +1823,20 @@ async fn a_run_that_could_not_publish_ends_with_its_record_at_its_last_event() {
 #[tokio::test]
 async fn a_run_whose_continuation_cannot_be_read_ends_failed_once() {
     let h = harness(Scripted::default());
-    // Leases of 50 ms: its replica never runs it, and it lapses at once.
-    let store = Arc::new(MemoryRunStore::new(RunRetention::unbounded(
-        Duration::from_secs(600),
-        Duration::from_millis(50),
-    )));
-    let publisher = h.bus.open("r1", "a.1").await.unwrap();
-    let started = h
-        .engine
-        .start(
-            spec("r1", config(Strategy::FunctionCall, &[])),
-            "a.1",
-            publisher,
-            store.clone(),
-            Arc::default(),
-        )
-        .await
-        .unwrap();
     // Its replica stops without a word (its log left open, as a crash leaves it).
-    std::mem::forget(started);
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    let mut taken = store
-        .take_over("r1", "b.1")
-        .await
-        .unwrap()
-        .expect("its lease lapsed");
+    let (store, mut taken) = taken_over(&h, std::mem::forget).await;
     // Written by a version of agent-server that this one cannot read.
     taken.state = "{\"phase\": \"NextVersion\"}".into();
     let resumed = h
         .engine
         .resume(taken, false, &h.bus, store.clone(), Arc::default())
         .await;
-    let error = resumed.err().expect("it is not continued");
-    assert_eq!(error.code, "RUN_ENDED", "{error:?}");
-    let record = store.load("r1").await.unwrap().unwrap();
-    assert_eq!(
-        (record.status, record.stop_reason),
-        (RunStatus::Failed, Some(StopReason::InternalError))
-    );
+    let record = ended_by_take_over(&h, &store, resumed).await;
     assert!(
         record
             .error
             .as_ref()
             .is_some_and(|e| e.message.contains("cannot read the state")),
         "{record:?}"
-    );
-    let events: Vec<Arc<RunEvent>> = h
-        .bus
-        .subscribe("r1", 0)
-        .await
-        .unwrap()
-        .map(Result::unwrap)
-        .collect()
-        .await;
-    assert_eq!(events.iter().filter(|e| e.done).count(), 1, "{events:?}");
-    assert!(
-        store.take_over("r1", "c.1").await.unwrap().is_none(),
-        "taken over no more"
     );
 }
