@@ -150,7 +150,7 @@ impl Tool for Calculator {
         // to compile schemas with large `maxLength`s into grammars.
         if expression.len() > calculator::MAX_LEN {
             return ToolOutput::error(format!(
-                "the expression is {} characters long; at most {} are accepted",
+                "the expression is {} bytes long; at most {} are accepted",
                 expression.len(),
                 calculator::MAX_LEN
             ));
@@ -158,7 +158,8 @@ impl Tool for Calculator {
         match calculator::evaluate(expression) {
             Ok(value) => ToolOutput {
                 text: calculator::format_number(value),
-                structured: Some(json!(value)),
+                // -0 is 0, in the structured output as in the text.
+                structured: Some(json!(if value == 0.0 { 0.0 } else { value })),
                 ..ToolOutput::default()
             },
             Err(e) => ToolOutput::error(format!("cannot evaluate {expression:?}: {e}")),
@@ -303,6 +304,13 @@ mod tests {
         assert!(!out.is_error);
         assert_eq!(out.text, "22.5");
         assert_eq!(out.structured, Some(json!(22.5)));
+        // Negative zero is zero, in the structured output as in the text.
+        let out = call("calculator", json!({"expression": "0 * -1"})).await;
+        let structured = out.structured.map(|v| v.to_string());
+        assert_eq!(
+            (out.text.as_str(), structured.as_deref()),
+            ("0", Some("0.0"))
+        );
     }
 
     #[tokio::test]

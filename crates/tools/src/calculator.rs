@@ -35,7 +35,7 @@ impl fmt::Display for CalcError {
 pub fn evaluate(expression: &str) -> Result<f64, CalcError> {
     if expression.len() > MAX_LEN {
         return Err(CalcError::Syntax(format!(
-            "expression longer than {MAX_LEN} characters"
+            "expression longer than {MAX_LEN} bytes"
         )));
     }
     let mut parser = Parser {
