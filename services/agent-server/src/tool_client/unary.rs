@@ -251,33 +251,19 @@ fn status_of(headers: &HeaderMap) -> Option<Result<(), Status>> {
 /// `text` decoded as base64, standard or URL-safe, padded or not (gRPC's binary headers
 /// are sent unpadded and received either way); `None` when it is not base64.
 pub(super) fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
-    let digit = |c: u8| -> Option<u32> {
-        Some(u32::from(match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' | b'-' => 62,
-            b'/' | b'_' => 63,
-            _ => return None,
-        }))
+    use base64::{
+        Engine as _, alphabet,
+        engine::{DecodePaddingMode, GeneralPurpose, GeneralPurposeConfig},
     };
-    let text = text
-        .strip_suffix(b"==")
-        .or_else(|| text.strip_suffix(b"="))
-        .unwrap_or(text);
-    if text.len() % 4 == 1 {
-        return None;
-    }
-    let mut out = Vec::with_capacity(text.len() * 3 / 4);
-    for chunk in text.chunks(4) {
-        let mut bits = 0u32;
-        for (i, &c) in chunk.iter().enumerate() {
-            bits |= digit(c)? << (18 - 6 * i);
-        }
-        let bytes = bits.to_be_bytes();
-        out.extend_from_slice(&bytes[1..chunk.len()]);
-    }
-    Some(out)
+    const LENIENT: GeneralPurposeConfig = GeneralPurposeConfig::new()
+        .with_decode_padding_mode(DecodePaddingMode::Indifferent)
+        .with_decode_allow_trailing_bits(true);
+    const STANDARD: GeneralPurpose = GeneralPurpose::new(&alphabet::STANDARD, LENIENT);
+    const URL_SAFE: GeneralPurpose = GeneralPurpose::new(&alphabet::URL_SAFE, LENIENT);
+    STANDARD
+        .decode(text)
+        .or_else(|_| URL_SAFE.decode(text))
+        .ok()
 }
 
 /// `grpc-message` as sent: percent-encoded UTF-8.
