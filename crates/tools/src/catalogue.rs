@@ -331,12 +331,13 @@ fn violations_of(
     room: usize,
 ) -> (Vec<Violation>, usize) {
     use jsonschema::error::ValidationErrorKind as Kind;
+    let count = match error.kind() {
+        Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
+            unexpected.len()
+        }
+        _ => 1,
+    };
     if room == 0 {
-        let count = match error.kind() {
-            Kind::AdditionalProperties { unexpected }
-            | Kind::UnevaluatedProperties { unexpected } => unexpected.len(),
-            _ => 1,
-        };
         return (Vec::new(), count);
     }
     let at = argument_path(error.instance_path().as_str(), arguments);
@@ -363,12 +364,6 @@ fn violations_of(
                 .collect()
         }
         _ => vec![Violation::new(at, error.to_string())],
-    };
-    let count = match error.kind() {
-        Kind::AdditionalProperties { unexpected } | Kind::UnevaluatedProperties { unexpected } => {
-            unexpected.len()
-        }
-        _ => 1,
     };
     let more = count.saturating_sub(named.len());
     (named, more)

@@ -150,9 +150,9 @@ const CLAIM_PATIENCE: Duration = Duration::from_secs(2);
 /// again.
 const NO_ROOM_RETRY: Duration = Duration::from_secs(1);
 
-/// How long an answer waits for a running run's record to say it waits: a run publishes
-/// its EVENT_TYPE_ACTION_REQUIRED before it saves that record, and a client may answer
-/// the event at once.
+/// How long an answer waits for a running run's record to say it waits: the record is
+/// written before the run's EVENT_TYPE_ACTION_REQUIRED, but a client may answer a client
+/// tool's EVENT_TYPE_TOOL_CALL, which comes before both.
 const ANSWER_PATIENCE: Duration = Duration::from_secs(1);
 /// How often `Cancel` asks again for a run executing on another replica while it waits for
 /// it to end.
