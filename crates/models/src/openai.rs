@@ -29,7 +29,8 @@ pub const MAX_TOOL_ARGUMENTS_BYTES: usize = 1024 * 1024;
 /// passes it is cut, and the message says so. An `error:` line in an event stream is read
 /// up to this bound too.
 pub const MAX_ERROR_BODY_BYTES: usize = 16 * 1024;
-/// Default bound of the text of one reply, its answer and its reasoning together, in bytes.
+/// Default bound of the text of one reply, its answer, its reasoning and its tool calls
+/// (their ids, names and arguments) together, in bytes.
 /// Each event is bounded, but a model looping without `max_tokens`, or a server that
 /// misbehaves, streamed events until the call's timeout, and the reply is held whole (by
 /// the engine, and in the conversation of the next round). Real replies are far smaller:
@@ -47,7 +48,7 @@ pub struct ResponseLimits {
     pub max_tool_arguments_bytes: usize,
     /// The body read from an error response, in bytes ([`MAX_ERROR_BODY_BYTES`]).
     pub max_error_body_bytes: usize,
-    /// The text of one reply, answer and reasoning together, in bytes
+    /// The text of one reply, answer, reasoning and tool calls together, in bytes
     /// ([`MAX_REPLY_TEXT_BYTES`]).
     pub max_reply_text_bytes: usize,
 }
@@ -327,15 +328,7 @@ impl OpenAiChat {
                         .send(),
                 )
                 .await
-                .map_err(|e| {
-                    // The URL (and any credentials in it) stays out of the message.
-                    debug!(url = %self.site.url, error = %error_chain(&e), "model call failed");
-                    ModelError::Connect(format!(
-                        "{}: {}",
-                        self.site.who(),
-                        error_chain(&e.without_url())
-                    ))
-                })?;
+                .map_err(|e| self.general_error(e))?;
                 let status = response.status().as_u16();
                 let headers = std::mem::take(response.headers_mut());
                 let body = ResponseBody::General(BodyDataStream::new(response.into()));
@@ -361,6 +354,27 @@ impl OpenAiChat {
     /// processed (sent, then its connection broke or its stream was reset) is
     /// [`ModelError::LostBeforeAnswer`], whose prompt counts, and only one that was never
     /// sent or that the server did not process is [`ModelError::Connect`].
+    /// What a failure of the general client before the answer's headers is: unreachable
+    /// only when no connection was made (the call was never sent); a connection lost or
+    /// reset after it was sent (a server that crashed during prefill, as llama.cpp's and
+    /// Ollama's, which speak HTTP/1.1, can) is [`ModelError::LostBeforeAnswer`], whose
+    /// prompt counts, as over h2c.
+    fn general_error(&self, e: reqwest::Error) -> ModelError {
+        // The URL (and any credentials in it) stays out of the message.
+        debug!(url = %self.site.url, error = %error_chain(&e), "model call failed");
+        let who = self.site.who();
+        let connect = e.is_connect();
+        let message = error_chain(&e.without_url());
+        if connect {
+            ModelError::Connect(format!("{who}: {message}"))
+        } else {
+            ModelError::LostBeforeAnswer(format!(
+                "{who}: the call was cut off after it was sent, before the answer began: \
+                 {message}"
+            ))
+        }
+    }
+
     fn h2c_error(&self, e: &agentrt_h2c::PostError) -> ModelError {
         debug!(url = %self.site.url, failure = ?e.failure, error = %e, "model call failed");
         let who = self.site.who();
@@ -462,14 +476,30 @@ fn is_event_stream(content_type: &str) -> bool {
         .is_some_and(|kind| kind.trim().eq_ignore_ascii_case("text/event-stream"))
 }
 
-/// Reads at most `limit` bytes of a body, as text; whether it was cut there.
+/// How long the body of an error answer (or of one that does not stream) is read: what
+/// came by then is its message. A proxy that sends `503` and `Retry-After` and then stalls
+/// its body would otherwise hold the call to its timeout, and the status (and its retry)
+/// would be lost.
+const ERROR_BODY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Reads at most `limit` bytes of a body, as text, for at most [`ERROR_BODY_PATIENCE`];
+/// whether it was cut there.
 pub(crate) async fn read_bounded<S, E>(mut chunks: S, limit: usize) -> (String, bool)
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
 {
+    let deadline = tokio::time::Instant::now() + ERROR_BODY_PATIENCE;
     let mut body = Vec::new();
     let mut cut = false;
-    while let Some(Ok(chunk)) = chunks.next().await {
+    loop {
+        let chunk = match tokio::time::timeout_at(deadline, chunks.next()).await {
+            Ok(Some(Ok(chunk))) => chunk,
+            Ok(_) => break,
+            Err(_) => {
+                cut = true;
+                break;
+            }
+        };
         let room = limit - body.len();
         if chunk.len() > room {
             body.extend_from_slice(&chunk[..room]);
@@ -1617,9 +1647,9 @@ struct PartialCall {
 struct Assembler {
     /// The bound of one call's arguments, in bytes.
     max_arguments: usize,
-    /// The bound of the reply's text, answer and reasoning together, in bytes.
+    /// The bound of the reply's text, answer, reasoning and calls together, in bytes.
     max_text: usize,
-    /// The reply's text so far, answer and reasoning together, in bytes.
+    /// The reply's text so far, answer, reasoning and calls together, in bytes.
     text: usize,
     /// The calls, as they began, with the `index` their fragments carry.
     calls: Vec<(u64, PartialCall)>,
@@ -1679,6 +1709,14 @@ fn in_stream_error(error: &Value) -> ModelError {
     }
 }
 
+/// Longest id, and longest name, of a tool call in a reply, in bytes. Providers' ids are
+/// some 40 bytes and tool names at most 64 characters; a longer one is a server that
+/// misbehaves, and would be held (up to an SSE event's bound each) until the reply ends.
+const MAX_CALL_LABEL_BYTES: usize = 1024;
+
+/// What [`ModelError::TooLarge`] names when a reply passes [`ResponseLimits::max_reply_text_bytes`].
+const REPLY_TEXT: &str = "the text of one reply (answer, reasoning and tool calls)";
+
 /// What is kept of a refusal's text: it is said in an error message, not streamed.
 const MAX_REFUSAL_BYTES: usize = 4096;
 
@@ -1722,7 +1760,7 @@ impl Assembler {
             self.text += content.as_ref().map_or(0, |t| t.len());
             if self.text > self.max_text {
                 return Err(ModelError::TooLarge {
-                    what: "the text of one reply (answer and reasoning)",
+                    what: REPLY_TEXT,
                     limit: self.max_text,
                 });
             }
@@ -1767,11 +1805,18 @@ impl Assembler {
                     }
                 };
                 let entry = &mut self.calls[slot].1;
+                let before = entry.id.len() + entry.name.len() + entry.arguments.len();
                 // Some servers repeat the id (or send a new one) on every chunk: the first
                 // one names the call.
                 if entry.id.is_empty()
                     && let Some(id) = call.id
                 {
+                    if id.len() > MAX_CALL_LABEL_BYTES {
+                        return Err(ModelError::TooLarge {
+                            what: "the id of one tool call",
+                            limit: MAX_CALL_LABEL_BYTES,
+                        });
+                    }
                     entry.id = id.into_owned();
                 }
                 if let Some(function) = call.function {
@@ -1781,6 +1826,12 @@ impl Assembler {
                         } else if let Some(whole) = continued_name(entry, &name, &self.offered) {
                             // A name sent in pieces, as its arguments are.
                             entry.name = whole;
+                        }
+                        if entry.name.len() > MAX_CALL_LABEL_BYTES {
+                            return Err(ModelError::TooLarge {
+                                what: "the name of one tool call",
+                                limit: MAX_CALL_LABEL_BYTES,
+                            });
                         }
                     }
                     if let Some(arguments) = function.arguments {
@@ -1792,6 +1843,14 @@ impl Assembler {
                         }
                         entry.arguments.push_str(&arguments);
                     }
+                }
+                // Calls count too: their ids, names and arguments are held until the end.
+                self.text += (entry.id.len() + entry.name.len() + entry.arguments.len()) - before;
+                if self.text > self.max_text {
+                    return Err(ModelError::TooLarge {
+                        what: REPLY_TEXT,
+                        limit: self.max_text,
+                    });
                 }
             }
         }
@@ -2630,6 +2689,65 @@ mod tests {
         );
     }
 
+    /// A reply's tool calls count toward its bound: their ids, names and arguments are
+    /// held until it ends, and no id or name is longer than a kilobyte.
+    #[tokio::test]
+    async fn a_replys_tool_calls_count_toward_its_bound() {
+        let limits = ResponseLimits {
+            max_reply_text_bytes: 10_000,
+            ..ResponseLimits::default()
+        };
+        let run = |sse: String| async move {
+            let chunks = [Ok::<_, std::io::Error>(bytes::Bytes::from(sse))];
+            decode(futures_util::stream::iter(chunks), limits, offered())
+                .collect::<Vec<_>>()
+                .await
+        };
+        // 128 calls of 1,000 bytes of arguments each: the eleventh passes the bound.
+        let call = |index: usize| {
+            format!(
+                "data: {{\"choices\":[{{\"delta\":{{\"tool_calls\":[{{\"index\":{index},\"id\":\"c{index}\",\"function\":{{\"name\":\"calculator\",\"arguments\":\"{}\"}}}}]}}}}]}}\n\n",
+                "x".repeat(1000)
+            )
+        };
+        let deltas = run((0..128).map(call).collect()).await;
+        assert_eq!(
+            deltas,
+            [Err(ModelError::TooLarge {
+                what: REPLY_TEXT,
+                limit: 10_000
+            })]
+        );
+        // Ids repeated on every fragment count once, as they are held once.
+        let fragment = "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_0123456789\",\"function\":{\"name\":\"calculator\",\"arguments\":\"1\"}}]}}]}\n\n";
+        let finish = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n";
+        let deltas = run(format!("{}{finish}", fragment.repeat(5000))).await;
+        assert_eq!(deltas.len(), 2, "{:?}", deltas.last());
+        assert!(
+            matches!(&deltas[0], Ok(ChatDelta::ToolCall(call)) if call.arguments.len() == 5000)
+        );
+        // An id or a name of more than a kilobyte is refused as it comes.
+        for (field, what) in [
+            ("\"id\":\"{}\"", "the id of one tool call"),
+            (
+                "\"function\":{{\"name\":\"{}\"}}",
+                "the name of one tool call",
+            ),
+        ] {
+            let long = field
+                .replace("{}", &"n".repeat(1025))
+                .replace("{{", "{")
+                .replace("}}", "}");
+            let sse = format!(
+                "data: {{\"choices\":[{{\"delta\":{{\"tool_calls\":[{{\"index\":0,{long}}}]}}}}]}}\n\n{finish}"
+            );
+            assert_eq!(
+                run(sse).await,
+                [Err(ModelError::TooLarge { what, limit: 1024 })]
+            );
+        }
+    }
+
     /// The text of one reply, answer and reasoning together, is bounded: a model that
     /// loops (or a server that misbehaves) ends the call once it passes the bound, and
     /// nothing more is read.
@@ -2662,7 +2780,7 @@ mod tests {
                 Ok(ChatDelta::Reasoning(forty.into())),
                 Ok(ChatDelta::Content(forty.into())),
                 Err(ModelError::TooLarge {
-                    what: "the text of one reply (answer and reasoning)",
+                    what: REPLY_TEXT,
                     limit: 100
                 })
             ]
@@ -3065,6 +3183,39 @@ mod tests {
         )
         .await;
         assert!(rate.is_retryable(), "{rate}");
+    }
+
+    /// A `503` whose body stalls is still a `503` (with its `Retry-After`), read in
+    /// seconds: not a call held to its timeout.
+    #[tokio::test(start_paused = true)]
+    async fn an_error_whose_body_stalls_is_still_its_status() {
+        let body =
+            futures_util::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from("busy"))])
+                .chain(futures_util::stream::pending());
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::RETRY_AFTER, "1".parse().unwrap());
+        let started = tokio::time::Instant::now();
+        let error = http_error(
+            503,
+            &headers,
+            body,
+            &Site::default(),
+            &ResponseLimits::default(),
+        )
+        .await;
+        assert_eq!(started.elapsed(), ERROR_BODY_PATIENCE);
+        match &error {
+            ModelError::Http {
+                status: 503,
+                message,
+                retry_after: Some(after),
+            } => {
+                assert!(message.contains("busy"), "{message}");
+                assert_eq!(*after, Duration::from_secs(1));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(error.is_retryable());
     }
 
     #[test]

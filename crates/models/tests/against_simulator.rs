@@ -425,6 +425,64 @@ async fn h2c_calls_cut_off_after_they_were_sent_are_lost_before_the_answer() {
     }
 }
 
+/// Over HTTP/1.1 too (llama.cpp's and Ollama's servers speak nothing else): a call the
+/// server read whole, then closed the connection of before answering (a crash during
+/// prefill), is lost before the answer, not "unreachable", and its prompt counts.
+#[tokio::test]
+async fn http1_calls_cut_off_after_they_were_sent_are_lost_before_the_answer() {
+    use tokio::io::AsyncReadExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let seen = Arc::new(AtomicUsize::new(0));
+    let counted = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                // The whole request (its headers, then as many bytes as they announce),
+                // then the connection closed with no answer.
+                let mut read = Vec::new();
+                let mut buffer = [0; 4096];
+                loop {
+                    let Ok(n) = socket.read(&mut buffer).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    read.extend_from_slice(&buffer[..n]);
+                    let text = String::from_utf8_lossy(&read).to_ascii_lowercase();
+                    if let Some(end) = text.find("\r\n\r\n") {
+                        let length: usize = text[..end]
+                            .lines()
+                            .find_map(|line| line.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        if read.len() >= end + 4 + length {
+                            break;
+                        }
+                    }
+                }
+                counted.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    let err = collect(&named(&url, false), request("demo"))
+        .await
+        .unwrap_err();
+    let ModelError::LostBeforeAnswer(message) = &err else {
+        panic!("{err:?}")
+    };
+    assert!(message.starts_with("provider \"local\": "), "{message}");
+    assert!(!message.contains("127.0.0.1"), "{message}");
+    assert!(!err.never_processed());
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        4,
+        "the first call and 3 retries"
+    );
+}
+
 /// Thousands of calls at once share the HTTP/2 connections and every one completes, also
 /// when the server ends each response a little after `[DONE]`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
