@@ -1547,8 +1547,8 @@ struct Choice<'a> {
 
 #[derive(serde::Deserialize)]
 struct Delta<'a> {
-    #[serde(default, borrow)]
-    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "content_parts")]
+    content: Option<Content<'a>>,
     #[serde(default, borrow)]
     reasoning_content: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -1578,6 +1578,94 @@ struct FunctionDelta<'a> {
     /// which is taken as its text.
     #[serde(default, borrow, deserialize_with = "arguments_text")]
     arguments: Option<Cow<'a, str>>,
+}
+
+/// A delta's `content`: its answer text and, from servers that stream it as a list of
+/// parts, its reasoning.
+#[derive(Default)]
+struct Content<'a> {
+    text: Option<Cow<'a, str>>,
+    reasoning: Option<String>,
+}
+
+/// `content` as the API has it, a string, or as a list of parts, as Mistral's reasoning
+/// models (Magistral) stream it: `{"type": "text", "text": ...}` parts are the answer,
+/// `{"type": "thinking", "thinking": ...}` parts (text, or a list of text parts) its
+/// reasoning; parts of other types are left out.
+fn content_parts<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Content<'de>>, D::Error> {
+    struct Parts;
+    impl<'de> serde::de::Visitor<'de> for Parts {
+        type Value = Option<Content<'de>>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("content: a string, or a list of content parts")
+        }
+
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_borrowed_str<E>(self, text: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(Content {
+                text: Some(Cow::Borrowed(text)),
+                reasoning: None,
+            }))
+        }
+
+        fn visit_str<E>(self, text: &str) -> Result<Self::Value, E> {
+            Ok(Some(Content {
+                text: Some(Cow::Owned(text.to_owned())),
+                reasoning: None,
+            }))
+        }
+
+        fn visit_string<E>(self, text: String) -> Result<Self::Value, E> {
+            Ok(Some(Content {
+                text: Some(Cow::Owned(text)),
+                reasoning: None,
+            }))
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> Result<Self::Value, A::Error> {
+            fn texts(value: &Value, into: &mut String) {
+                match value {
+                    Value::String(text) => into.push_str(text),
+                    Value::Array(parts) => {
+                        for part in parts {
+                            texts(&part["text"], into);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            let (mut text, mut reasoning) = (String::new(), String::new());
+            while let Some(part) = seq.next_element::<Value>()? {
+                match part["type"].as_str() {
+                    Some("text") => texts(&part["text"], &mut text),
+                    Some("thinking" | "reasoning") => {
+                        texts(&part["thinking"], &mut reasoning);
+                        texts(&part["reasoning"], &mut reasoning);
+                        texts(&part["text"], &mut reasoning);
+                    }
+                    _ => {}
+                }
+            }
+            Ok(Some(Content {
+                text: Some(Cow::Owned(text)),
+                reasoning: Some(reasoning),
+            }))
+        }
+    }
+    deserializer.deserialize_any(Parts)
 }
 
 /// Tool-call arguments as text: a string as it is, an object or array as its JSON.
@@ -1750,12 +1838,18 @@ impl Assembler {
             }
             // One name or the other: servers that send the text under both (mlx, some
             // proxies) send it once.
+            let Content {
+                text: content,
+                reasoning: in_content,
+            } = delta.content.unwrap_or_default();
             let reasoning = delta
                 .reasoning_content
                 .filter(|t| !t.is_empty())
                 .or(delta.reasoning)
+                .filter(|t| !t.is_empty())
+                .or(in_content.map(Cow::Owned))
                 .filter(|t| !t.is_empty());
-            let content = delta.content.filter(|t| !t.is_empty());
+            let content = content.filter(|t| !t.is_empty());
             self.text += reasoning.as_ref().map_or(0, |t| t.len());
             self.text += content.as_ref().map_or(0, |t| t.len());
             if self.text > self.max_text {
@@ -2847,6 +2941,27 @@ mod tests {
         assert_eq!(
             ok(run(sse).await),
             [ChatDelta::Content("a <b> \"c\"".into()), STOPPED]
+        );
+    }
+
+    /// `content` as a list of parts, as Mistral's reasoning models stream it: text parts
+    /// are the answer, thinking parts its reasoning, other parts left out.
+    #[tokio::test]
+    async fn content_sent_as_parts_is_answer_and_reasoning() {
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"thinking\",\"thinking\":[{\"type\":\"text\",\"text\":\"hmm\"}]}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"thinking\",\"thinking\":\", so\"}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"Hi\"},{\"type\":\"image_url\",\"image_url\":{}},{\"type\":\"text\",\"text\":\" there\"}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":[]},\"finish_reason\":\"stop\"}]}\n\n",
+        );
+        assert_eq!(
+            ok(run(sse).await),
+            [
+                ChatDelta::Reasoning("hmm".into()),
+                ChatDelta::Reasoning(", so".into()),
+                ChatDelta::Content("Hi there".into()),
+                STOPPED
+            ]
         );
     }
 
