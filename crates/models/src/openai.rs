@@ -1882,6 +1882,7 @@ impl Assembler {
                             &self.calls[slot].1,
                             call.id.as_deref(),
                             name,
+                            call.function.as_ref().and_then(|f| f.arguments.as_deref()),
                             &self.offered,
                         ) =>
                     {
@@ -2019,19 +2020,34 @@ impl Assembler {
     }
 }
 
-/// Whether a fragment with this id and function name begins a call other than `call`: it
-/// names a function, the call has one already, and either the name or the id is another.
+/// Whether a fragment with this id, function name and arguments begins a call other than
+/// `call`: it names a function, the call has one already, and either the name or the id
+/// is another, or (servers that send parallel calls of one tool under one index and no
+/// ids, as some Gemini adapters do) the call's arguments are whole and the fragment's
+/// begin another object.
 fn starts_another(
     call: &PartialCall,
     id: Option<&str>,
     name: Option<&str>,
+    arguments: Option<&str>,
     offered: &[ToolDefinition],
 ) -> bool {
     let other_id = id.is_some_and(|id| !id.is_empty() && !call.id.is_empty() && id != call.id);
     name.is_some_and(|name| {
         !call.name.is_empty()
-            && (other_id || (name != call.name && continued_name(call, name, offered).is_none()))
+            && (other_id
+                || (name != call.name && continued_name(call, name, offered).is_none())
+                || arguments.is_some_and(|more| begins_after_whole(&call.arguments, more)))
     })
+}
+
+/// Whether `arguments` are a whole JSON object and `more` begins another: appended, they
+/// would be no JSON at all. Parsed only when the one ends with `}` and the other begins
+/// with `{`, which a fragment continuing an object never does.
+fn begins_after_whole(arguments: &str, more: &str) -> bool {
+    more.trim_start().starts_with('{')
+        && arguments.trim_end().ends_with('}')
+        && serde_json::from_str::<serde_json::Map<String, Value>>(arguments).is_ok()
 }
 
 /// The name `name` makes of the name of `call` (which has one, and no other id) when it
@@ -2366,6 +2382,22 @@ mod tests {
             })
         );
         assert_eq!(calls.len(), 2, "{calls:?}");
+
+        // Parallel calls of one tool, under index 0 with no ids (Gemini adapters): a whole
+        // call's arguments, then another object, begin another call.
+        let sse = concat!(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"calculator\",\"arguments\":\"{\\\"expression\\\":\\\"1\\\"}\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"\",\"function\":{\"name\":\"calculator\",\"arguments\":\"{\\\"expression\\\":\"}}]}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"name\":\"calculator\",\"arguments\":\"\\\"2\\\"}\"}}]},\"finish_reason\":\"tool_calls\"}]}\n\n",
+        );
+        let calls: Vec<_> = ok(run(sse).await)
+            .into_iter()
+            .filter_map(|d| match d {
+                ChatDelta::ToolCall(call) => Some(call.arguments),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(calls, ["{\"expression\":\"1\"}", "{\"expression\":\"2\"}"]);
     }
 
     #[tokio::test]
