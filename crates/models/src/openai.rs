@@ -1447,6 +1447,19 @@ where
             if data.is_empty() {
                 continue;
             }
+            // An event of type `error` (`event: error`, as proxies in front of Anthropic-
+            // style servers send one) is the provider's error, whatever its data says.
+            if event.event.as_deref().map(str::trim) == Some("error") {
+                let value = serde_json::from_str::<Value>(data)
+                    .unwrap_or_else(|_| Value::String(data.to_owned()));
+                let error = match value.get("error") {
+                    Some(inner) if !inner.is_null() => inner.clone(),
+                    _ => value,
+                };
+                this.state = DecodeState::Ended;
+                this.failure = Some(in_stream_error(&error));
+                continue;
+            }
             if data == "[DONE]" {
                 this.assembler.finish(&mut this.ready);
                 this.state = DecodeState::Draining {
@@ -2995,6 +3008,36 @@ mod tests {
                 STOPPED
             ]
         );
+    }
+
+    /// An event of type `error` fails the call with its message, whatever its data: what
+    /// streamed before it is no whole answer.
+    #[tokio::test]
+    async fn an_event_of_type_error_is_the_providers_error() {
+        for (data, message) in [
+            (
+                r#"{"type":"error","message":"upstream timeout"}"#,
+                "upstream timeout",
+            ),
+            (
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+                "Overloaded",
+            ),
+            ("gateway gave up", "gateway gave up"),
+        ] {
+            let sse = format!(
+                "data: {{\"choices\":[{{\"delta\":{{\"content\":\"Part\"}}}}]}}\n\nevent: error\ndata: {data}\n\ndata: [DONE]\n\n"
+            );
+            let deltas = run(&sse).await;
+            assert_eq!(deltas[0], Ok(ChatDelta::Content("Part".into())));
+            assert_eq!(deltas.len(), 2, "{deltas:?}");
+            match &deltas[1] {
+                Err(ModelError::Stream(m) | ModelError::Http { message: m, .. }) => {
+                    assert!(m.contains(message), "{m}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     }
 
     #[tokio::test]
