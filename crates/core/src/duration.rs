@@ -6,10 +6,32 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serializer};
 
-/// Parses `1h`, `2m`, `10s`, `250ms`, `1m30s` or plain seconds (`15`, `0.5`).
+/// The longest duration a setting may have: 100 years, far beyond any timeout or
+/// retention, and short enough that a deadline that far from now is still a time (a
+/// `1e19` seconds' TTL overflowed every `Instant` it was added to).
+pub const MAX: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Parses `1h`, `2m`, `10s`, `250ms`, `1m30s` or plain seconds (`15`, `0.5`), at most
+/// [`MAX`].
 pub fn parse(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let invalid = || format!("invalid duration {text:?}: use e.g. 500ms, 10s, 2m or 1h");
+    parse_unbounded(text, invalid).and_then(|d| within_max(d, text))
+}
+
+/// `d`, or an error when it is longer than [`MAX`].
+fn within_max(d: Duration, text: &str) -> Result<Duration, String> {
+    if d > MAX {
+        Err(format!(
+            "duration {text:?} is too long: at most 100 years ({}s)",
+            MAX.as_secs()
+        ))
+    } else {
+        Ok(d)
+    }
+}
+
+fn parse_unbounded(text: &str, invalid: impl Fn() -> String + Copy) -> Result<Duration, String> {
     if text.is_empty() {
         return Err(invalid());
     }
@@ -67,6 +89,9 @@ pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duratio
     }
     match Raw::deserialize(deserializer)? {
         Raw::Text(text) => parse(&text).map_err(serde::de::Error::custom),
-        Raw::Seconds(s) => Duration::try_from_secs_f64(s).map_err(serde::de::Error::custom),
+        Raw::Seconds(s) => Duration::try_from_secs_f64(s)
+            .map_err(|e| e.to_string())
+            .and_then(|d| within_max(d, &s.to_string()))
+            .map_err(serde::de::Error::custom),
     }
 }

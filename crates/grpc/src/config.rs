@@ -517,7 +517,21 @@ mod tests {
         assert_eq!(parse_duration("1m30s"), Ok(Duration::from_secs(90)));
         assert_eq!(parse_duration("2h"), Ok(Duration::from_secs(7200)));
         assert_eq!(parse_duration("1.5"), Ok(Duration::from_millis(1500)));
-        for bad in ["", "s", "10x", "-1", "ten seconds", "1s2"] {
+        // At most 100 years: a deadline that far from now is still a time.
+        assert_eq!(
+            parse_duration("876000h"),
+            Ok(Duration::from_secs(100 * 365 * 24 * 3600))
+        );
+        for bad in [
+            "",
+            "s",
+            "10x",
+            "-1",
+            "ten seconds",
+            "1s2",
+            "1e19",
+            "876001h",
+        ] {
             assert!(parse_duration(bad).is_err(), "{bad:?}");
         }
         for d in [Duration::from_secs(10), Duration::from_millis(1500)] {
