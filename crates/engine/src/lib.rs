@@ -1056,7 +1056,8 @@ impl Engine {
                     let reply = self
                         .model_round(&round_setup, request, fitted.tokens, em, iteration)
                         .await?;
-                    if let Some(refused) = state.model_replied(iteration, reply, strategy, counter)
+                    if let Some(refused) =
+                        state.model_replied_after(iteration, reply, strategy, counter, &history)
                     {
                         if refused.why == machine::REPEATED {
                             debug!(

@@ -4,7 +4,9 @@
 //! tools, publishes events) and feeds the result back, so that the state can be stored
 //! between two steps and the run continued from it.
 
-use agentrt_context::TokenCounter;
+use std::sync::Arc;
+
+use agentrt_context::{Exchange, TokenCounter};
 use agentrt_core::ToolResult;
 use agentrt_events::PendingCall;
 use agentrt_models::{ChatMessage, ModelToolCall};
@@ -245,6 +247,7 @@ impl RunState {
 
     /// The model's reply to the round [`RunState::next`] asked for; calls that will not
     /// run come back for the driver to report.
+    #[cfg(test)]
     pub(crate) fn model_replied(
         &mut self,
         iteration: u32,
@@ -252,10 +255,23 @@ impl RunState {
         strategy: &dyn Strategy,
         counter: &TokenCounter,
     ) -> Option<Refused> {
+        self.model_replied_after(iteration, reply, strategy, counter, &[])
+    }
+
+    /// [`RunState::model_replied`], for a turn that comes after `history` in the prompt:
+    /// the reply's calls get ids none of its calls has either.
+    pub(crate) fn model_replied_after(
+        &mut self,
+        iteration: u32,
+        reply: Reply,
+        strategy: &dyn Strategy,
+        counter: &TokenCounter,
+        history: &[Arc<Exchange>],
+    ) -> Option<Refused> {
         self.iteration = iteration;
         let mut reply = reply;
         if let Reply::Tools { calls, .. } = &mut reply {
-            self.fresh_ids(calls);
+            self.fresh_ids(calls, history);
         }
         let last = matches!(self.phase, Phase::AskFinal);
         match (last, reply) {
@@ -328,20 +344,28 @@ impl RunState {
         }
     }
 
-    /// Gives each call an id no earlier call of the turn has. Clients answer calls by id
-    /// over the whole run, and a model (or server) that numbers its calls anew in each
-    /// round would otherwise let an answer to an earlier call, sent again, answer a later
-    /// one: approve a call nobody approved, or give it another call's output. A reused id
-    /// gets a suffix, the first free one from the round's number on (`call_0` of round 2
-    /// becomes `call_0_2`); the model sees its calls under the ids the events name.
-    fn fresh_ids(&self, calls: &mut [ModelToolCall]) {
+    /// Gives each call an id no earlier call of the turn, nor of the `history` before it,
+    /// has. Clients answer calls by id over the whole run, and a model (or server) that
+    /// numbers its calls anew in each round would otherwise let an answer to an earlier
+    /// call, sent again, answer a later one: approve a call nobody approved, or give it
+    /// another call's output; and providers that pair results with calls by id (Anthropic
+    /// behind a proxy, chat templates) refuse a prompt with two calls of one id, as a
+    /// server that numbers calls anew in each turn (`call_0`) would make the session's
+    /// next. A reused id gets a suffix, the first free one from the round's number on
+    /// (`call_0` of round 2 becomes `call_0_2`); the model sees its calls under the ids
+    /// the events name.
+    fn fresh_ids(&self, calls: &mut [ModelToolCall], history: &[Arc<Exchange>]) {
         // Looked up in place: a turn has a few dozen calls at most, and most rounds have
         // none to rename.
+        let called = |message: &ChatMessage, id: &str| {
+            matches!(message, ChatMessage::Assistant { tool_calls, .. }
+                if tool_calls.iter().any(|call| call.id == id))
+        };
         let earlier = |id: &str| {
-            self.messages.iter().any(|(message, _)| {
-                matches!(message, ChatMessage::Assistant { tool_calls, .. }
-                    if tool_calls.iter().any(|call| call.id == id))
-            })
+            self.messages.iter().any(|(message, _)| called(message, id))
+                || history
+                    .iter()
+                    .any(|exchange| exchange.messages.iter().any(|m| called(m, id)))
         };
         for at in 0..calls.len() {
             if !earlier(&calls[at].id) {
@@ -523,6 +547,54 @@ mod tests {
         );
         state.tools_ran(vec![result("2")], strategy, counter);
         state
+    }
+
+    /// A server that numbers its calls anew in each turn (`call_0`) gives the session's
+    /// next turn a call of an id its history has: it gets another, as a call of an id
+    /// the turn has does.
+    #[test]
+    fn a_call_gets_an_id_no_call_of_the_history_has() {
+        let counter = TokenCounter::shared();
+        let fc = strategy::of(agentrt_core::Strategy::FunctionCall);
+        let history = Exchange::group(
+            vec![
+                ChatMessage::User("q0".into()),
+                ChatMessage::Assistant {
+                    content: String::new(),
+                    tool_calls: vec![call("call_0", "{}"), call("call_0_1", "{}")],
+                },
+                ChatMessage::Tool {
+                    call_id: "call_0".into(),
+                    content: "1".into(),
+                },
+                ChatMessage::Tool {
+                    call_id: "call_0_1".into(),
+                    content: "1".into(),
+                },
+                ChatMessage::Assistant {
+                    content: "done".into(),
+                    tool_calls: Vec::new(),
+                },
+            ],
+            counter,
+        );
+        let mut state = RunState::new("q1", 3, counter);
+        state.model_replied_after(
+            1,
+            Reply::Tools {
+                content: String::new(),
+                calls: vec![call("call_0", "{}"), call("call_1", "{}")],
+                cut_short: false,
+            },
+            fc,
+            counter,
+            &history,
+        );
+        let Phase::RunTools { calls, .. } = &state.phase else {
+            panic!("{:?}", state.phase)
+        };
+        let ids: Vec<&str> = calls.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["call_0_2", "call_1"]);
     }
 
     #[test]
