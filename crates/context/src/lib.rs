@@ -96,8 +96,9 @@ const NOTE_TOKENS: u32 = 24;
 ///   (`Tool` messages, and a ReAct turn's observations: its user messages after the
 ///   query) are shortened, oldest first, each cut at its end as much as the budget needs
 ///   and marked so the model knows. A call always keeps its result, which providers
-///   require. When even that does not fit (a huge query), the prompt is sent anyway and
-///   the provider decides.
+///   require. The query, the model's text and its calls' arguments are never cut: when
+///   even that does not fit (a huge query, many rounds of calls with long arguments), the
+///   prompt is sent anyway and the provider decides.
 /// - History goes in newest first, as much as the room left holds: an exchange that does
 ///   not fit whole goes in as its question and final answer only, without its tool
 ///   traffic; one that does not fit even so stops the history there, so that what the

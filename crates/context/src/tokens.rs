@@ -11,8 +11,9 @@ use tracing::warn;
 /// for its chat format.
 const PER_MESSAGE: u32 = 4;
 
-/// Counts tokens with the `o200k_base` BPE (the GPT-4o family's); other models' counts
-/// differ by a few percent, which the budget's margin absorbs.
+/// Counts tokens with the `o200k_base` BPE (the GPT-4o family's). Other models' counts
+/// differ, by more for text their vocabularies cover less (CJK text, emoji); no margin is
+/// added: a budget is set below the model's window by as much as its counts may exceed.
 pub struct TokenCounter {
     bpe: Option<tiktoken_rs::CoreBPE>,
     /// Counts of texts by hash: tool names, descriptions and schemas, system prompts and
