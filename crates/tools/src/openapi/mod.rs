@@ -550,22 +550,47 @@ impl OpenApiToolset {
     /// write them.
     fn target(&self, route: &Route, arguments: &Value) -> std::result::Result<String, String> {
         let mut target = String::with_capacity(128);
+        // Where each path value went, to check the segments they make.
+        let mut filled: Vec<(usize, usize)> = Vec::new();
         for piece in &route.path {
             match piece {
                 Piece::Text(text) => target.push_str(text),
                 Piece::Param(index) => {
                     let param = &route.op.parameters[*index];
                     match given(arguments, param) {
-                        Some(value) => push_path_value(&mut target, param, &value),
-                        // Left as the template has it.
+                        Some(value) => {
+                            let start = target.len();
+                            push_path_value(&mut target, param, &value);
+                            filled.push((start, target.len()));
+                        }
+                        // Every path parameter is required (a null one too): the template's
+                        // placeholder is no value.
                         None => {
-                            target.push('{');
-                            target.push_str(&param.name);
-                            target.push('}');
+                            return Err(format!(
+                                "path parameter {:?} is required (not null)",
+                                param.name
+                            ));
                         }
                     }
                 }
             }
+        }
+        // A value never leaves its segment, whatever its style writes: a `label` array of
+        // empty strings is `..`, which would climb out of the base path.
+        let segment_of = |(start, end): (usize, usize)| {
+            let from = target[..start].rfind('/').map_or(0, |at| at + 1);
+            let to = target[end..].find('/').map_or(target.len(), |at| end + at);
+            &target[from..to]
+        };
+        if let Some(segment) = filled
+            .iter()
+            .map(|range| segment_of(*range))
+            .find(|segment| is_dot_segment(segment))
+        {
+            return Err(format!(
+                "path parameters cannot make a {segment:?} segment: give each a value of \
+                 its own"
+            ));
         }
         if !is_normalized_path(&target) {
             target = self.normalize_path(&target)?;

@@ -172,6 +172,17 @@ fn reference(
             Location::Header => {}
         }
     }
+    // Once the values are checked, a path parameter with none (or null) cannot fill it.
+    if let Some(param) = op
+        .parameters
+        .iter()
+        .find(|p| p.location == Location::Path && arguments.get(&p.key).is_none_or(Value::is_null))
+    {
+        return Err(format!(
+            "path parameter {:?} is required (not null)",
+            param.name
+        ));
+    }
     let mut url = base.clone();
     url.set_path(&format!("{}{path}", base.path().trim_end_matches('/')));
     for (name, value) in fixed {
@@ -470,6 +481,39 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
         "application/merge-patch+json"
     );
     assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
+}
+
+/// A path value never leaves its segment, whatever its style writes (a `label` array of
+/// empty strings is `..`), and a path parameter given null is refused, not sent as its
+/// placeholder.
+#[test]
+fn path_values_stay_in_their_segment() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-dots-{}", std::process::id()));
+    let doc = r#"{"openapi": "3.1.0",
+      "servers": [{"url": "http://api.example.test/v1"}],
+      "paths": {
+        "/{p}/admin": {"get": {"operationId": "dots",
+          "parameters": [
+            {"name": "p", "in": "path", "required": true, "style": "label", "explode": true,
+             "schema": {"type": ["array", "object", "null"]}}]}}}}"#;
+    let toolset = toolset_of(&dir, doc);
+    let route = &toolset.routes["dots"];
+    for (p, error) in [
+        (json!(["", ""]), "cannot make a \"..\" segment"),
+        (json!({}), "cannot make a \".\" segment"),
+        (json!(null), "path parameter \"p\" is required"),
+    ] {
+        let refused = toolset.request(route, &json!({ "p": p }), "c").err();
+        assert!(
+            refused.as_deref().is_some_and(|e| e.contains(error)),
+            "{p}: {refused:?}"
+        );
+    }
+    let sent = toolset
+        .request(route, &json!({"p": ["a", "b"]}), "c")
+        .unwrap();
+    assert_eq!(sent.target.split('?').next(), Some("/v1/.a.b/admin"));
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[tokio::test]
