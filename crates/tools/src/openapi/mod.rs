@@ -421,14 +421,23 @@ impl OpenApiToolset {
                     Some(port) => format!("{host}:{port}"),
                     None => host.to_owned(),
                 };
-                reqwest::header::HeaderValue::from_str(&authority)
-                    .map_err(|_| fail(format!("base URL {base}: not a valid host")))?;
+                reqwest::header::HeaderValue::from_str(&authority).map_err(|_| {
+                    fail(format!(
+                        "base URL {}: not a valid host",
+                        crate::shown_url(base.as_str())
+                    ))
+                })?;
                 let port = base.port_or_known_default().unwrap_or(80);
                 Transport::Plain(plain::Pool::new(host, port, &authority))
             }
             _ => Transport::Shared(crate::http::client().map_err(fail)?),
         };
-        info!(source = %config.name, operations = routes.len(), %base, "OpenAPI document loaded");
+        info!(
+            source = %config.name,
+            operations = routes.len(),
+            base = %crate::shown_url(base.as_str()),
+            "OpenAPI document loaded"
+        );
         Ok(Self {
             name: config.name.clone(),
             base_query: base.query().map(str::to_owned),

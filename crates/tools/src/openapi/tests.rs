@@ -483,6 +483,48 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
     assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
 }
 
+/// A key in the base URL's query (`?key=...`, as some APIs take theirs) stays out of the
+/// logs: the URL is logged with its query values masked.
+#[test]
+fn a_key_in_the_base_url_is_not_logged() {
+    #[derive(Clone, Default)]
+    struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-key-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "paths": {"/x": {"get": {"operationId": "x"}}}}"#,
+    )
+    .unwrap();
+    let config: OpenApiConfig = serde_json::from_value(json!({
+        "name": "maps",
+        "spec": dir.join("api.json"),
+        "base_url": "https://maps.example.test/api?key=SECRET-123",
+    }))
+    .unwrap();
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_max_level(tracing::Level::TRACE)
+        .finish();
+    tracing::subscriber::with_default(subscriber, || OpenApiToolset::load(&config).unwrap());
+    let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    assert!(logged.contains("OpenAPI document loaded"), "{logged}");
+    assert!(logged.contains("key=***"), "{logged}");
+    assert!(!logged.contains("SECRET-123"), "{logged}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A path value never leaves its segment, whatever its style writes (a `label` array of
 /// empty strings is `..`), and a path parameter given null is refused, not sent as its
 /// placeholder.
