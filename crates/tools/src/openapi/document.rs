@@ -717,10 +717,20 @@ fn unresolved(reference: &str) -> String {
     }
 }
 
-/// The value at a local reference (`#/components/schemas/Pet`).
+/// The value at a local reference (`#/components/schemas/Pet`). A pointer in a URI
+/// fragment is percent-encoded (RFC 6901, section 6), as bundlers write refs into paths
+/// (`#/paths/~1pets~1%7Bid%7D/...`): decoded first; as written when that points at
+/// nothing (a `%` in a name, written unencoded).
 fn lookup<'a>(doc: &'a Value, reference: &str) -> Option<&'a Value> {
     let pointer = reference.strip_prefix('#')?;
-    doc.pointer(pointer)
+    if !pointer.contains('%') {
+        return doc.pointer(pointer);
+    }
+    percent_encoding::percent_decode_str(pointer)
+        .decode_utf8()
+        .ok()
+        .and_then(|decoded| doc.pointer(&decoded))
+        .or_else(|| doc.pointer(pointer))
 }
 
 /// A copy of `schema` with every local `$ref` inlined (recursive refs, refs deeper than

@@ -483,6 +483,34 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
     assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
 }
 
+/// A `$ref` written as a URI fragment, percent-encoded (as bundlers write refs into
+/// paths and names with spaces), points where it says.
+#[tokio::test]
+async fn percent_encoded_refs_are_followed() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-refs-{}", std::process::id()));
+    let doc = r##"{"openapi": "3.1.0",
+      "servers": [{"url": "http://api.example.test"}],
+      "components": {"schemas": {"My Type": {"type": "object",
+        "properties": {"size": {"type": "integer"}}}}},
+      "paths": {
+        "/pets/{id}": {"post": {"operationId": "first",
+          "parameters": [{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}],
+          "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/My%20Type"}}}}}},
+        "/other": {"post": {"operationId": "second",
+          "requestBody": {"content": {"application/json": {"schema": {
+            "$ref": "#/paths/~1pets~1%7Bid%7D/post/requestBody/content/application~1json/schema"}}}}}}
+      }}"##;
+    let toolset = toolset_of(&dir, doc);
+    let listed = toolset.list().await.unwrap();
+    let names: Vec<&str> = listed.iter().map(|t| t.spec.name.as_str()).collect();
+    assert_eq!(names, ["api__first", "api__second"]);
+    for tool in &listed {
+        let body = &tool.spec.input_schema["properties"]["body"];
+        assert_eq!(body["properties"]["size"]["type"], "integer", "{body}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A key in the base URL's query (`?key=...`, as some APIs take theirs) stays out of the
 /// logs: the URL is logged with its query values masked.
 #[test]
