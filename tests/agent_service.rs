@@ -337,6 +337,23 @@ async fn every_violation_is_reported_at_once() {
             "tools[0].name"
         ]
     );
+    // The prompt's budget too, beside the others (it was checked only once they were
+    // mended).
+    let config = v1::AgentConfig {
+        name: String::new(),
+        model: Some(v1::ModelConfig {
+            name: "demo".into(),
+            ..Default::default()
+        }),
+        system_prompt: "lorem ipsum dolor sit amet ".repeat(3000),
+        ..Default::default()
+    };
+    let fields: Vec<String> = violations(&mut s.client, config)
+        .await
+        .into_iter()
+        .map(|v| v.field)
+        .collect();
+    assert_eq!(fields, ["name", "context.max_prompt_tokens"]);
     let missing: Vec<String> = violations(&mut s.client, v1::AgentConfig::default())
         .await
         .into_iter()

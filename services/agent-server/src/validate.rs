@@ -214,7 +214,14 @@ impl ConfigValidator {
         check.parallel(&mut effective.max_parallel_tool_calls);
         check.context(effective.context.get_or_insert_default());
         check.timeouts(effective.timeouts.get_or_insert_default());
-        if check.violations.is_empty() && !missing {
+        // Every violation at once, this one too, whenever what it counts is valid: the
+        // system prompt, the strategy (ReAct's instructions) and the budget. A tool not
+        // offered only makes the count smaller, so a prompt over budget without it is over
+        // with it too.
+        let countable = !check.violations.iter().any(|v| {
+            v.field == "system_prompt" || v.field == "strategy" || v.field.starts_with("context")
+        });
+        if countable && !missing {
             check.fixed_prompt(&effective, &tools);
         }
         if missing {
