@@ -364,7 +364,8 @@ async fn assert_reranked(stack: &mut Stack, top_n: i32, min_score: f32) -> HashM
             RANKED_QUERY,
             &resource_links(count),
             usize::try_from(top_n).unwrap(),
-            f64::from(min_score),
+            // As the client wrote it.
+            min_score.to_string().parse::<f64>().unwrap(),
         );
         let got: Vec<(String, f64)> = payload["references"]
             .as_array()
@@ -411,6 +412,17 @@ async fn references_are_reranked_best_first_with_the_rerankers_scores() {
             .collect();
         assert!((scores[0] - 0.6).abs() < 1e-6, "{scores:?}");
         assert!((scores[1] - 0.4).abs() < 1e-6, "{scores:?}");
+    }
+
+    // A score of exactly min_score is kept: resource 1 scores 0.4 (it was cut, against the
+    // float 0.4 widened to 0.4000000059604645).
+    let references = assert_reranked(&mut f.stack, 5, 0.4).await;
+    for call in ["call_six", "call_four"] {
+        assert!(
+            urls(&references[call]).contains(&"demo://resource/dynamic/blob/1"),
+            "{:?}",
+            urls(&references[call])
+        );
     }
 
     // min_score cuts: only resource 4 scores 0.5 or more.

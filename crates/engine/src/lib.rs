@@ -2018,7 +2018,13 @@ impl Engine {
         };
         match ranked {
             Ok(ranked) => {
-                let min_score = f64::from(selection.min_score);
+                // The decimal the client wrote (0.4), not the float it was sent as widened
+                // (0.4000000059604645): a reference scored exactly `min_score` is kept.
+                let min_score = selection
+                    .min_score
+                    .to_string()
+                    .parse::<f64>()
+                    .unwrap_or_else(|_| f64::from(selection.min_score));
                 *references = ranked
                     .into_iter()
                     .filter(|r| r.relevance_score >= min_score)
