@@ -512,11 +512,15 @@ impl Toolset for McpToolset {
         let timeout = shared.config.timeout;
         // Dropping the call (here on timeout or cancel, or by the caller) sends
         // `notifications/cancelled` for it.
-        let _in_flight = InFlight::new(&shared.calls);
+        let mut in_flight = InFlight::new(&shared.calls, &shared.probe);
         let outcome = tokio::select! {
             outcome = tokio::time::timeout(timeout, peer.call_tool(params)) => outcome,
-            () = ctx.cancel.cancelled() => return Ok(ToolOutput::stopped()),
+            () = ctx.cancel.cancelled() => {
+                in_flight.finished();
+                return Ok(ToolOutput::stopped());
+            }
         };
+        in_flight.finished();
         let offered = offered_name(shared.name(), tool);
         match outcome {
             Err(_) => {
@@ -1042,18 +1046,43 @@ fn only_as_task(tool: &rmcp::model::Tool) -> bool {
 }
 
 /// One call counted in flight until it is dropped.
-struct InFlight<'a>(&'a AtomicUsize);
+struct InFlight<'a> {
+    calls: &'a AtomicUsize,
+    /// Notified when the call is dropped unfinished after [`PROBE_AFTER`].
+    probe: &'a Notify,
+    started: Instant,
+    finished: bool,
+}
+
+/// How long a call dropped unfinished by its caller (its gRPC deadline passed, usually
+/// before the source's own `timeout`) must have waited for the server to have it checked,
+/// as a call that timed out has: a server that stopped answering is otherwise never
+/// found out, its every call ending at its caller's deadline.
+const PROBE_AFTER: Duration = Duration::from_secs(1);
 
 impl<'a> InFlight<'a> {
-    fn new(calls: &'a AtomicUsize) -> Self {
+    fn new(calls: &'a AtomicUsize, probe: &'a Notify) -> Self {
         calls.fetch_add(1, Ordering::AcqRel);
-        Self(calls)
+        Self {
+            calls,
+            probe,
+            started: Instant::now(),
+            finished: false,
+        }
+    }
+
+    /// The call has its outcome (or its caller cancelled it): nothing to check.
+    fn finished(&mut self) {
+        self.finished = true;
     }
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.calls.fetch_sub(1, Ordering::AcqRel);
+        if !self.finished && self.started.elapsed() >= PROBE_AFTER {
+            self.probe.notify_one();
+        }
     }
 }
 

@@ -1072,19 +1072,31 @@ fn a_chattering_server_is_logged_within_a_budget_that_says_what_it_left_out() {
 /// out by the call that timed out, and started again: later calls are answered.
 #[tokio::test]
 async fn a_hung_stdio_server_is_started_again() {
+    // Its call timed out, or (as with every caller's default deadline, shorter than the
+    // source's `timeout`) its caller gave up on it first.
+    for given_up in [false, true] {
+        hung_server_is_started_again(given_up).await;
+    }
+}
+
+async fn hung_server_is_started_again(given_up: bool) {
     let fake = Fake::new("hang");
     // A server whose lists may be kept: the probe asks it all the same (rmcp's cache
     // would answer for the hung server).
     let mut config = fake.config("ttl");
-    config.timeout = Duration::from_secs(1);
+    config.timeout = Duration::from_secs(if given_up { 30 } else { 1 });
     config.connect_timeout = Duration::from_secs(1);
     let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
     let first = fake.pid();
-    let out = toolset
-        .call("hang", json!({}), &ToolContext::default())
-        .await
-        .unwrap();
-    assert!(out.timed_out, "{out:?}");
+    let context = ToolContext::default();
+    let call = toolset.call("hang", json!({}), &context);
+    if given_up {
+        let dropped = tokio::time::timeout(Duration::from_millis(1500), call).await;
+        assert!(dropped.is_err(), "{dropped:?}");
+    } else {
+        let out = call.await.unwrap();
+        assert!(out.timed_out, "{out:?}");
+    }
     eventually("a new server process", || {
         std::fs::read_to_string(fake.dir.join("pid"))
             .is_ok_and(|pid| pid.trim() != first.to_string())
