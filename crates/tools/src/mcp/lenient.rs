@@ -18,7 +18,9 @@
 //!   SDK's HTTP client before this crate sees the text: a list it could not read (a tool
 //!   without `inputSchema`) comes as a custom result, which is mended the same way; in one
 //!   it could read, task-only tools stay listed (their calls fail with the server's
-//!   error).
+//!   error). A tool the SDK cannot read for its optional parts (`annotations`, `icons`,
+//!   `outputSchema`) loses them, and one it cannot read even so is left out; a numeric
+//!   `nextCursor` becomes text.
 
 use std::{
     borrow::Cow,
@@ -38,7 +40,7 @@ use rmcp::{
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, ReadBuf};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::bounded::Unread;
 
@@ -151,8 +153,23 @@ pub(super) fn mend_tool_list(message: &[u8]) -> Option<Vec<u8>> {
         return None;
     }
     let mut value: Value = serde_json::from_slice(message).ok()?;
-    let tools = value.get_mut("result")?.get_mut("tools")?.as_array_mut()?;
+    let result = value.get_mut("result")?.as_object_mut()?;
     let mut mended = false;
+    // A cursor the SDK cannot read (a number) fails the page: one as text, anything else
+    // none (the list ends there).
+    match result.get("nextCursor") {
+        None | Some(Value::String(_) | Value::Null) => {}
+        Some(Value::Number(number)) => {
+            let text = number.to_string();
+            result.insert("nextCursor".into(), text.into());
+            mended = true;
+        }
+        Some(_) => {
+            result.remove("nextCursor");
+            mended = true;
+        }
+    }
+    let tools = result.get_mut("tools")?.as_array_mut()?;
     for tool in tools.iter_mut().filter_map(Value::as_object_mut) {
         let support = tool
             .get("execution")
@@ -179,6 +196,32 @@ pub(super) fn mend_tool_list(message: &[u8]) -> Option<Vec<u8>> {
             }
         }
     }
+    // One tool the SDK cannot read fails the whole answer, and with it every tool of the
+    // server: its optional parts it cannot read (`annotations` with a hint that is no
+    // boolean, `icons`, an `outputSchema` that is no object) are left out, and a tool
+    // unreadable even so (a name that is no text) is left out whole, with a warning.
+    let before = tools.len();
+    tools.retain_mut(|tool| {
+        if rmcp::model::Tool::deserialize(&*tool).is_ok() {
+            return true;
+        }
+        mended = true;
+        let name = tool["name"].to_string();
+        let name: String = name.chars().take(MAX_TYPE_LEN).collect();
+        if let Some(fields) = tool.as_object_mut() {
+            for optional in ["annotations", "icons", "outputSchema", "title", "execution"] {
+                fields.remove(optional);
+            }
+        }
+        if rmcp::model::Tool::deserialize(&*tool).is_ok() {
+            warn!(tool = %name, "the MCP server lists a tool with parts that cannot be read; they are left out");
+            true
+        } else {
+            warn!(tool = %name, "the MCP server lists a tool that cannot be read; it is left out");
+            false
+        }
+    });
+    mended |= tools.len() != before;
     mended.then(|| serde_json::to_vec(&value).ok()).flatten()
 }
 

@@ -930,23 +930,38 @@ async fn list_tools(
         }
         pages += 1;
         let params = PaginatedRequestParams::default().with_cursor(cursor);
-        let page = peer.list_tools(Some(params)).await.map_err(|e| Unlisted {
-            reason: format!("`tools/list` failed: {}", describe::service_error(&e)),
-            // A proxy's refusal (502, 503, 504) says the server behind it is not
-            // there; a 429, that it is, busy.
-            answered: match &e {
-                ServiceError::McpError(_) => true,
-                ServiceError::TransportSend(error) => {
-                    match describe::send_failure(error.error.as_ref()) {
-                        describe::SendFailure::Answered { refusal, .. } => {
-                            refusal.is_none_or(|refusal| refusal.busy)
+        let page = match peer.list_tools(Some(params)).await {
+            Ok(page) => page,
+            // A later page the server refuses (its cursor expired, an error of its own)
+            // leaves the tools of the pages before it listed, not none of the server's.
+            Err(ServiceError::McpError(error)) if pages > 1 => {
+                warn!(
+                    page = pages,
+                    error = %error.message,
+                    "the MCP server refused a page of its tools; the rest are left out"
+                );
+                break;
+            }
+            Err(e) => {
+                return Err(Unlisted {
+                    reason: format!("`tools/list` failed: {}", describe::service_error(&e)),
+                    // A proxy's refusal (502, 503, 504) says the server behind it is not
+                    // there; a 429, that it is, busy.
+                    answered: match &e {
+                        ServiceError::McpError(_) => true,
+                        ServiceError::TransportSend(error) => {
+                            match describe::send_failure(error.error.as_ref()) {
+                                describe::SendFailure::Answered { refusal, .. } => {
+                                    refusal.is_none_or(|refusal| refusal.busy)
+                                }
+                                _ => false,
+                            }
                         }
                         _ => false,
-                    }
-                }
-                _ => false,
-            },
-        })?;
+                    },
+                });
+            }
+        };
         for tool in page.tools {
             if !listed.insert(tool.name.clone()) {
                 continue;

@@ -66,8 +66,12 @@ for line in sys.stdin:
         # Mode `ttl`: lists a client may keep for five minutes (MCP 2026-07-28's `ttlMs`).
         ttl = {"ttlMs": 300000} if mode == "ttl" else {}
         if params.get("cursor") is None:
+            # Mode `unreadable`: a cursor that is a number, as no SDK reads it.
+            cursor = 2 if mode == "unreadable" else "page-2"
             send({"jsonrpc": "2.0", "id": mid, "result": dict({
-                "tools": [tool("echo"), tool("slow")], "nextCursor": "page-2"}, **ttl)})
+                "tools": [tool("echo"), tool("slow")], "nextCursor": cursor}, **ttl)})
+        elif mode == "page-refused":
+            send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32602, "message": "Invalid cursor"}})
         else:
             tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
             if extra:
@@ -78,6 +82,13 @@ for line in sys.stdin:
                 tools.append(dict(tool("either"), execution={"taskSupport": "optional"}))
                 # A tool listed without the inputSchema MCP requires.
                 tools.append({"name": "bare", "description": "takes nothing"})
+            if mode == "unreadable":
+                # A hint that is no boolean, icons of a theme MCP does not know; a tool
+                # without a name, one whose name is a number.
+                tools.append(dict(tool("hinted"), annotations={"readOnlyHint": "yes"},
+                                  icons=[{"src": "x.png", "theme": "sepia"}]))
+                tools.append({"inputSchema": {"type": "object"}})
+                tools.append({"name": 5, "inputSchema": {"type": "object"}})
             if mode == "collide":
                 # `odd.name` and `odd_name` are both offered as `fake__odd_name`; a tool
                 # whose arguments could never be an object.
@@ -231,6 +242,41 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A tool the SDK cannot read, or a later page the server refuses, leaves out that
+/// tool or the pages after it, not every tool of the server (which was kept offline,
+/// started again and again).
+#[tokio::test]
+async fn unreadable_tools_and_refused_pages_leave_out_only_themselves() {
+    let fake = Fake::new("unreadable");
+    let toolset = McpToolset::start(fake.config("unreadable"), Changes::new())
+        .await
+        .unwrap();
+    assert_eq!(
+        names(&toolset).await,
+        [
+            "fake__echo",
+            "fake__slow",
+            "fake__crash",
+            "fake__change",
+            "fake__fail",
+            "fake__odd_name",
+            "fake__meta",
+            "fake__hinted"
+        ]
+    );
+    let out = toolset
+        .call("echo", json!({"text": "hi"}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert_eq!(out.text, "hi");
+
+    let fake = Fake::new("page-refused");
+    let toolset = McpToolset::start(fake.config("page-refused"), Changes::new())
+        .await
+        .unwrap();
+    assert_eq!(names(&toolset).await, ["fake__echo", "fake__slow"]);
 }
 
 #[tokio::test]
