@@ -78,6 +78,10 @@ const STABLE: Duration = Duration::from_secs(10);
 /// How long after a failed `tools/list` (asked for by `notifications/tools/list_changed`)
 /// it is asked again.
 const RELIST_RETRY: Duration = Duration::from_secs(2);
+/// Least time between two lists asked for by `notifications/tools/list_changed`: changes
+/// announced meanwhile are listed together, once it has passed. A server that announces a
+/// change after every list (or thousands a second) is not asked for its list on end.
+const RELIST_EVERY: Duration = Duration::from_secs(1);
 /// How long a child process may take to exit once its stdin is closed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
 /// When a client may try a server's tool again while the server is being connected (the
@@ -1186,6 +1190,8 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
     check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A list asked for after `list_changed` that failed, asked for again at this time.
     let mut relist_again: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    // When the tools were last listed again.
+    let mut relisted: Option<Instant> = None;
     let reason = loop {
         tokio::select! {
             () = stop.cancelled() => {
@@ -1243,13 +1249,27 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     ),
                 }
             }
-            () = async {
+            notified = async {
                 match relist_again.as_mut() {
-                    Some(at) => at.await,
-                    None => shared.relist.notified().await,
+                    Some(at) => {
+                        at.await;
+                        false
+                    }
+                    None => {
+                        shared.relist.notified().await;
+                        true
+                    }
                 }
             } => {
                 relist_again = None;
+                if notified
+                    && let Some(last) = relisted
+                    && last.elapsed() < RELIST_EVERY
+                {
+                    relist_again = Some(Box::pin(tokio::time::sleep_until(last + RELIST_EVERY)));
+                    continue;
+                }
+                relisted = Some(Instant::now());
                 let limit = shared.config.connect_timeout;
                 match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),

@@ -65,6 +65,13 @@ for line in sys.stdin:
             continue
         # Mode `ttl`: lists a client may keep for five minutes (MCP 2026-07-28's `ttlMs`).
         ttl = {"ttlMs": 300000} if mode == "ttl" else {}
+        if mode == "flood" and params.get("cursor") is not None:
+            # Announces a change after every list, whole.
+            with open(os.path.join(state, "lists"), "a") as f:
+                f.write("x")
+            send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [tool("crash")]}})
+            send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+            continue
         if params.get("cursor") is None:
             # Mode `unreadable`: a cursor that is a number, as no SDK reads it.
             cursor = 2 if mode == "unreadable" else "page-2"
@@ -242,6 +249,25 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A server that announces a change after every list is asked for it at most once a
+/// second, not on end.
+#[tokio::test]
+async fn a_flood_of_list_changes_is_listed_once_a_second() {
+    let fake = Fake::new("flood");
+    let toolset = McpToolset::start(fake.config("flood"), Changes::new())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lists = std::fs::read_to_string(fake.dir.join("lists"))
+        .unwrap_or_default()
+        .len();
+    assert!((2..=5).contains(&lists), "listed {lists} times in 3 s");
+    assert_eq!(
+        names(&toolset).await,
+        ["fake__echo", "fake__slow", "fake__crash"]
+    );
 }
 
 /// A tool the SDK cannot read, or a later page the server refuses, leaves out that
