@@ -429,11 +429,12 @@ fn operation(
     if let Some(body) = op.get("requestBody") {
         let body = resolve_ref(doc, body)?;
         let content = body["content"].as_object();
-        // `application/json` when offered, else the first other JSON type.
+        // The JSON type that fits best ([`json_rank`]).
         let json_media = content.and_then(|c| {
             c.iter()
-                .find(|(media, _)| media_essence(media) == "application/json")
-                .or_else(|| c.iter().find(|(media, _)| is_json(media)))
+                .filter_map(|entry| json_rank(entry.0).map(|rank| (rank, entry)))
+                .min_by_key(|(rank, _)| *rank)
+                .map(|(_, entry)| entry)
         });
         // Else a form (Stripe's API takes only forms).
         let form_media = content.and_then(|c| {
@@ -673,6 +674,24 @@ fn unrequire(schema: &mut Value, names: &[String]) {
                 unrequire(member, names);
             }
         }
+    }
+}
+
+/// How well a request body's media type takes the model's JSON, best first: `None` for a
+/// type that takes no JSON. `application/json`; then a merge patch, which takes an object
+/// as the model writes one; then other `+json` types; then a JSON Patch, which takes only
+/// a list of operations (Kubernetes offers both for PATCH); then a range that admits JSON
+/// (`*/*`, `application/*`, as Kubernetes declares its create and replace bodies), sent
+/// as `application/json`.
+fn json_rank(media: &str) -> Option<u8> {
+    let essence = media_essence(media);
+    match essence.as_str() {
+        "application/json" => Some(0),
+        "application/merge-patch+json" => Some(1),
+        "application/json-patch+json" => Some(3),
+        "*/*" | "application/*" => Some(4),
+        _ if essence.ends_with("+json") => Some(2),
+        _ => None,
     }
 }
 

@@ -481,6 +481,42 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
         "application/merge-patch+json"
     );
     assert_eq!(request.body.as_deref().unwrap(), br#"{"name":null}"#);
+
+    // As Kubernetes declares its bodies: a range for create and replace (sent as JSON),
+    // and five patch types, of which a merge patch takes the object the model writes.
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.0.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/things/{id}": {
+            "put": {"operationId": "replaceThing",
+              "parameters": [{"name": "id", "in": "path", "required": true}],
+              "requestBody": {"required": true, "content": {"*/*": {"schema": {"type": "object"}}}}},
+            "patch": {"operationId": "patchThing",
+              "parameters": [{"name": "id", "in": "path", "required": true}],
+              "requestBody": {"required": true, "content": {
+                "application/apply-patch+cbor": {"schema": {"type": "object"}},
+                "application/apply-patch+yaml": {"schema": {"type": "object"}},
+                "application/json-patch+json": {"schema": {"type": "object"}},
+                "application/merge-patch+json": {"schema": {"type": "object"}},
+                "application/strategic-merge-patch+json": {"schema": {"type": "object"}}}}}}}}"#,
+    )
+    .unwrap();
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    for (operation, sent) in [
+        ("replaceThing", "application/json"),
+        ("patchThing", "application/merge-patch+json"),
+    ] {
+        let request = toolset
+            .request(
+                &toolset.routes[operation],
+                &json!({"id": "a", "body": {"name": "b"}}),
+                "call_1",
+            )
+            .unwrap();
+        assert_eq!(request.headers["content-type"], sent, "{operation}");
+    }
 }
 
 /// A `$ref` written as a URI fragment, percent-encoded (as bundlers write refs into
