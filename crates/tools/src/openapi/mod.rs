@@ -885,15 +885,15 @@ fn push_path_value(target: &mut String, param: &Parameter, value: &Value) {
 fn query_pairs<'a>(param: &'a Parameter, value: &'a Value) -> Vec<(Cow<'a, str>, Cow<'a, str>)> {
     let name = Cow::Borrowed(param.name.as_str());
     match value {
-        Value::Object(properties) if param.style == Style::DeepObject => properties
-            .iter()
-            .map(|(key, item)| {
-                (
-                    Cow::Owned(format!("{}[{key}]", param.name)),
-                    scalar_text(item),
-                )
-            })
-            .collect(),
+        // At any depth, arrays by index, as forms write them and Stripe reads them:
+        // `expand[0]=a`, `f[a][b]=1`.
+        Value::Object(_) | Value::Array(_) if param.style == Style::DeepObject => {
+            let mut pairs = Vec::new();
+            deep_pairs(&param.name, value, &mut |name, text| {
+                pairs.push((Cow::Owned(name.to_owned()), Cow::Owned(text.into_owned())));
+            });
+            pairs
+        }
         Value::Object(properties) if param.explode => properties
             .iter()
             .map(|(key, item)| (Cow::Borrowed(key.as_str()), scalar_text(item)))
@@ -976,6 +976,25 @@ fn push_query_separator(target: &mut String, query_start: usize) {
 /// default (style `form`, exploded: an array's items under its name one by one, an
 /// object's properties under their own names), with the properties named in `deep` as
 /// deep objects (`metadata[key]=value`, `items[0][price]=p`). Null values are left out.
+/// The pairs of `value` as a deep object named `name` writes them: an object's fields as
+/// `name[key]`, an array's items as `name[index]`, at any depth; nulls left out.
+fn deep_pairs(name: &str, value: &Value, each: &mut dyn FnMut(&str, Cow<'_, str>)) {
+    match value {
+        Value::Null => {}
+        Value::Object(fields) => {
+            for (key, value) in fields {
+                deep_pairs(&format!("{name}[{key}]"), value, each);
+            }
+        }
+        Value::Array(items) => {
+            for (index, value) in items.iter().enumerate() {
+                deep_pairs(&format!("{name}[{index}]"), value, each);
+            }
+        }
+        scalar => each(name, scalar_text(scalar)),
+    }
+}
+
 fn form_body(body: &Value, deep: &[String]) -> std::result::Result<String, String> {
     fn pair(out: &mut String, name: &str, value: &str) {
         if !out.is_empty() {
@@ -986,20 +1005,7 @@ fn form_body(body: &Value, deep: &[String]) -> std::result::Result<String, Strin
         form_encode(out, value);
     }
     fn nested(out: &mut String, name: &str, value: &Value) {
-        match value {
-            Value::Null => {}
-            Value::Object(fields) => {
-                for (key, value) in fields {
-                    nested(out, &format!("{name}[{key}]"), value);
-                }
-            }
-            Value::Array(items) => {
-                for (index, value) in items.iter().enumerate() {
-                    nested(out, &format!("{name}[{index}]"), value);
-                }
-            }
-            scalar => pair(out, name, &scalar_text(scalar)),
-        }
+        deep_pairs(name, value, &mut |name, text| pair(out, name, &text));
     }
     let Some(fields) = body.as_object() else {
         return Err("the body must be an object: it is sent as a form".into());

@@ -750,6 +750,38 @@ async fn parameters_are_written_in_their_style() {
          &ids=1%7C2%7C3&words=a+b+c&api_key=k3y"
     );
     assert_eq!(request.headers["x-pair"], "k,v,n,2");
+
+    // A deep object at any depth, its arrays by index (Stripe's `expand[0]=a`), nulls left
+    // out.
+    let request = toolset
+        .request(
+            &toolset.routes["styles"],
+            &json!({
+                "label": ["a"], "matrix": ["c"], "exploded": {"x": 1}, "simple": {"r": 1},
+                "filter": {"expand": ["customer", "invoice"], "tax": {"liability": {"type": "self"}}, "gone": null}
+            }),
+            "c",
+        )
+        .unwrap();
+    assert_eq!(
+        request.target.split_once('?').unwrap().1,
+        "filter%5Bexpand%5D%5B0%5D=customer&filter%5Bexpand%5D%5B1%5D=invoice\
+         &filter%5Btax%5D%5Bliability%5D%5Btype%5D=self&api_key=k3y"
+    );
+    let request = toolset
+        .request(
+            &toolset.routes["styles"],
+            &json!({
+                "label": ["a"], "matrix": ["c"], "exploded": {"x": 1}, "simple": {"r": 1},
+                "filter": ["customer", "invoice"]
+            }),
+            "c",
+        )
+        .unwrap();
+    assert_eq!(
+        request.target.split_once('?').unwrap().1,
+        "filter%5B0%5D=customer&filter%5B1%5D=invoice&api_key=k3y"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
 
