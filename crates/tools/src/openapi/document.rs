@@ -379,13 +379,15 @@ fn operation(
             obj.entry("description")
                 .or_insert_with(|| Value::String(description.to_owned()));
         }
-        let mut key = name.clone();
-        if key == "body" || properties.contains_key(&key) {
-            key = format!("{}_{name}", location.as_str());
-        }
-        if properties.contains_key(&key) {
+        if parameters
+            .iter()
+            .any(|other: &Parameter| other.name == name && other.location == location)
+        {
             return Err(format!("parameter {name:?} is given twice"));
         }
+        let key = argument_key(&name, location, |key| {
+            key == "body" || properties.contains_key(key)
+        });
         if location == Location::Path || p["required"].as_bool() == Some(true) {
             required.push(Value::String(key.clone()));
         }
@@ -676,6 +678,45 @@ fn unrequire(schema: &mut Value, names: &[String]) {
         }
     }
 }
+
+/// The argument a parameter named `name` is given as: its name where model APIs take it
+/// as a property name (Anthropic's and Bedrock's `^[a-zA-Z0-9_.-]{1,64}$`, which refuse
+/// the whole request otherwise), else with each run of other characters made one `_`
+/// (`$top` is `top`, `filter[status]` is `filter_status`), at most 64 bytes; then, when
+/// `taken`, prefixed with its location (`query_id`), then numbered (`filter_status_2`).
+fn argument_key(name: &str, location: Location, taken: impl Fn(&str) -> bool) -> String {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-');
+    let mut key = String::with_capacity(name.len());
+    for c in name.chars() {
+        if allowed(c) {
+            key.push(c);
+        } else if !key.ends_with('_') {
+            key.push('_');
+        }
+    }
+    let mut key = key.trim_matches('_').to_owned();
+    if key.is_empty() {
+        key = "param".to_owned();
+    }
+    if key.len() > MAX_KEY_BYTES {
+        // Room for a prefix and a number, should it clash.
+        key.truncate(MAX_KEY_BYTES - 10);
+    }
+    if !taken(&key) {
+        return key;
+    }
+    let prefixed = format!("{}_{key}", location.as_str());
+    if !taken(&prefixed) {
+        return prefixed;
+    }
+    (2..)
+        .map(|n| format!("{prefixed}_{n}"))
+        .find(|numbered| !taken(numbered))
+        .unwrap_or(prefixed)
+}
+
+/// Longest argument name model APIs take.
+const MAX_KEY_BYTES: usize = 64;
 
 /// How well a request body's media type takes the model's JSON, best first: `None` for a
 /// type that takes no JSON. `application/json`; then a merge patch, which takes an object

@@ -519,6 +519,51 @@ fn a_body_goes_out_with_the_json_media_type_the_document_declares() {
     }
 }
 
+/// Parameter names model APIs refuse as property names (`$top`, `filter[status]`,
+/// `statuses[]`) are offered under names they take; the request still sends the names
+/// the API reads.
+#[test]
+fn parameters_are_offered_under_names_model_apis_take() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-keys-{}", std::process::id()));
+    let doc = r#"{"openapi": "3.1.0",
+      "servers": [{"url": "http://api.example.test"}],
+      "paths": {"/items/{id}": {"get": {"operationId": "items",
+        "parameters": [
+          {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}},
+          {"name": "id", "in": "query", "schema": {"type": "string"}},
+          {"name": "$top", "in": "query", "schema": {"type": "integer"}},
+          {"name": "filter[status]", "in": "query", "schema": {"type": "string"}},
+          {"name": "filter_status", "in": "query", "schema": {"type": "string"}},
+          {"name": "statuses[]", "in": "query", "schema": {"type": "string"}}]}}}}"#;
+    let toolset = toolset_of(&dir, doc);
+    let route = &toolset.routes["items"];
+    let keys: Vec<&str> = route.op.parameters.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "id",
+            "query_id",
+            "top",
+            "filter_status",
+            "query_filter_status",
+            "statuses"
+        ]
+    );
+    let sent = toolset
+        .request(
+            route,
+            &json!({"id": "a", "query_id": "b", "top": 5, "filter_status": "open",
+                    "query_filter_status": "x", "statuses": "s"}),
+            "c",
+        )
+        .unwrap();
+    assert_eq!(
+        sent.target,
+        "/items/a?id=b&%24top=5&filter%5Bstatus%5D=open&filter_status=x&statuses%5B%5D=s&api_key=k3y"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A `$ref` written as a URI fragment, percent-encoded (as bundlers write refs into
 /// paths and names with spaces), points where it says.
 #[tokio::test]
