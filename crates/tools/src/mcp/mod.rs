@@ -66,6 +66,14 @@ const MAX_TOOLS: usize = 1000;
 pub const IDEMPOTENCY_META: &str = "io.agentrt/idempotencyKey";
 /// Most `tools/list` pages followed.
 const MAX_PAGES: usize = 100;
+/// Largest tool one server may list, its name, description and input schema together, in
+/// bytes; a larger one is left out. Descriptions are cut to 4 KiB; schemas are not, and a
+/// generated server's can be large.
+const MAX_TOOL_BYTES: usize = 256 * 1024;
+/// Most bytes of tools one server may list, all together; the rest are left out. The
+/// catalogue's answer is bounded ([`agentrt_grpc::MAX_CATALOGUE_BYTES`]) and refused whole
+/// past it, for every caller: one server must not take it all.
+const MAX_LISTED_BYTES: usize = 8 * 1024 * 1024;
 /// The first wait before reconnecting; it doubles up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// The longest wait before reconnecting.
@@ -336,6 +344,9 @@ struct State {
     /// The tools of the last listing offered as taking any object (listed without
     /// `inputSchema`), logged when they change rather than at every listing.
     schemaless: Vec<String>,
+    /// Tools left out for their size at the last listing ([`MAX_TOOL_BYTES`],
+    /// [`MAX_LISTED_BYTES`]), as warned of.
+    oversized: (Vec<String>, bool),
 }
 
 struct Shared {
@@ -439,6 +450,7 @@ impl McpToolset {
                 connection: 0,
                 task_only: Vec::new(),
                 schemaless: Vec::new(),
+                oversized: (Vec::new(), false),
             }),
             changes,
             relist: Notify::new(),
@@ -922,6 +934,9 @@ async fn list_tools(
     let mut cursors = std::collections::HashSet::new();
     let mut task_only = Vec::new();
     let mut schemaless = Vec::new();
+    let mut oversized = Vec::new();
+    let mut over_budget = false;
+    let mut listed_bytes = 0;
     let mut cursor: Option<String> = None;
     let mut pages = 0;
     'pages: loop {
@@ -996,11 +1011,26 @@ async fn list_tools(
                 .or(tool.title)
                 .unwrap_or_default();
             crate::cut_description(&mut description);
+            let input_schema = offered_schema(&tool.input_schema);
+            let size = tool.name.len()
+                + description.len()
+                + serde_json::to_vec(&input_schema).map_or(usize::MAX, |json| json.len());
+            if size > MAX_TOOL_BYTES {
+                if oversized.len() < MAX_TOOLS {
+                    oversized.push(tool.name.into_owned());
+                }
+                continue;
+            }
+            if listed_bytes + size > MAX_LISTED_BYTES {
+                over_budget = true;
+                break 'pages;
+            }
+            listed_bytes += size;
             tools.push(ListedTool {
                 spec: ToolSpec {
                     name: offered_name(name, &tool.name),
                     description,
-                    input_schema: offered_schema(&tool.input_schema).into(),
+                    input_schema: input_schema.into(),
                     source: ToolSource::Mcp,
                 },
                 origin: format!("MCP server {name:?}, tool {:?}", tool.name),
@@ -1039,6 +1069,26 @@ async fn list_tools(
             );
         }
         state.task_only = task_only;
+    }
+    let oversized = (oversized, over_budget);
+    if state.oversized != oversized {
+        if !oversized.0.is_empty() {
+            warn!(
+                tools = ?oversized.0,
+                max_bytes = MAX_TOOL_BYTES,
+                "MCP tools larger than a tool may be (name, description and input schema) \
+                 are left out of the catalogue"
+            );
+        }
+        if oversized.1 {
+            warn!(
+                offered = tools.len(),
+                max_bytes = MAX_LISTED_BYTES,
+                "the MCP server lists more bytes of tools than one server may; the rest \
+                 are left out"
+            );
+        }
+        state.oversized = oversized;
     }
     Ok(tools)
 }

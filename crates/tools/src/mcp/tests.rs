@@ -72,6 +72,21 @@ for line in sys.stdin:
             send({"jsonrpc": "2.0", "id": mid, "result": {"tools": [tool("crash")]}})
             send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
             continue
+        if mode == "bulky":
+            # A tool too large by itself, then pages of large tools: 12 MB in all.
+            big = lambda name, size: {"name": name, "inputSchema": {
+                "type": "object", "description": "x" * size}}
+            cursor = params.get("cursor")
+            if cursor is None:
+                send({"jsonrpc": "2.0", "id": mid, "result": {
+                    "tools": [tool("echo"), big("huge", 300000)], "nextCursor": "b1"}})
+            else:
+                n = int(cursor[1:])
+                result = {"tools": [big("bulk%d_%d" % (n, i), 150000) for i in range(20)]}
+                if n < 4:
+                    result["nextCursor"] = "b%d" % (n + 1)
+                send({"jsonrpc": "2.0", "id": mid, "result": result})
+            continue
         if params.get("cursor") is None:
             # Mode `unreadable`: a cursor that is a number, as no SDK reads it.
             cursor = 2 if mode == "unreadable" else "page-2"
@@ -249,6 +264,30 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A tool larger than a tool may be is left out, and a server's tools past its share of
+/// the catalogue are too: one server does not make `ListTools` fail for every caller.
+#[tokio::test]
+async fn a_servers_tools_are_bounded_in_bytes() {
+    let fake = Fake::new("bulky");
+    let toolset = McpToolset::start(fake.config("bulky"), Changes::new())
+        .await
+        .unwrap();
+    let names = names(&toolset).await;
+    assert_eq!(names[0], "fake__echo");
+    assert!(!names.contains(&"fake__huge".to_owned()), "{names:?}");
+    let bulk = names.iter().filter(|n| n.starts_with("fake__bulk")).count();
+    // 8 MiB of tools of 150 KB each.
+    assert!((50..=56).contains(&bulk), "{bulk} bulky tools listed");
+    let listed: usize = toolset
+        .list()
+        .await
+        .unwrap()
+        .iter()
+        .map(|t| t.spec.input_schema.to_string().len())
+        .sum();
+    assert!(listed <= MAX_LISTED_BYTES, "{listed}");
 }
 
 /// A server that announces a change after every list is asked for it at most once a
