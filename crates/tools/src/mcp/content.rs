@@ -14,6 +14,29 @@ const MAX_REFERENCES: usize = 100;
 /// Longest snippet of an embedded text resource kept on its reference.
 const MAX_SNIPPET_BYTES: usize = 1000;
 
+/// Longest title, and longest URL, of a reference kept, in bytes.
+const MAX_LABEL_BYTES: usize = 2048;
+
+/// Cuts each reference's snippet to [`MAX_SNIPPET_BYTES`] and its title and URL to
+/// [`MAX_LABEL_BYTES`], and keeps only as many as fit in `max_output_bytes` all together:
+/// a link's description was kept whole, so 100 links could take an answer past the gRPC
+/// message limit, which lowering the output limit did not mend.
+fn bound_references(references: &mut Vec<Reference>, max_output_bytes: usize) {
+    let mut total = 0;
+    let mut fit = references.len();
+    for (index, reference) in references.iter_mut().enumerate() {
+        truncate_text(&mut reference.snippet, MAX_SNIPPET_BYTES);
+        crate::cut_at(&mut reference.title, MAX_LABEL_BYTES);
+        crate::cut_at(&mut reference.url, MAX_LABEL_BYTES);
+        total += reference.snippet.len() + reference.title.len() + reference.url.len();
+        if total > max_output_bytes {
+            fit = index;
+            break;
+        }
+    }
+    references.truncate(fit);
+}
+
 /// Maps `result` of the tool offered as `tool`; the text is cut at `max_output_bytes`.
 pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: usize) -> ToolOutput {
     let mut text = String::new();
@@ -103,6 +126,7 @@ pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: us
         }
     }
     references.truncate(MAX_REFERENCES);
+    bound_references(&mut references, max_output_bytes);
     let mut structured = result.structured_content;
     if let Some(value) = &structured {
         let json = value.to_string();
@@ -170,6 +194,31 @@ mod tests {
         assert_eq!(out.references[0].snippet, "first");
         assert_eq!(out.references[1].snippet, "body of b");
         assert_eq!(out.references[0].source, "ev__tool");
+    }
+
+    /// References are bounded as the text is: each link's description is a snippet,
+    /// cut, and only as many as fit in the output limit are kept.
+    #[test]
+    fn references_are_bounded_by_the_output_limit() {
+        let links: Vec<_> = (0..100)
+            .map(|i| {
+                json!({"type": "resource_link", "uri": format!("test://{i}/{}", "u".repeat(5000)),
+                       "name": "n".repeat(5000), "description": "d".repeat(100_000)})
+            })
+            .collect();
+        let out = to_output(result(json!({"content": links})), "t", 64 * 1024);
+        let total: usize = out
+            .references
+            .iter()
+            .map(|r| r.snippet.len() + r.title.len() + r.url.len())
+            .sum();
+        assert!(total <= 64 * 1024, "{total}");
+        assert!(!out.references.is_empty());
+        for reference in &out.references {
+            assert!(reference.snippet.len() <= MAX_SNIPPET_BYTES + 64);
+            assert_eq!(reference.title.len(), MAX_LABEL_BYTES);
+            assert_eq!(reference.url.len(), MAX_LABEL_BYTES);
+        }
     }
 
     #[test]
