@@ -120,6 +120,9 @@ pub(crate) struct Operation {
     /// depth: left out of the input schema, and refused in a call.
     pub read_only: Vec<ReadOnly>,
     pub input_schema: Value,
+    /// The cookie parameters it requires: not arguments, so only a source that sends a
+    /// `Cookie` header of its own can call it.
+    pub cookies: Vec<String>,
 }
 
 impl Operation {
@@ -319,6 +322,7 @@ fn operation(
     let mut properties = Map::new();
     let mut required = Vec::new();
     let mut parameters = Vec::new();
+    let mut cookies = Vec::new();
     let mut walk = Walk {
         budget: MAX_NODES,
         external: Vec::new(),
@@ -330,12 +334,10 @@ fn operation(
             Some("query") => Location::Query,
             Some("header") => Location::Header,
             // Cookies are the caller's session, not the model's to set: an operation that
-            // needs one cannot be called.
+            // needs one can be called only when the source sends a `Cookie` header.
             Some("cookie") if p["required"].as_bool() == Some(true) => {
-                return Err(format!(
-                    "its required cookie parameter {name:?} cannot be sent (cookies are not \
-                     arguments)"
-                ));
+                cookies.push(name);
+                continue;
             }
             Some("cookie") => continue,
             other => return Err(format!("parameter {name:?} has an unknown place {other:?}")),
@@ -534,6 +536,7 @@ fn operation(
             form,
             read_only,
             input_schema,
+            cookies,
         },
         external,
     ))
@@ -1260,25 +1263,24 @@ components:
                         "application/x-www-form-urlencoded"
                     ))
                 ),
+                // Callable when the source sends a Cookie header (see
+                // `a_required_cookie_is_sent_by_the_source_or_its_operation_left_out`).
+                ("cookie", None),
                 ("optionalCookie", None),
             ]
         );
-        assert_eq!(doc.skipped.len(), 3, "{:?}", doc.skipped);
+        assert_eq!(doc.operations[3].cookies, ["session"]);
+        assert!(doc.operations[4].cookies.is_empty());
+        assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
         assert!(
-            doc.skipped[2].starts_with("elsewhere: ")
-                && doc.skipped[2].contains("\"https://files.example.test/\""),
+            doc.skipped[1].starts_with("elsewhere: ")
+                && doc.skipped[1].contains("\"https://files.example.test/\""),
             "{:?}",
             doc.skipped
         );
         assert!(
-            doc.skipped[1].starts_with("upload: ")
-                && doc.skipped[1].contains("multipart/form-data"),
-            "{:?}",
-            doc.skipped
-        );
-        assert!(
-            doc.skipped[0].starts_with("cookie: ")
-                && doc.skipped[0].contains("cookie parameter \"session\""),
+            doc.skipped[0].starts_with("upload: ")
+                && doc.skipped[0].contains("multipart/form-data"),
             "{:?}",
             doc.skipped
         );

@@ -400,9 +400,27 @@ impl OpenApiToolset {
             form_encode(&mut query, value.expose());
         }
         let base_path = base.path().trim_end_matches('/');
+        let sends_cookies = headers
+            .iter()
+            .any(|(name, _)| name == reqwest::header::COOKIE);
         let routes = doc
             .operations
             .into_iter()
+            .filter(|op| {
+                let callable = op.cookies.is_empty() || sends_cookies;
+                if !callable {
+                    warn!(
+                        source = %config.name,
+                        operation = %format!(
+                            "{}: its required cookie parameter {:?} cannot be sent (cookies are \
+                             not arguments): set a Cookie header in the source's headers",
+                            op.id, op.cookies[0]
+                        ),
+                        "operation left out"
+                    );
+                }
+                callable
+            })
             .map(|mut op| {
                 // What the source sets is not the model's to see or set.
                 op.drop_parameters(|param| match param.location {

@@ -564,6 +564,37 @@ fn parameters_are_offered_under_names_model_apis_take() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// An operation that requires a cookie is callable when the source sends a `Cookie`
+/// header of its own, and left out otherwise: cookies are not arguments.
+#[test]
+fn a_required_cookie_is_sent_by_the_source_or_its_operation_left_out() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-cookie-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/me": {"get": {"operationId": "me", "parameters": [
+            {"name": "session", "in": "cookie", "required": true, "schema": {"type": "string"}}]}},
+            "/open": {"get": {"operationId": "open"}}}}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("cookie"), "s3cr3t\n").unwrap();
+    let load = |headers: Value| {
+        let config: OpenApiConfig = serde_json::from_value(json!({
+            "name": "api", "spec": dir.join("api.json"), "headers": headers,
+        }))
+        .unwrap();
+        OpenApiToolset::load(&config).unwrap()
+    };
+    let without = load(json!({}));
+    assert_eq!(without.routes.keys().collect::<Vec<_>>(), ["open"]);
+    let with = load(json!({"Cookie": {"file": dir.join("cookie"), "prefix": "session="}}));
+    assert_eq!(with.routes.keys().collect::<Vec<_>>(), ["me", "open"]);
+    let sent = with.request(&with.routes["me"], &json!({}), "c").unwrap();
+    assert_eq!(sent.headers["cookie"], "session=s3cr3t");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A `$ref` written as a URI fragment, percent-encoded (as bundlers write refs into
 /// paths and names with spaces), points where it says.
 #[tokio::test]
@@ -622,11 +653,15 @@ fn a_key_in_the_base_url_is_not_logged() {
     .unwrap();
     let captured = Captured::default();
     let writer = captured.clone();
+    // The process's subscriber, not this thread's: a callsite another test's thread met
+    // first, with no subscriber, may keep its interest of then for a scoped one. Only
+    // this module's logs, which the other tests here do not look at.
     let subscriber = tracing_subscriber::fmt()
         .with_writer(move || writer.clone())
-        .with_max_level(tracing::Level::TRACE)
+        .with_env_filter("agentrt_tools::openapi=info")
         .finish();
-    tracing::subscriber::with_default(subscriber, || OpenApiToolset::load(&config).unwrap());
+    tracing::subscriber::set_global_default(subscriber).unwrap();
+    OpenApiToolset::load(&config).unwrap();
     let logged = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
     assert!(logged.contains("OpenAPI document loaded"), "{logged}");
     assert!(logged.contains("key=***"), "{logged}");
