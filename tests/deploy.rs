@@ -156,6 +156,15 @@ fn probes_use_the_health_port_served_apart_from_the_grpc_port() {
         for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
             assert_eq!(container[probe]["grpc"]["port"], 8081, "{file}: {probe}");
         }
+        // Set by the Deployment itself, not only by the settings file an overlay may
+        // replace whole.
+        assert!(
+            container["env"].as_array().unwrap().iter().any(|e| {
+                e["name"].as_str().is_some_and(|n| n.ends_with("_HEALTH_LISTEN"))
+                    && e["value"] == "0.0.0.0:8081"
+            }),
+            "{file}"
+        );
         assert!(
             container["ports"]
                 .as_array()
