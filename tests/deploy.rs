@@ -160,7 +160,9 @@ fn probes_use_the_health_port_served_apart_from_the_grpc_port() {
         // replace whole.
         assert!(
             container["env"].as_array().unwrap().iter().any(|e| {
-                e["name"].as_str().is_some_and(|n| n.ends_with("_HEALTH_LISTEN"))
+                e["name"]
+                    .as_str()
+                    .is_some_and(|n| n.ends_with("_HEALTH_LISTEN"))
                     && e["value"] == "0.0.0.0:8081"
             }),
             "{file}"

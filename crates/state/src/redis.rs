@@ -1939,16 +1939,26 @@ impl EventBus for RedisBus {
             cursor = last.sequence;
             tail.extend(events);
         }
+        let mut ended = tail.iter().any(|e| e.done);
         if tail.is_empty() {
             // Nothing after `after`: the log must still hold it.
             match last_event(&self.0, &key).await? {
-                Some(last) => cursor = cursor.max(last.sequence),
+                Some(last) => {
+                    cursor = cursor.max(last.sequence);
+                    ended = last.done;
+                }
                 None => return Err(BusError::UnknownRun(run_id.to_owned())),
             }
         }
         // Readers here read Redis: this replica's copy would miss the log's beginning.
         let publisher = RedisPublisher::new(self.0.clone(), run_id, owner, cursor + 1, None);
-        publisher.core.state().expiring = true;
+        {
+            let mut state = publisher.core.state();
+            state.expiring = true;
+            // A log that holds its `done` has ended: dropped unused (the run is not
+            // continued), its publisher must not end it a second time.
+            state.done = ended;
+        }
         Ok(Resumed {
             tail,
             publisher: Box::new(publisher),

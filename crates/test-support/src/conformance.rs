@@ -89,6 +89,24 @@ where
     );
     assert_eq!(sequences(&*other, "r1", u64::MAX).await, []);
 
+    // A run taken over whose log holds its `done` has ended: its publisher, dropped
+    // unused, adds no second `done`, whichever replica resumed it.
+    let publisher = bus.open("ended", "").await.unwrap();
+    publisher.publish(vec![started(), done()]).await.unwrap();
+    drop(publisher);
+    for after in [1, 2] {
+        let resumed = other.resume("ended", "", after).await.unwrap();
+        drop(resumed);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(sequences(&*other, "ended", 0).await, [Ok(1), Ok(2)]);
+        // (A reader ends at the first `done`: a second one is found past it.)
+        assert_eq!(
+            sequences(&*other, "ended", 2).await,
+            [],
+            "resumed after {after}"
+        );
+    }
+
     // A cursor at or beyond the end of a running run waits, then ends with `done`.
     let publisher = bus.open("r2", "").await.unwrap();
     publisher
