@@ -2061,6 +2061,7 @@ impl RedisBus {
             batch: Vec::new(),
             finished: false,
             owes_done: !last.done,
+            end: last.done.then_some(last.sequence),
             follow,
         };
         Ok(Box::pin(futures_util::stream::unfold(
@@ -2948,6 +2949,8 @@ struct RedisReader {
     finished: bool,
     /// Whether the reader attached while the run ran and has not been given its `done`.
     owes_done: bool,
+    /// The sequence of the `done` of a run that had ended when the reader attached.
+    end: Option<u64>,
     follow: Follow,
 }
 
@@ -3008,6 +3011,13 @@ impl RedisReader {
             self.follow.notices.borrow_and_update();
             match self.read().await {
                 Ok(true) => continue,
+                // The log of an ended run, gone before it was read to its `done`: it
+                // expired (`runs.retention`) under a slow reader, which is told so rather
+                // than ending as if the run had ended there.
+                Ok(false) if self.end.is_some_and(|end| self.cursor < end) => {
+                    self.finished = true;
+                    return Some((Err(BusError::UnknownRun(self.run_id.clone())), self));
+                }
                 Ok(false) if !self.owes_done => return None,
                 Ok(false) => {
                     let notices = &mut self.follow.notices;

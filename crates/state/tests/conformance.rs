@@ -756,3 +756,51 @@ async fn redis_events_let_wait_are_written_after_a_failed_write_without_another_
     assert_eq!((second.sequence, second.kind), (2, EventKind::ToolResult));
     drop(publisher);
 }
+
+/// A reader of an ended run's log that expires before it is read to its end is told so
+/// (the stream ends with an error), not ended as if the run had ended where it stopped.
+#[tokio::test]
+async fn redis_a_log_that_expires_under_its_reader_is_an_error_not_an_end() {
+    let prefix = redis_prefix("expiring-log");
+    let connect = || Redis::connect(&redis_url(), &prefix, limits(10_000)).unwrap();
+    let (a, b) = (connect(), connect());
+    let (a, b) = (a.bus(), b.bus());
+    let publisher = a.open("long", "").await.unwrap();
+    let mut events = vec![started()];
+    for i in 0..600 {
+        events.push(RunEvent::new(
+            EventKind::FinalAnswer,
+            1,
+            format!("{i} "),
+            None,
+        ));
+    }
+    events.push(RunEvent {
+        done: true,
+        ..RunEvent::new(EventKind::FinalAnswer, 1, String::new(), None)
+    });
+    publisher.publish(events).await.unwrap();
+    drop(publisher);
+    // Another replica reads the shared log, slowly: it expires after the first batch.
+    let mut reader = b.subscribe("long", 0).await.unwrap();
+    assert_eq!(reader.next().await.unwrap().unwrap().sequence, 1);
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(format!("{prefix}:events:long"))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let rest: Vec<_> = tokio::time::timeout(Duration::from_secs(10), reader.collect::<Vec<_>>())
+        .await
+        .unwrap();
+    assert!(
+        !rest.iter().any(|e| e.as_ref().is_ok_and(|e| e.done)),
+        "the log was gone before its end"
+    );
+    assert!(
+        matches!(rest.last(), Some(Err(BusError::UnknownRun(_)))),
+        "{:?}",
+        rest.last()
+    );
+}
