@@ -72,6 +72,18 @@ async fn violations(
     response.violations
 }
 
+/// The fields of the violations of `config`, in order.
+async fn invalid_fields(
+    client: &mut AgentServiceClient<Channel>,
+    config: v1::AgentConfig,
+) -> Vec<String> {
+    violations(client, config)
+        .await
+        .into_iter()
+        .map(|v| v.field)
+        .collect()
+}
+
 #[tokio::test]
 async fn a_valid_config_comes_back_with_defaults_applied() {
     let mut s = stack().await;
@@ -322,11 +334,7 @@ async fn every_violation_is_reported_at_once() {
         }],
         ..Default::default()
     };
-    let fields: Vec<String> = violations(&mut s.client, config)
-        .await
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields: Vec<String> = invalid_fields(&mut s.client, config).await;
     assert_eq!(
         fields,
         [
@@ -348,17 +356,9 @@ async fn every_violation_is_reported_at_once() {
         system_prompt: "lorem ipsum dolor sit amet ".repeat(3000),
         ..Default::default()
     };
-    let fields: Vec<String> = violations(&mut s.client, config)
-        .await
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let fields: Vec<String> = invalid_fields(&mut s.client, config).await;
     assert_eq!(fields, ["name", "context.max_prompt_tokens"]);
-    let missing: Vec<String> = violations(&mut s.client, v1::AgentConfig::default())
-        .await
-        .into_iter()
-        .map(|v| v.field)
-        .collect();
+    let missing: Vec<String> = invalid_fields(&mut s.client, v1::AgentConfig::default()).await;
     assert_eq!(missing, ["name", "model"]);
 }
 

@@ -309,6 +309,17 @@ async fn a_flood_of_list_changes_is_listed_once_a_second() {
     );
 }
 
+/// The tools the fake server lists over its two pages, as offered.
+const GOOD_TOOLS: [&str; 7] = [
+    "fake__echo",
+    "fake__slow",
+    "fake__crash",
+    "fake__change",
+    "fake__fail",
+    "fake__odd_name",
+    "fake__meta",
+];
+
 /// A tool the SDK cannot read, or a later page the server refuses, leaves out that
 /// tool or the pages after it, not every tool of the server (which was kept offline,
 /// started again and again).
@@ -320,16 +331,7 @@ async fn unreadable_tools_and_refused_pages_leave_out_only_themselves() {
         .unwrap();
     assert_eq!(
         names(&toolset).await,
-        [
-            "fake__echo",
-            "fake__slow",
-            "fake__crash",
-            "fake__change",
-            "fake__fail",
-            "fake__odd_name",
-            "fake__meta",
-            "fake__hinted"
-        ]
+        [&GOOD_TOOLS[..], &["fake__hinted"]].concat()
     );
     let out = toolset
         .call("echo", json!({"text": "hi"}), &ToolContext::default())
@@ -350,18 +352,7 @@ async fn lists_every_page_calls_and_maps_results() {
     let toolset = McpToolset::start(fake.config("good"), Changes::new())
         .await
         .unwrap();
-    assert_eq!(
-        names(&toolset).await,
-        [
-            "fake__echo",
-            "fake__slow",
-            "fake__crash",
-            "fake__change",
-            "fake__fail",
-            "fake__odd_name",
-            "fake__meta"
-        ]
-    );
+    assert_eq!(names(&toolset).await, GOOD_TOOLS);
     let listed = toolset.list().await.unwrap();
     assert_eq!(listed[5].source_name, "odd.name");
     assert_eq!(listed[0].spec.source, ToolSource::Mcp);
