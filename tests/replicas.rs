@@ -13,7 +13,7 @@ use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
 use agentrt_test_support::{
-    Server, agent_server_with_model,
+    OwnRedis, Server, agent_server_with_model,
     conformance::{redis_prefix, redis_url},
     connect,
 };
@@ -213,44 +213,6 @@ async fn a_session_carries_across_replicas_and_a_message_id_makes_one_run() {
     assert_eq!(left, right);
 }
 
-/// A Redis of this test's own (so that stopping it disturbs no other test), on a free port,
-/// without persistence: a restart empties it, as losing a cache node would.
-struct OwnRedis {
-    port: u16,
-    child: Option<tokio::process::Child>,
-}
-
-impl OwnRedis {
-    async fn start(port: u16) -> Self {
-        let child = tokio::process::Command::new("redis-server")
-            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .expect("this test needs redis-server on PATH (scripts/test installs it)");
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Self {
-            port,
-            child: Some(child),
-        }
-    }
-
-    async fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.kill().await.unwrap();
-        }
-    }
-}
-
 async fn readiness(url: &str) -> i32 {
     use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
     HealthClient::new(connect(url).await)
@@ -277,7 +239,7 @@ async fn redis_stopped_and_started_again() {
     const NOT_SERVING: i32 = 2;
     let port = agentrt_test_support::unused_addr().port();
     let mut redis = OwnRedis::start(port).await;
-    let url = format!("redis://127.0.0.1:{}/0", redis.port);
+    let url = redis.url();
     let prefix = redis_prefix("outage");
     let mut a = Stack::up(
         SCENARIOS,

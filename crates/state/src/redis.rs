@@ -72,9 +72,16 @@ const COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
 /// every command (`agentrt-bench --scale --state redis://...`). A Redis that is down or
 /// unreachable fails commands at once, whatever this is.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a reader waits for a notice before it looks for new events anyway (a notice
-/// may be lost while the subscription connection reconnects).
+/// How long a reader waits for a notice before it looks for new events anyway, while
+/// Redis has not confirmed that this process follows the run's notices (the subscription
+/// is being made, or remade after the connection was lost).
 const READ_POLL: Duration = Duration::from_secs(2);
+/// The same once Redis confirmed it: notices then come as events are written, and those
+/// written while the connection was lost are read when the subscription is confirmed
+/// again. A reader still looks now and then, for a run that ended without a word (its
+/// state lost in Redis: nobody writes its end); thousands of readers on one replica cost
+/// Redis a command each per poll.
+const READ_POLL_FOLLOWED: Duration = Duration::from_secs(10);
 /// How long a running run's keys live (then the retention follows): no run outlasts its
 /// timeout, and no timeout is longer.
 const RUNNING_TTL: Duration = agentrt_core::limits::MAX_RUN_TIMEOUT;
@@ -138,8 +145,8 @@ struct Shared {
 
 #[derive(Default)]
 struct Listeners {
-    /// Per event channel: the last sequence announced, and how many readers here follow.
-    events: HashMap<String, (watch::Sender<u64>, usize)>,
+    /// Per event channel, the readers here that follow it.
+    events: HashMap<String, Followed>,
     /// Stop requests, to every run manager of this process.
     stops: Option<broadcast::Sender<StopRequest>>,
     stop_channel: String,
@@ -147,6 +154,17 @@ struct Listeners {
     /// replica is not ready until it has: a `Cancel` through another replica would not
     /// reach its runs at once).
     stops_subscribed: bool,
+}
+
+/// One run's notices, as this process follows them.
+struct Followed {
+    /// The last sequence announced; also changed, to the same value, when the readers
+    /// should look again (the subscription was confirmed again after a reconnect).
+    notices: watch::Sender<u64>,
+    /// Readers here.
+    readers: usize,
+    /// Whether Redis confirmed the subscription since the connection was last lost.
+    confirmed: bool,
 }
 
 fn lock(listeners: &Mutex<Listeners>) -> MutexGuard<'_, Listeners> {
@@ -306,19 +324,34 @@ fn dispatch(listeners: &Mutex<Listeners>, push: PushInfo) {
                         reason,
                     });
                 }
-            } else if let Some((sender, _)) = listeners.events.get(&channel)
+            } else if let Some(followed) = listeners.events.get(&channel)
                 && let Ok(sequence) = payload.parse::<u64>()
             {
-                sender.send_if_modified(|last| {
+                followed.notices.send_if_modified(|last| {
                     let newer = sequence > *last;
                     *last = (*last).max(sequence);
                     newer
                 });
             }
         }
+        // Redis confirmed a subscription: the first one, or one the connection made again
+        // after it was lost. Notices of events written while it was lost never came: the
+        // readers look for them now.
+        PushKind::Subscribe => {
+            let Some(channel) = push.data.into_iter().next().and_then(text) else {
+                return;
+            };
+            if let Some(followed) = lock(listeners).events.get_mut(&channel) {
+                followed.confirmed = true;
+                followed.notices.send_modify(|_| {});
+            }
+        }
         PushKind::Disconnection => {
-            // Readers look again when the connection is back (they also poll).
+            // Until the connection is back and has subscribed again, readers poll.
             debug!("redis subscription connection lost");
+            for followed in lock(listeners).events.values_mut() {
+                followed.confirmed = false;
+            }
         }
         _ => {}
     }
@@ -398,10 +431,26 @@ impl LeaseRenewer for RedisRenewer {
         for lease in leases {
             script.arg(&lease.run_id).arg(&lease.token);
         }
-        script
+        let (lost, stopped): (Vec<String>, Vec<(String, String)>) = script
             .invoke(&mut self.connection.clone())
             .await
-            .map_err(|e| shared.unavailable(&e))
+            .map_err(|e| shared.unavailable(&e))?;
+        // Stop requests are announced once, to the replicas subscribed then: one made
+        // while this replica's subscription was being remade (Redis restarted, the
+        // connection dropped) never reached its run. The renewal finds it, within a third
+        // of a lease, and hands it to the run managers here as if it had just come (a
+        // run already stopping ignores it).
+        if !stopped.is_empty() {
+            let listeners = lock(&shared.listeners);
+            if let Some(stops) = &listeners.stops {
+                for (run_id, reason) in stopped {
+                    if let Some(reason) = StopReason::from_name(&reason) {
+                        let _ = stops.send(StopRequest { run_id, reason });
+                    }
+                }
+            }
+        }
+        Ok(lost)
     }
 }
 
@@ -961,6 +1010,7 @@ return 1
 const RENEW: &str = r"
 local lapses = now_ms() + tonumber(ARGV[2])
 local lost = {}
+local stopped = {}
 for i = 3, #ARGV, 2 do
   local run, token = ARGV[i], ARGV[i + 1]
   local score = redis.call('ZSCORE', KEYS[1], run)
@@ -969,11 +1019,16 @@ for i = 3, #ARGV, 2 do
   if redis.call('GET', ARGV[1] .. ':owner:' .. run) == token
       and score and tonumber(score) > 0 then
     redis.call('ZADD', KEYS[1], 'XX', lapses, run)
+    local stop = redis.call('GET', ARGV[1] .. ':stop:' .. run)
+    if stop then
+      stopped[#stopped + 1] = run
+      stopped[#stopped + 1] = stop
+    end
   else
     lost[#lost + 1] = run
   end
 end
-return lost
+return {lost, stopped}
 ";
 
 /// Lets the leases `ARGV[2..]` (run, token pairs) go: they lapse now (scored 0, which
@@ -2867,12 +2922,16 @@ impl Follow {
     async fn start(shared: &Arc<Shared>, channel: &str) -> Self {
         let (notices, first) = {
             let mut listeners = lock(&shared.listeners);
-            let entry = listeners
+            let followed = listeners
                 .events
                 .entry(channel.to_owned())
-                .or_insert_with(|| (watch::Sender::new(0), 0));
-            entry.1 += 1;
-            (entry.0.subscribe(), entry.1 == 1)
+                .or_insert_with(|| Followed {
+                    notices: watch::Sender::new(0),
+                    readers: 0,
+                    confirmed: false,
+                });
+            followed.readers += 1;
+            (followed.notices.subscribe(), followed.readers == 1)
         };
         let follow = Self {
             listeners: shared.listeners.clone(),
@@ -2895,13 +2954,24 @@ impl Follow {
     }
 }
 
+impl Follow {
+    /// How long to wait for a notice before looking anyway.
+    fn poll(&self) -> Duration {
+        let listeners = lock(&self.listeners);
+        match listeners.events.get(&self.channel) {
+            Some(followed) if followed.confirmed => READ_POLL_FOLLOWED,
+            _ => READ_POLL,
+        }
+    }
+}
+
 impl Drop for Follow {
     fn drop(&mut self) {
         let last = {
             let mut listeners = lock(&self.listeners);
             match listeners.events.get_mut(&self.channel) {
-                Some(entry) if entry.1 > 1 => {
-                    entry.1 -= 1;
+                Some(followed) if followed.readers > 1 => {
+                    followed.readers -= 1;
                     false
                 }
                 Some(_) => {
@@ -3020,8 +3090,9 @@ impl RedisReader {
                 }
                 Ok(false) if !self.owes_done => return None,
                 Ok(false) => {
+                    let poll = self.follow.poll();
                     let notices = &mut self.follow.notices;
-                    let _ = tokio::time::timeout(READ_POLL, notices.changed()).await;
+                    let _ = tokio::time::timeout(poll, notices.changed()).await;
                 }
                 Err(error) => {
                     self.finished = true;

@@ -378,7 +378,9 @@ pub trait RunStore: Send + Sync {
     /// ([`Resumable::stop`]).
     async fn request_stop(&self, run_id: &str, reason: StopReason) -> StateResult<()>;
 
-    /// The stop requests made from now on, on any replica.
+    /// The stop requests made from now on, on any replica. A request may come more than
+    /// once (a store that can miss one while its connection is remade looks again for
+    /// those of the runs whose leases it renews).
     async fn stop_requests(&self) -> StateResult<StopRequests>;
 }
 

@@ -9,11 +9,14 @@ use std::{sync::Arc, time::Duration};
 use agentrt_events::{EventData, EventKind, RunEvent};
 use agentrt_state::{
     BusError, BusLimits, EngineBudgets, EngineStore, EventBus, InMemoryBus, InMemorySessionStore,
-    MemoryEngineStore, MemoryRunStore, Progress, RunRecord, RunRetention, RunStore, SessionLimits,
-    SessionStore,
+    Lease, MemoryEngineStore, MemoryRunStore, Progress, RunRecord, RunRetention, RunStore,
+    SessionLimits, SessionStore, StopReason,
     redis::{Redis, RedisLimits},
 };
-use agentrt_test_support::conformance::{self, redis_prefix, redis_url};
+use agentrt_test_support::{
+    OwnRedis,
+    conformance::{self, redis_prefix, redis_url},
+};
 use futures_util::StreamExt;
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -803,4 +806,108 @@ async fn redis_a_log_that_expires_under_its_reader_is_an_error_not_an_end() {
         "{:?}",
         rest.last()
     );
+}
+
+/// A reader waits for notices of new events; the notice of one written while its
+/// replica's subscription connection was down never comes. Once the connection is back
+/// and has subscribed again, the reader looks at once, not at its next poll. With a Redis
+/// of the test's own, whose connections the test cuts.
+#[tokio::test]
+async fn redis_a_reader_finds_what_was_written_while_its_notices_were_lost() {
+    let own = OwnRedis::start(agentrt_test_support::unused_addr().port()).await;
+    let prefix = redis_prefix("lost-notices");
+    let a = Redis::connect(&own.url(), &prefix, limits(100)).unwrap();
+    let b = Redis::connect(&own.url(), &prefix, limits(100)).unwrap();
+    let publisher = a.bus().open("ln", "").await.unwrap();
+    publisher.publish(vec![started()]).await.unwrap();
+    let mut reader = b.bus().subscribe("ln", 0).await.unwrap();
+    assert_eq!(reader.next().await.unwrap().unwrap().sequence, 1);
+    let waiting = tokio::spawn(async move { reader.next().await });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Event 2, written without its notice (as one lost while the connection was down).
+    let mut connection = redis::Client::open(own.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut second = started();
+    second.sequence = 2;
+    let _: String = redis::cmd("XADD")
+        .arg(format!("{prefix}:events:ln"))
+        .arg("2-0")
+        .arg("e")
+        .arg(serde_json::to_vec(&second).unwrap())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!waiting.is_finished(), "read without a notice");
+
+    // The one connection subscribed to anything is B's: cut, it subscribes again.
+    let clients: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let subscriber = clients
+        .lines()
+        .find(|line| line.contains(" sub=1 "))
+        .and_then(|line| line.strip_prefix("id="))
+        .and_then(|rest| rest.split(' ').next())
+        .expect("B's subscription connection")
+        .to_owned();
+    let _: () = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("ID")
+        .arg(&subscriber)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let read = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("read once the subscription is back, not at the next poll")
+        .unwrap();
+    assert_eq!(read.unwrap().unwrap().sequence, 2);
+}
+
+/// A stop request is announced once, to the replicas subscribed then: one made while the
+/// owner's subscription was being remade never reached it. The owner's next lease
+/// renewal finds it and hands it to the run managers there.
+#[tokio::test]
+async fn redis_a_stop_request_the_owner_missed_reaches_it_at_its_next_renewal() {
+    let prefix = redis_prefix("missed-stop");
+    let a = Redis::connect(&redis_url(), &prefix, limits(100)).unwrap();
+    let runs = a.runs();
+    let _run = started_run(runs.as_ref(), a.bus().as_ref(), "ms", "s").await;
+    let mut requests = runs.stop_requests().await.unwrap();
+    // The request as it is kept, without its announcement.
+    let mut connection = redis::Client::open(redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(format!("{prefix}:stop:ms"))
+        .arg(StopReason::Cancelled.as_str())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let lost = runs
+        .clone()
+        .lease_renewer()
+        .unwrap()
+        .renew(&[Lease {
+            run_id: "ms".into(),
+            token: "a.1".into(),
+        }])
+        .await
+        .unwrap();
+    assert!(lost.is_empty(), "{lost:?}");
+    let request = tokio::time::timeout(Duration::from_secs(2), requests.next())
+        .await
+        .expect("the renewal hands the request on")
+        .unwrap();
+    assert_eq!(request.run_id, "ms");
+    assert_eq!(request.reason, StopReason::Cancelled);
 }

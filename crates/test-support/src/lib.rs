@@ -327,6 +327,53 @@ pub fn refusing_addr() -> (SocketAddr, tokio::net::TcpSocket) {
     (addr, socket)
 }
 
+/// A Redis of a test's own (so that stopping it, or cutting its connections, disturbs no
+/// other test), on `port`, without persistence: a restart empties it, as losing a cache
+/// node would. Needs `redis-server` on `PATH` (`scripts/test` installs it).
+pub struct OwnRedis {
+    /// The port it listens on.
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl OwnRedis {
+    /// Starts it and waits until it accepts connections.
+    pub async fn start(port: u16) -> Self {
+        let child = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("this test needs redis-server on PATH (scripts/test installs it)");
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self {
+            port,
+            child: Some(child),
+        }
+    }
+
+    /// Its URL (database 0).
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// Kills it.
+    pub async fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().await.unwrap();
+        }
+    }
+}
+
 /// A gRPC channel to `url`, connected now.
 pub async fn connect(url: &str) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_shared(url.to_owned())
