@@ -430,7 +430,10 @@ fn parse_entries(
             }
         }
         // A token without a name is a principal of its own, named after its digest.
-        let name = principal.map_or_else(|| format!("token-{}", hex(&digest[..6])), str::to_owned);
+        let name = principal.map_or_else(
+            || format!("{DERIVED_PREFIX}{}", hex(&digest[..6])),
+            str::to_owned,
+        );
         entries.push(TokenEntry {
             digest,
             services,
@@ -443,10 +446,21 @@ fn parse_entries(
     Ok(entries)
 }
 
+/// How the name of a principal whose token was given without one begins.
+const DERIVED_PREFIX: &str = "token-";
+
 /// Longest principal name.
 pub const MAX_PRINCIPAL_CHARS: usize = 64;
 
 fn check_principal(name: &str) -> Result<(), String> {
+    // The names of tokens given without one: a name of that form would make its tokens
+    // and such a token one principal.
+    if name.starts_with(DERIVED_PREFIX) {
+        return Err(format!(
+            "principal names starting with '{DERIVED_PREFIX}' are those of tokens given \
+             without a name; choose another"
+        ));
+    }
     let ok = !name.is_empty()
         && name.len() <= MAX_PRINCIPAL_CHARS
         && name
@@ -803,6 +817,10 @@ mod tests {
         for (entry, says) in [
             ("ok-token-0123456789 principal=", "principal names"),
             ("ok-token-0123456789 principal=a/b", "principal names"),
+            (
+                "ok-token-0123456789 principal=token-0123456789ab",
+                "tokens given without a name",
+            ),
             ("ok-token-0123456789 scope=admin", "unknown scope"),
             ("ok-token-0123456789 role=x", "unknown option"),
             ("ok-token-0123456789 principal=a extra", "write `TOKEN"),

@@ -36,8 +36,10 @@ pub trait EngineStore: Send + Sync {
     /// Keeps `engine` (a bounded store may drop the least recently used one to make
     /// room) and sets its expiry.
     async fn insert(&self, engine: StoredEngine) -> StateResult<StoredEngine>;
-    /// The engine, if it exists and has not expired; extends its life.
-    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>>;
+    /// The engine, if it exists, has not expired and, when `owner` is given, belongs to
+    /// that principal ([`principal_of`] its session); extends the life of the engine it
+    /// answers, and of no other (a caller that may not see an engine cannot keep it).
+    async fn get(&self, id: &str, owner: Option<&str>) -> StateResult<Option<StoredEngine>>;
     /// Drops the engine; false when there was none.
     async fn remove(&self, id: &str) -> StateResult<bool>;
 }
@@ -244,7 +246,7 @@ impl EngineStore for MemoryEngineStore {
         Ok(engine)
     }
 
-    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
+    async fn get(&self, id: &str, owner: Option<&str>) -> StateResult<Option<StoredEngine>> {
         let now = Instant::now();
         let (expires_at, expire_time) = self.expiry(now);
         let mut inner = self.lock();
@@ -252,6 +254,9 @@ impl EngineStore for MemoryEngineStore {
         let Some(entry) = inner.engines.get_mut(id) else {
             return Ok(None);
         };
+        if owner.is_some_and(|owner| principal_of(&entry.engine.session_id) != owner) {
+            return Ok(None);
+        }
         let previous = std::mem::replace(&mut entry.expires_at, expires_at);
         entry.engine.expire_time = expire_time;
         let engine = entry.engine.clone();
@@ -317,13 +322,13 @@ mod tests {
         store.insert(engine("b")).await.unwrap();
         tokio::time::advance(Duration::from_secs(45)).await;
         assert!(
-            store.get("a").await.unwrap().is_some(),
+            store.get("a", None).await.unwrap().is_some(),
             "a use extends the life"
         );
         tokio::time::advance(Duration::from_secs(45)).await;
-        assert!(store.get("a").await.unwrap().is_some());
+        assert!(store.get("a", None).await.unwrap().is_some());
         assert!(
-            store.get("b").await.unwrap().is_none(),
+            store.get("b", None).await.unwrap().is_none(),
             "b was not used for 90s"
         );
     }
@@ -335,11 +340,11 @@ mod tests {
         tokio::time::advance(Duration::from_secs(1)).await;
         store.insert(engine("b")).await.unwrap();
         tokio::time::advance(Duration::from_secs(1)).await;
-        store.get("a").await.unwrap();
+        store.get("a", None).await.unwrap();
         store.insert(engine("c")).await.unwrap();
-        assert!(store.get("a").await.unwrap().is_some());
-        assert!(store.get("b").await.unwrap().is_none());
-        assert!(store.get("c").await.unwrap().is_some());
+        assert!(store.get("a", None).await.unwrap().is_some());
+        assert!(store.get("b", None).await.unwrap().is_none());
+        assert!(store.get("c", None).await.unwrap().is_some());
         assert_eq!(store.lock().engines.len(), 2);
         assert_eq!(store.lock().by_expiry.len(), 2);
     }
@@ -391,7 +396,7 @@ mod tests {
             "{refused:?}"
         );
         for id in ["a1", "a2", "b1"] {
-            assert!(store.get(id).await.unwrap().is_some(), "{id} is kept");
+            assert!(store.get(id, None).await.unwrap().is_some(), "{id} is kept");
         }
         // Room comes back as engines go, whichever way they go.
         assert!(store.remove("a1").await.unwrap());

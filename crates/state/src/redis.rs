@@ -587,10 +587,12 @@ return -1
 ";
 
 /// Reads an engine and extends its life, in the sets too: `KEYS[1]` the engine, `KEYS[2]`
-/// the set of all; `ARGV`: id, time to live (ms), prefix of principals' sets.
+/// the set of all; `ARGV`: id, time to live (ms), prefix of principals' sets, `1` when only
+/// an engine of principal `ARGV[5]` is wanted (another's is neither read nor extended).
 const ENGINE_GET: &str = r"
 local json = redis.call('GET', KEYS[1])
 if not json then return false end
+if ARGV[4] == '1' and principal_of(json) ~= ARGV[5] then return false end
 local ttl = tonumber(ARGV[2])
 local expires = now_ms() + ttl
 redis.call('PEXPIRE', KEYS[1], ttl)
@@ -653,7 +655,7 @@ impl EngineStore for RedisEngines {
         Ok(engine)
     }
 
-    async fn get(&self, id: &str) -> StateResult<Option<StoredEngine>> {
+    async fn get(&self, id: &str, owner: Option<&str>) -> StateResult<Option<StoredEngine>> {
         let shared = &self.shared;
         let ttl = shared.limits.engine_ttl;
         let json: Option<String> = ScriptCall::new(engine_get_script(), 2)
@@ -662,11 +664,16 @@ impl EngineStore for RedisEngines {
             .arg(id)
             .arg(millis(ttl))
             .arg(shared.key("engines:of", ""))
+            .arg(u8::from(owner.is_some()))
+            .arg(owner.unwrap_or_default())
             .invoke(&mut shared.connection())
             .await
             .map_err(|e| shared.unavailable(&e))?;
         let Some(json) = json else {
-            self.parsed().remove(id);
+            // Gone, or another principal's (which stays parsed for its owner).
+            if owner.is_none() {
+                self.parsed().remove(id);
+            }
             return Ok(None);
         };
         let mut engine = self.parse(id, json)?;

@@ -137,6 +137,35 @@ async fn redis_engine_store() {
 }
 
 #[tokio::test]
+async fn memory_engine_owners() {
+    conformance::engine_owners(|ttl| async move {
+        let store: Arc<dyn EngineStore> = Arc::new(MemoryEngineStore::new(ttl, 100));
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_engine_owners() {
+    conformance::engine_owners(|ttl| async move {
+        let prefix = redis_prefix("engine-owners");
+        let connect = || {
+            Redis::connect(
+                &redis_url(),
+                &prefix,
+                RedisLimits {
+                    engine_ttl: ttl,
+                    ..limits(100)
+                },
+            )
+            .unwrap()
+        };
+        (connect().engines(), connect().engines())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn memory_engine_budgets() {
     conformance::engine_budgets(|| async {
         let store: Arc<dyn EngineStore> =

@@ -398,7 +398,7 @@ where
     let stored = store.insert(engine.clone()).await.unwrap();
     assert!(stored.expire_time > std::time::SystemTime::now());
     let read = other
-        .get("e1")
+        .get("e1", None)
         .await
         .unwrap()
         .expect("any replica reads it");
@@ -410,22 +410,62 @@ where
         engine,
         "read back as written"
     );
-    assert!(other.get("nope").await.unwrap().is_none());
+    assert!(other.get("nope", None).await.unwrap().is_none());
     // A replica that read an engine reads it as it is now: replaced on another replica
     // by one of the same id that runs something else, it is the new one.
     let mut replaced = engine.clone();
     Arc::make_mut(&mut replaced.config).system_prompt = "something else".into();
     assert!(store.remove("e1").await.unwrap());
     store.insert(replaced.clone()).await.unwrap();
-    let read = other.get("e1").await.unwrap().expect("replaced");
+    let read = other.get("e1", None).await.unwrap().expect("replaced");
     assert_eq!(read.config, replaced.config, "read as replaced");
     assert_eq!(
-        other.get("e1").await.unwrap().expect("read again").config,
+        other
+            .get("e1", None)
+            .await
+            .unwrap()
+            .expect("read again")
+            .config,
         replaced.config
     );
     assert!(other.remove("e1").await.unwrap());
     assert!(!store.remove("e1").await.unwrap());
-    assert!(store.get("e1").await.unwrap().is_none());
+    assert!(store.get("e1", None).await.unwrap().is_none());
+}
+
+/// An engine is found for its own principal (or for any, when no owner is given: an
+/// operator) and for no other, and another principal's lookup does not extend its life.
+/// `new` makes two handles on one store (two replicas) whose engines live `ttl`.
+pub async fn engine_owners<F, Fut>(new: F)
+where
+    F: Fn(Duration) -> Fut,
+    Fut: Future<Output = (Arc<dyn EngineStore>, Arc<dyn EngineStore>)>,
+{
+    const TTL: Duration = Duration::from_secs(1);
+    let (store, other) = new(TTL).await;
+    let engine = |id: &str| StoredEngine {
+        id: id.into(),
+        session_id: "alice/s".into(),
+        config: Arc::new(sample_config()),
+        tools: Arc::new([]),
+        create_time: std::time::SystemTime::now(),
+        expire_time: std::time::SystemTime::now(),
+    };
+    store.insert(engine("o1")).await.unwrap();
+    assert!(other.get("o1", Some("alice")).await.unwrap().is_some());
+    assert!(other.get("o1", None).await.unwrap().is_some(), "any owner");
+    assert!(other.get("o1", Some("bob")).await.unwrap().is_none());
+    assert!(other.get("o1", Some("")).await.unwrap().is_none());
+    assert!(other.get("o1", Some("alice")).await.unwrap().is_some());
+
+    store.insert(engine("o2")).await.unwrap();
+    tokio::time::sleep(TTL * 6 / 10).await;
+    assert!(other.get("o2", Some("bob")).await.unwrap().is_none());
+    tokio::time::sleep(TTL * 6 / 10).await;
+    assert!(
+        other.get("o2", Some("alice")).await.unwrap().is_none(),
+        "expired: another principal's lookup did not keep it"
+    );
 }
 
 /// The engine store's bounds; `new` makes two handles on one store (two replicas) that
@@ -455,27 +495,36 @@ where
         matches!(&refused, StateError::OverBudget { budget, .. } if *budget == "engines.max_per_principal"),
         "{refused:?}"
     );
-    assert!(store.get("e3").await.unwrap().is_none());
+    assert!(store.get("e3", None).await.unwrap().is_none());
     // The anonymous principal is bound by the store's count alone.
     store.insert(engine("a1", "s")).await.unwrap();
     tick().await;
-    assert!(other.get("e1").await.unwrap().is_some());
+    assert!(other.get("e1", None).await.unwrap().is_some());
     tick().await;
     // Full: a new engine drops the least recently used one (e2), and gives its principal
     // room again.
     other.insert(engine("b1", "bob/s")).await.unwrap();
     tick().await;
-    assert!(store.get("e2").await.unwrap().is_none(), "e2 was dropped");
+    assert!(
+        store.get("e2", None).await.unwrap().is_none(),
+        "e2 was dropped"
+    );
     for kept in ["a1", "b1", "e1"] {
-        assert!(store.get(kept).await.unwrap().is_some(), "{kept} is kept");
+        assert!(
+            store.get(kept, None).await.unwrap().is_some(),
+            "{kept} is kept"
+        );
         tick().await;
     }
     // a1 is now the least recently used; but alice, with one engine, does not drop the
     // anonymous principal's one to hold two: its own least recently used (e1) goes.
     store.insert(engine("e3", "alice/s")).await.unwrap();
     tick().await;
-    assert!(other.get("e1").await.unwrap().is_none(), "e1 was dropped");
-    assert!(other.get("a1").await.unwrap().is_some(), "a1 is kept");
+    assert!(
+        other.get("e1", None).await.unwrap().is_none(),
+        "e1 was dropped"
+    );
+    assert!(other.get("a1", None).await.unwrap().is_some(), "a1 is kept");
     tick().await;
     // A removed engine gives its principal room again too.
     assert!(other.remove("e3").await.unwrap());
@@ -493,12 +542,21 @@ where
     // principal has one); then alice's (e4: she has two, bob one).
     other.insert(engine("b2", "bob/s")).await.unwrap();
     tick().await;
-    assert!(store.get("a1").await.unwrap().is_none(), "a1 was dropped");
+    assert!(
+        store.get("a1", None).await.unwrap().is_none(),
+        "a1 was dropped"
+    );
     other.insert(engine("b3", "bob/s")).await.unwrap();
     tick().await;
-    assert!(store.get("e4").await.unwrap().is_none(), "e4 was dropped");
+    assert!(
+        store.get("e4", None).await.unwrap().is_none(),
+        "e4 was dropped"
+    );
     for kept in ["e5", "b2", "b3"] {
-        assert!(store.get(kept).await.unwrap().is_some(), "{kept} is kept");
+        assert!(
+            store.get(kept, None).await.unwrap().is_some(),
+            "{kept} is kept"
+        );
     }
 }
 

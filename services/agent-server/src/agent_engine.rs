@@ -529,7 +529,7 @@ impl AgentEngine for AgentEngineImpl {
         let unknown = || Error::EngineNotFound(request.engine_id.clone());
         let engine = self
             .engines
-            .get(&request.engine_id)
+            .get(&request.engine_id, tenancy::owner_filter(&caller))
             .await
             .map_err(Error::from)?
             .filter(|engine| tenancy::may_act(&caller, &engine.session_id))

@@ -106,7 +106,11 @@ impl AgentServiceImpl {
             )]));
         }
         let unknown = || Error::EngineNotFound(engine_id.to_owned());
-        let engine = self.engines.get(engine_id).await?.ok_or_else(unknown)?;
+        let engine = self
+            .engines
+            .get(engine_id, tenancy::owner_filter(caller))
+            .await?
+            .ok_or_else(unknown)?;
         let key = engine.session_id.clone();
         tenancy::visible(caller, &key, engine, unknown)
     }

@@ -39,6 +39,12 @@ pub fn may_act(caller: &Principal, key: &str) -> bool {
     caller.may_act_on(owner(key))
 }
 
+/// The owner an engine looked up for `caller` must have: none for an operator, who may
+/// act on every principal's (see [`agentrt_state::EngineStore::get`]).
+pub fn owner_filter(caller: &Principal) -> Option<&str> {
+    (!caller.operator).then_some(&*caller.name)
+}
+
 /// `found` when `caller` may act on it, else the error an unknown id gets.
 pub fn visible<T>(
     caller: &Principal,
