@@ -291,6 +291,66 @@ pub enum ToolAnswer {
     },
 }
 
+/// What a waiting run does with a call's answer.
+#[derive(Debug, PartialEq)]
+enum Taken {
+    /// The call's result, for the model (an output, or why the call did not run).
+    Result(ToolResult),
+    /// The call was approved: it runs now.
+    Run,
+    /// Not answered yet.
+    Missing,
+}
+
+/// What the answer of a call that needed `action` makes of it; outputs and reasons are
+/// held to `max_output_bytes`, as what the model reads.
+fn answered(action: Action, answer: Option<ToolAnswer>, max_output_bytes: usize) -> Taken {
+    let result = match answer {
+        None => return Taken::Missing,
+        // An answer of the other kind (one that raced the wait's saving past the RPC's
+        // check): a client tool is not run on the tool executor because it was
+        // "approved", nor is an approval's call answered without a decision.
+        Some(answer) if !answer.answers(action) => ToolResult::error(
+            match action {
+                Action::Approve => {
+                    "the call needed a decision (ApproveToolCalls) and was sent an output \
+                     instead; it did not run"
+                }
+                Action::ClientExecute => {
+                    "the call needed its output from the client (SubmitToolOutputs) and was \
+                     sent a decision instead; it did not run"
+                }
+            }
+            .to_owned(),
+        ),
+        Some(ToolAnswer::Output {
+            mut output,
+            is_error,
+        }) => {
+            truncate_output(&mut output, max_output_bytes);
+            ToolResult {
+                output,
+                is_error,
+                references: Vec::new(),
+            }
+        }
+        Some(ToolAnswer::Decision { approved: true, .. }) => return Taken::Run,
+        Some(ToolAnswer::Decision {
+            approved: false,
+            reason,
+        }) => {
+            let mut output = if reason.trim().is_empty() {
+                "the call was denied by the user; it did not run".to_owned()
+            } else {
+                format!("the call was denied by the user; it did not run. Reason: {reason}")
+            };
+            truncate_output(&mut output, max_output_bytes);
+            ToolResult::error(output)
+        }
+    };
+    Taken::Result(result)
+}
+
 impl ToolAnswer {
     /// The answer as the store keeps it.
     pub fn encode(&self) -> String {
@@ -1534,36 +1594,13 @@ impl Engine {
                 .answers
                 .get(&call.id)
                 .and_then(|a| serde_json::from_str::<ToolAnswer>(a).ok());
-            let result = match answer {
-                Some(ToolAnswer::Output {
-                    mut output,
-                    is_error,
-                }) => {
-                    truncate_output(&mut output, self.max_tool_output_bytes);
-                    ToolResult {
-                        output,
-                        is_error,
-                        references: Vec::new(),
-                    }
-                }
-                Some(ToolAnswer::Decision { approved: true, .. }) => {
+            let result = match answered(call.action, answer, self.max_tool_output_bytes) {
+                Taken::Result(result) => result,
+                Taken::Run => {
                     to_run.push(call.id.clone());
                     continue;
                 }
-                Some(ToolAnswer::Decision {
-                    approved: false,
-                    reason,
-                }) => {
-                    let mut output = if reason.trim().is_empty() {
-                        "the call was denied by the user; it did not run".to_owned()
-                    } else {
-                        format!("the call was denied by the user; it did not run. Reason: {reason}")
-                    };
-                    // Held to the bound of an output, as what the model reads.
-                    truncate_output(&mut output, self.max_tool_output_bytes);
-                    ToolResult::error(output)
-                }
-                None => {
+                Taken::Missing => {
                     missing.push(call.id.as_str());
                     continue;
                 }
@@ -2387,6 +2424,40 @@ mod tests {
         add_call(&mut calls, call("x".repeat(MAX_CALL_ID_BYTES)));
         assert_eq!(calls[0].id, "call_0");
         assert_eq!(calls[1].id, "x".repeat(MAX_CALL_ID_BYTES));
+    }
+
+    #[test]
+    fn an_answer_of_the_other_kind_runs_nothing() {
+        let output = || ToolAnswer::Output {
+            output: "42".into(),
+            is_error: false,
+        };
+        let approval = || ToolAnswer::Decision {
+            approved: true,
+            reason: String::new(),
+        };
+        assert_eq!(answered(Action::Approve, Some(approval()), 100), Taken::Run);
+        assert_eq!(
+            answered(Action::ClientExecute, Some(output()), 100),
+            Taken::Result(ToolResult {
+                output: "42".into(),
+                is_error: false,
+                references: Vec::new(),
+            })
+        );
+        assert_eq!(answered(Action::Approve, None, 100), Taken::Missing);
+        // A client tool "approved" is not run on the tool executor; an approval's call
+        // sent an output is not answered by it.
+        for (action, answer) in [
+            (Action::ClientExecute, approval()),
+            (Action::Approve, output()),
+        ] {
+            let Taken::Result(result) = answered(action, Some(answer), 1000) else {
+                panic!("{action:?} ran");
+            };
+            assert!(result.is_error, "{result:?}");
+            assert!(result.output.contains("did not run"), "{result:?}");
+        }
     }
 
     #[test]
