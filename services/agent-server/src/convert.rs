@@ -346,6 +346,15 @@ fn cut_arguments(arguments: &mut Option<prost_types::Struct>, max: usize) {
 
 fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
     let usage = record.usage;
+    // A run whose every pending call is answered goes on (once a replica with room
+    // continues it, which then saves it running): it reads so at once, as the answer that
+    // completed its wait said.
+    let waits = record.waiting() && record.pending.iter().any(|call| !call.answered);
+    let status = if record.waiting() && !waits {
+        RunStatus::Running
+    } else {
+        record.status
+    };
     let to_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
     v1::AgentState {
         run_id: record.run_id.clone(),
@@ -353,7 +362,7 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
         session_id: crate::tenancy::client_session(&record.session_id).to_owned(),
         message_id: record.message_id.clone(),
         query: record.query.clone(),
-        status: run_status_to_wire(record.status) as i32,
+        status: run_status_to_wire(status) as i32,
         stop_reason: stop_reason_to_wire(record.stop_reason) as i32,
         steps: record
             .steps
@@ -420,7 +429,7 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
         pending_tool_calls: record
             .pending
             .iter()
-            .filter(|_| record.waiting())
+            .filter(|_| waits)
             .map(|call| v1::PendingToolCall {
                 id: call.id.clone(),
                 name: call.name.clone(),
@@ -585,6 +594,30 @@ mod tests {
                 "iterations": 2,
             })
         );
+    }
+
+    /// A waiting run reads as waiting, with its calls, until every call is answered;
+    /// then as running (the answer that completed it said so), before a replica with room
+    /// continues it and saves it so.
+    #[test]
+    fn a_run_answered_in_full_reads_running_before_it_goes_on() {
+        let mut record = RunRecord::new("r", "e", "s", "m", "q");
+        record.status = RunStatus::RequiresAction;
+        let call = |id: &str, answered: bool| agentrt_state::PendingCall {
+            id: id.into(),
+            name: "t".into(),
+            arguments: agentrt_events::JsonText::new(&serde_json::json!({})),
+            action: agentrt_state::Action::ClientExecute,
+            answered,
+        };
+        record.pending = vec![call("c1", true), call("c2", false)];
+        let state = record_to_wire(&record, 1 << 20).unwrap();
+        assert_eq!(state.status, v1::RunStatus::RequiresAction as i32);
+        assert_eq!(state.pending_tool_calls.len(), 2);
+        record.pending[1].answered = true;
+        let state = record_to_wire(&record, 1 << 20).unwrap();
+        assert_eq!(state.status, v1::RunStatus::Running as i32);
+        assert!(state.pending_tool_calls.is_empty());
     }
 
     #[test]
