@@ -450,8 +450,8 @@ struct Inner {
     records: HashMap<String, Box<RunRecord>>,
     /// The run that holds each idempotency key, by [`key_digest`].
     keys: HashMap<[u8; 16], Box<str>>,
-    /// Ended runs in the order they ended, with what their records weigh.
-    ended: VecDeque<(Instant, String, usize)>,
+    /// Ended runs, by [principal](crate::principal_of), each's in the order they ended.
+    ended: HashMap<String, Ended>,
     /// What the records of `ended` weigh, all together.
     ended_bytes: usize,
     /// The leases of running and waiting runs.
@@ -470,6 +470,13 @@ struct Inner {
     parked_bytes: usize,
     /// The runs in `parked` of each named principal.
     parked_by_principal: HashMap<String, usize>,
+}
+
+/// One principal's ended runs, in the order they ended, with what their records weigh.
+#[derive(Default)]
+struct Ended {
+    runs: VecDeque<(Instant, String, usize)>,
+    bytes: usize,
 }
 
 /// A run that waits, as [`Inner::parked`] keeps it.
@@ -885,17 +892,41 @@ impl Inner {
         self.records.insert(run_id, Box::new(record));
     }
 
+    /// Forgets the ended runs past the retention; then, while their records weigh more
+    /// than the budget, the first ended of the principal whose records weigh the most:
+    /// one principal's runs never push another's out early (with them, their idempotency
+    /// keys, and a retry would run its turn again).
     fn expire(&mut self, retention: RunRetention) {
         let now = Instant::now();
-        while let Some((at, _, bytes)) = self.ended.front() {
-            if now.duration_since(*at) < retention.ended && self.ended_bytes <= retention.max_bytes
+        let mut gone = Vec::new();
+        for ended in self.ended.values_mut() {
+            while let Some((at, _, _)) = ended.runs.front()
+                && now.duration_since(*at) >= retention.ended
             {
-                break;
+                if let Some((_, run_id, bytes)) = ended.runs.pop_front() {
+                    ended.bytes = ended.bytes.saturating_sub(bytes);
+                    self.ended_bytes = self.ended_bytes.saturating_sub(bytes);
+                    gone.push(run_id);
+                }
             }
-            self.ended_bytes = self.ended_bytes.saturating_sub(*bytes);
-            if let Some((_, run_id, _)) = self.ended.pop_front()
-                && let Some(record) = self.records.remove(&run_id)
-            {
+        }
+        while self.ended_bytes > retention.max_bytes {
+            let Some(ended) = self.ended.values_mut().max_by_key(|ended| ended.bytes) else {
+                break;
+            };
+            let Some((_, run_id, bytes)) = ended.runs.pop_front() else {
+                break;
+            };
+            ended.bytes = ended.bytes.saturating_sub(bytes);
+            self.ended_bytes = self.ended_bytes.saturating_sub(bytes);
+            gone.push(run_id);
+        }
+        if gone.is_empty() {
+            return;
+        }
+        self.ended.retain(|_, ended| !ended.runs.is_empty());
+        for run_id in gone {
+            if let Some(record) = self.records.remove(&run_id) {
                 self.waits.remove(&run_id);
                 let key = key_digest(&record.session_id, &record.message_id);
                 if self
@@ -1136,8 +1167,13 @@ impl RunStore for MemoryRunStore {
             if newly_ended {
                 let bytes = inner.records.get(&record.run_id).map_or(0, |r| weight(r));
                 inner.ended_bytes += bytes;
-                inner
+                let ended = inner
                     .ended
+                    .entry(crate::principal_of(&record.session_id).to_owned())
+                    .or_default();
+                ended.bytes += bytes;
+                ended
+                    .runs
                     .push_back((Instant::now(), record.run_id.clone(), bytes));
                 inner.expire(self.retention);
             }
@@ -1715,5 +1751,51 @@ mod tests {
         ] {
             assert_eq!(store.load(id).await.unwrap().is_some(), kept, "{id}");
         }
+    }
+
+    /// Over the byte budget, the principal whose ended runs weigh the most loses its
+    /// first ended: one that ended a run before another's flood keeps it, and with it the
+    /// run's idempotency key.
+    #[tokio::test]
+    async fn a_principals_ended_runs_do_not_push_out_anothers() {
+        let ended = |id: &str, principal: &str| {
+            let session = format!("{principal}/s");
+            let mut record = RunRecord::new(id, "e", &session, id, &"q".repeat(10_000));
+            record.status = RunStatus::Succeeded;
+            record
+        };
+        let one = weight(&ended("a0", "alice"));
+        let store = MemoryRunStore::new(RunRetention {
+            max_bytes: one * 3,
+            ..RunRetention::unbounded(Duration::from_secs(600), Duration::from_secs(10))
+        });
+        for (id, principal) in [
+            ("a0", "alice"),
+            ("b0", "bob"),
+            ("b1", "bob"),
+            ("b2", "bob"),
+            ("b3", "bob"),
+            ("b4", "bob"),
+        ] {
+            let session = format!("{principal}/s");
+            let claim = store.claim(&session, id, id, None).await.unwrap();
+            assert!(matches!(claim, Claim::Claimed), "{id}");
+            store.save(&ended(id, principal), 0, None).await.unwrap();
+        }
+        for (id, kept) in [
+            ("a0", true),
+            ("b0", false),
+            ("b1", false),
+            ("b2", false),
+            ("b3", true),
+            ("b4", true),
+        ] {
+            assert_eq!(store.load(id).await.unwrap().is_some(), kept, "{id}");
+        }
+        assert_eq!(
+            store.holder("alice/s", "a0").await.unwrap().as_deref(),
+            Some("a0"),
+            "its idempotency key is kept with it"
+        );
     }
 }
