@@ -11,12 +11,13 @@ use std::time::Duration;
 use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
-use common::{Stack, TempDir, agent, collect, text};
+use common::{Stack, TempDir, agent, collect, done, text};
 use tonic::{Code, Request, Status, transport::Channel};
 
 const SCENARIOS: &str = r#"{"scenarios": {
   "count": {"turns": [{"content": "users={user_messages}"}]},
   "slow": {"turns": [{"content": "slowly, slowly", "chunk_chars": 1, "chunk_delay_ms": 100}]},
+  "slower": {"turns": [{"content": "slowly, slowly, slowly, slowly, slowly", "chunk_chars": 1, "chunk_delay_ms": 200}]},
   "client": {"turns": [
     {"tool_calls": [{"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}}]},
     {"content": "found: {tool_results}"}]}
@@ -479,4 +480,82 @@ async fn an_answered_run_waits_for_room_in_its_principals_quota() {
         answered_ended >= slow_ended,
         "the answered run went on past its principal's quota, while her slow run ran"
     );
+}
+
+/// A wait out of time (`timeouts.action`) ends the run then, calling no model, even while
+/// the replica has no room for runs that go on: not once a run ends there.
+#[tokio::test]
+async fn a_wait_out_of_time_ends_while_no_room_is_left() {
+    let dir = TempDir::new("budgets-full-wait");
+    let stack = stack(&dir, "[runs]\nmax_active = 1\n", None).await;
+    let channel = agentrt_test_support::connect(&stack.agents.url()).await;
+    let mut service = AgentServiceClient::new(channel.clone());
+    let mut engine = AgentEngineClient::new(channel.clone());
+    let mut waiting_agent = agent("client", &[]);
+    waiting_agent.client_tools = vec![v1::ClientTool {
+        name: "lookup_order".into(),
+        description: "Finds an order by its id.".into(),
+        input_schema: None,
+    }];
+    waiting_agent.timeouts = Some(v1::Timeouts {
+        action: Some(prost_types::Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        ..Default::default()
+    });
+    let waits = service
+        .create_agent_engine(v1::CreateAgentEngineRequest {
+            config: Some(waiting_agent),
+            session_id: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .engine_id;
+    let slower = service
+        .create_agent_engine(create("slower", "", ""))
+        .await
+        .unwrap()
+        .into_inner()
+        .engine_id;
+    let mut first = engine
+        .execute(execute(&waits, "find A-17"))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = first.message().await.unwrap() {
+        let waits = event.r#type == v1::EventType::ActionRequired as i32;
+        events.push(event);
+        if waits {
+            break;
+        }
+    }
+    // The one run the replica may have in progress: about 8 s long.
+    let second = when_room(|| {
+        let mut engine = engine.clone();
+        let request = execute(&slower, "take your time");
+        async move { engine.execute(request).await }
+    })
+    .await;
+    let slower_run = tokio::spawn(collect(second));
+    while let Some(event) = tokio::time::timeout(Duration::from_secs(30), first.message())
+        .await
+        .expect("a stalled stream")
+        .unwrap()
+    {
+        events.push(event);
+    }
+    assert!(
+        !slower_run.is_finished(),
+        "the wait ended only once the replica had room"
+    );
+    assert_eq!(
+        done(&events)["stop_reason"],
+        "action_timeout",
+        "{events:#?}"
+    );
+    let slower_events = slower_run.await.unwrap();
+    assert_eq!(done(&slower_events)["stop_reason"], "final_answer");
 }

@@ -20,7 +20,7 @@ pub use record::{
     RunError, RunRecord, RunStatus, StepRecord, StopReason, TokenUsage, ToolCallRecord,
 };
 pub use runs::{
-    Answered, Answers, CheckpointError, Claim, Lease, LeaseRenewer, MemoryRunStore, Progress,
-    Resumable, RunRetention, RunStore, StopRequest, StopRequests, agent_id, checkpoint_apart,
-    end_apart,
+    Answered, Answers, CheckpointError, Claim, LAPSED_WAITS_SCAN, Lease, LeaseRenewer,
+    MemoryRunStore, Progress, Resumable, RunRetention, RunStore, StopRequest, StopRequests,
+    agent_id, checkpoint_apart, end_apart,
 };

@@ -1064,6 +1064,25 @@ const LAPSED: &str = r"
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms(), 'LIMIT', 0, tonumber(ARGV[1]))
 ";
 
+/// Of the runs whose lease lapsed (`KEYS[1]` the leases; the first `ARGV[1]` times
+/// `ARGV[3]`), at most `ARGV[1]` whose wait (`ARGV[2]` the prefix of keys) is over without
+/// all its answers: neither completed nor taken over (out of time, or cancelled).
+const LAPSED_WAITS: &str = r"
+local most = tonumber(ARGV[1])
+local lapsed = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now_ms(), 'LIMIT', 0,
+  most * tonumber(ARGV[3]))
+local over = {}
+for _, run in ipairs(lapsed) do
+  local wait = ARGV[2] .. ':wait:' .. run
+  if redis.call('EXISTS', wait) == 1 and redis.call('HEXISTS', wait, '!done') == 0
+      and redis.call('HEXISTS', wait, '!taken') == 0 then
+    over[#over + 1] = run
+    if #over >= most then break end
+  end
+end
+return over
+";
+
 /// Takes run `ARGV[1]` over for token `ARGV[2]` (lease of `ARGV[3]` ms) when its lease
 /// lapsed and its progress is kept; answers the previous owner and whether it let the
 /// run go, or nothing.
@@ -1411,6 +1430,7 @@ script!(renew_script, RENEW);
 script!(release_script, RELEASE);
 script!(defer_script, DEFER);
 script!(lapsed_script, LAPSED);
+script!(lapsed_waits_script, LAPSED_WAITS);
 script!(take_over_script, TAKE_OVER);
 script!(answer_script, ANSWER);
 script!(cancel_waiting_script, CANCEL_WAITING);
@@ -1784,6 +1804,17 @@ impl RunStore for RedisRuns {
         ScriptCall::new(lapsed_script(), 1)
             .key(self.0.key("leases", "all"))
             .arg(limit)
+            .invoke(&mut self.0.connection())
+            .await
+            .map_err(|e| self.0.unavailable(&e))
+    }
+
+    async fn lapsed_waits(&self, limit: usize) -> StateResult<Vec<String>> {
+        ScriptCall::new(lapsed_waits_script(), 1)
+            .key(self.0.key("leases", "all"))
+            .arg(limit)
+            .arg(&self.0.prefix)
+            .arg(crate::runs::LAPSED_WAITS_SCAN)
             .invoke(&mut self.0.connection())
             .await
             .map_err(|e| self.0.unavailable(&e))

@@ -355,6 +355,12 @@ pub trait RunStore: Send + Sync {
     /// Runs whose lease lapsed or was let go, at most `limit`, longest lapsed first.
     async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>>;
 
+    /// Of the runs whose lease lapsed, at most `limit` whose wait is over without all its
+    /// answers (out of time, or cancelled): they end at once, calling no model, so a
+    /// replica with no room left for runs that go on still takes them. Looks at most
+    /// [`LAPSED_WAITS_SCAN`] times `limit` lapsed runs.
+    async fn lapsed_waits(&self, limit: usize) -> StateResult<Vec<String>>;
+
     /// Takes `run_id` over for `token` when its lease has lapsed or was let go: exactly one
     /// of several replicas trying at once gets it. `None` when the run is not to be taken
     /// (its lease holds, it ended, or another replica got it).
@@ -400,6 +406,9 @@ pub(crate) fn stop_stream(receiver: broadcast::Receiver<StopRequest>) -> StopReq
         },
     ))
 }
+
+/// How many lapsed runs [`RunStore::lapsed_waits`] looks at, per run it may answer.
+pub const LAPSED_WAITS_SCAN: usize = 16;
 
 /// How long records and leases are kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1361,6 +1370,28 @@ impl RunStore for MemoryRunStore {
 
     async fn lapsed(&self, limit: usize) -> StateResult<Vec<String>> {
         Ok(self.lock().leases.lapsed(Instant::now(), limit))
+    }
+
+    async fn lapsed_waits(&self, limit: usize) -> StateResult<Vec<String>> {
+        let inner = self.lock();
+        let now = Instant::now();
+        // A packed run waits for answers still missing (else it is not packed).
+        let over = |run_id: &str| {
+            inner.parked.contains_key(run_id)
+                || inner.waits.get(run_id).is_some_and(|wait| {
+                    !wait.taken && (wait.cancelled || wait.answers.iter().any(|(_, a)| a.is_none()))
+                })
+        };
+        Ok(inner
+            .leases
+            .by_time
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(limit.saturating_mul(LAPSED_WAITS_SCAN))
+            .filter(|(_, run_id)| over(run_id))
+            .take(limit)
+            .map(|(_, run_id)| run_id.to_string())
+            .collect())
     }
 
     async fn take_over(&self, run_id: &str, token: &str) -> StateResult<Option<Resumable>> {

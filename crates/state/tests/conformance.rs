@@ -258,6 +258,24 @@ fn memory_runs() -> Arc<dyn RunStore> {
 }
 
 #[tokio::test]
+async fn memory_lapsed_waits() {
+    conformance::lapsed_waits(|| async {
+        let store = memory_runs();
+        (store.clone(), store)
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn redis_lapsed_waits() {
+    conformance::lapsed_waits(|| async {
+        let (a, b) = redis_pair("lapsed-waits", 100).await;
+        (a.runs(), b.runs())
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn memory_run_store() {
     conformance::run_store(|| async {
         let store = memory_runs();

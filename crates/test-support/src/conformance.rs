@@ -986,6 +986,41 @@ async fn start_waiting_in(
     Ok(record)
 }
 
+/// Among the runs whose lease lapsed, the waits over without their answers (out of time,
+/// or cancelled), which end calling no model: not a wait answered in full (its run goes
+/// on), nor one still open. `new` makes two handles on one store (two replicas).
+pub async fn lapsed_waits<F, Fut>(new: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = (Arc<dyn RunStore>, Arc<dyn RunStore>)>,
+{
+    const LONG: Duration = Duration::from_secs(60);
+    let (store, other) = new().await;
+    let calls = || vec![pending_call("c1", Action::ClientExecute)];
+    start_waiting(&*store, "lw-out", calls(), Duration::from_millis(200)).await;
+    start_waiting(&*store, "lw-answered", calls(), LONG).await;
+    start_waiting(&*store, "lw-cancelled", calls(), LONG).await;
+    start_waiting(&*store, "lw-open", calls(), LONG).await;
+    assert_eq!(
+        other
+            .answer("lw-answered", &answers(&[("c1", "\"x\"")]))
+            .await
+            .unwrap(),
+        accepted(&[], true)
+    );
+    assert!(other.cancel_waiting("lw-cancelled").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(is_lapsed(&*other, "lw-answered").await, "it goes on");
+    let mut over = other.lapsed_waits(10).await.unwrap();
+    over.sort();
+    assert_eq!(over, ["lw-cancelled", "lw-out"]);
+    assert_eq!(
+        other.lapsed_waits(1).await.unwrap().len(),
+        1,
+        "at most the limit"
+    );
+}
+
 /// The budget of a principal's waiting runs; `new` makes two handles on one store (two
 /// replicas) that let a named principal have at most one run waiting at once.
 pub async fn waiting_budget<F, Fut>(new: F)

@@ -134,6 +134,8 @@ pub struct AnswerOutcome {
 const TAKEOVER_POLL: Duration = Duration::from_millis(100);
 /// Lapsed runs asked for at once.
 const TAKEOVER_BATCH: usize = 256;
+/// Waits over without their answers ended at once, at most, when no room is left.
+const LAPSED_WAITS_BATCH: usize = 32;
 /// Runs being taken over at once. Enough to hide Redis's round trips; more only makes
 /// each run wait longer between its take-over and its start here (its log is read back
 /// and decoded meanwhile), and a burst of hundreds of runs handed over starves the
@@ -421,8 +423,11 @@ impl RunManager {
                 .max_active
                 .saturating_sub(self.active.load(Ordering::Acquire))
                 .min(TAKEOVER_BATCH);
-            if room == 0 || self.draining.is_cancelled() {
+            if self.draining.is_cancelled() {
                 return Ok(());
+            }
+            if room == 0 {
+                return self.end_lapsed_waits().await;
             }
             let lapsed = self.store.lapsed(room).await?;
             if lapsed.is_empty() {
@@ -438,6 +443,19 @@ impl RunManager {
                 return taken.into_iter().find_map(Result::err).map_or(Ok(()), Err);
             }
         }
+    }
+
+    /// With no room left for runs that go on: ends here the waits that are over without
+    /// their answers (out of time, or cancelled), which call no model, rather than leave
+    /// them waiting past `timeouts.action` until a run ends here.
+    async fn end_lapsed_waits(self: &Arc<Self>) -> Result<(), StateError> {
+        let over = self.store.lapsed_waits(LAPSED_WAITS_BATCH).await?;
+        let ended: Vec<Result<bool, StateError>> = futures_util::stream::iter(over)
+            .map(|run_id| self.take_over(run_id, None, true))
+            .buffer_unordered(TAKEOVER_CONCURRENCY)
+            .collect()
+            .await;
+        ended.into_iter().find_map(Result::err).map_or(Ok(()), Err)
     }
 
     /// Takes `run_id` over and continues it here, or with `stop`, ends it here at once
@@ -1524,6 +1542,9 @@ mod tests {
         }
         async fn lapsed(&self, limit: usize) -> agentrt_state::StateResult<Vec<String>> {
             self.inner.lapsed(limit).await
+        }
+        async fn lapsed_waits(&self, limit: usize) -> agentrt_state::StateResult<Vec<String>> {
+            self.inner.lapsed_waits(limit).await
         }
         async fn take_over(
             &self,
