@@ -430,6 +430,7 @@ async fn a_client_that_lags_behind_the_replay_log_does_not_cancel_its_run() {
         status.message().contains(&run_id) && status.message().contains("Subscribe"),
         "{status:?}"
     );
+    let mut resume_after = resume_after_of(&status);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let state = s.state(&run_id).await;
@@ -444,6 +445,45 @@ async fn a_client_that_lags_behind_the_replay_log_does_not_cancel_its_run() {
         assert!(Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // A client goes on from where the error says (from its own cursor it would be told
+    // the same again): it reaches the run's end.
+    let mut tries = 0;
+    let events = loop {
+        tries += 1;
+        assert!(tries <= 3, "still lagging");
+        let resumed = s
+            .engine
+            .subscribe(v1::SubscribeRequest {
+                run_id: run_id.clone(),
+                after_sequence: resume_after,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        match resumed.collect::<Vec<_>>().await.into_iter().collect() {
+            Ok(events) => break events,
+            Err(status) => {
+                let next = resume_after_of(&status);
+                assert!(next > resume_after, "{status:?}");
+                resume_after = next;
+            }
+        }
+    };
+    let events: Vec<v1::AgentStreamEvent> = events;
+    assert_eq!(events.first().map(|e| e.sequence), Some(resume_after + 1));
+    assert!(events.last().is_some_and(|e| e.done), "read on to the end");
+}
+
+/// The `ErrorInfo` metadata `resume_after` of an `EVENTS_LAGGED` status.
+fn resume_after_of(status: &tonic::Status) -> u64 {
+    assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+    let info = tonic_types::StatusExt::get_details_error_info(status).expect("an ErrorInfo");
+    assert_eq!(info.reason, "EVENTS_LAGGED");
+    info.metadata
+        .get("resume_after")
+        .expect("where to resume")
+        .parse()
+        .unwrap()
 }
 
 #[tokio::test]

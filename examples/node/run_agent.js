@@ -40,17 +40,34 @@ const { parseArgs } = require('node:util');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
-const { values: args } = parseArgs({
-  options: {
-    target: { type: 'string', default: 'localhost:50051' },
-    query: { type: 'string', default: 'What is 6 * 7?' },
-    model: { type: 'string', default: 'demo' },
-    'approve-tool': { type: 'string', multiple: true, default: [] },
-    'auto-approve': { type: 'string' }, // yes | no: answer by itself instead of asking
-    'deny-reason': { type: 'string', default: 'denied with --auto-approve no' },
-    'proto-dir': { type: 'string', default: path.join(__dirname, '..', '..', 'proto') },
-  },
-});
+const USAGE = `usage: node run_agent.js [--target HOST:PORT] [--query TEXT] [--model ID]
+  [--approve-tool NAME]... [--auto-approve yes|no] [--deny-reason TEXT] [--proto-dir DIR]`;
+
+function parseArguments() {
+  try {
+    return parseArgs({
+      options: {
+        target: { type: 'string', default: 'localhost:50051' },
+        query: { type: 'string', default: 'What is 6 * 7?' },
+        model: { type: 'string', default: 'demo' },
+        'approve-tool': { type: 'string', multiple: true, default: [] },
+        'auto-approve': { type: 'string' }, // yes | no: answer by itself instead of asking
+        'deny-reason': { type: 'string', default: 'denied with --auto-approve no' },
+        'proto-dir': { type: 'string', default: path.join(__dirname, '..', '..', 'proto') },
+        help: { type: 'boolean', short: 'h', default: false },
+      },
+    }).values;
+  } catch (error) {
+    console.error(`error: ${error.message}\n${USAGE}`);
+    return process.exit(2);
+  }
+}
+
+const args = parseArguments();
+if (args.help) {
+  console.log(USAGE);
+  process.exit(0);
+}
 if (![undefined, 'yes', 'no'].includes(args['auto-approve'])) {
   console.error('error: --auto-approve takes yes or no');
   process.exit(2);
@@ -313,11 +330,12 @@ function errorInfo(error) {
 // or, before the first event, repeats the Execute: its message_id makes it the same run
 // (the request sets `detach`, so that the run is not cancelled when its stream breaks).
 // OUT_OF_RANGE with reason EVENTS_LAGGED (this client fell further behind than the run's
-// replay log; the run goes on) is resumed the same way, with the run id the error names
-// when no event came yet.
+// replay log; the run goes on) is resumed after the last event lost (its ErrorInfo's
+// `resume_after`), with the run id the error names when no event came yet; the lost events'
+// [first, last] sequence numbers are pushed onto `lost`, when given.
 // The streams have no deadline unless `timeoutMs` says: a run may wait for an answer typed
 // on the terminal, and the server ends every run within its own timeouts.
-async function* streamRun(engine, request, timeoutMs) {
+async function* streamRun(engine, request, timeoutMs, lost) {
   let runId = null;
   let last = 0;
   const backoff = new Backoff();
@@ -343,6 +361,16 @@ async function* streamRun(engine, request, timeoutMs) {
           throw error; // events expired, or a run this client cannot name
         }
         runId ||= metadata.run;
+        // The events after `last` up to `resume_after` are gone for good: asking for them
+        // again would be refused again.
+        const resumeAfter = Number(metadata.resume_after ?? last);
+        if (resumeAfter > last) {
+          if (lost) lost.push([last + 1, resumeAfter]);
+          console.log(`[events ${last + 1} to ${resumeAfter} of run ${runId} were lost: `
+            + 'this client read too slowly]');
+          last = resumeAfter;
+          backoff.reset();
+        }
       } else if (error.code !== grpc.status.UNAVAILABLE) {
         throw error;
       }
@@ -449,9 +477,10 @@ async function main() {
   };
   let answer = []; // { iteration, text }
   let done = null;
+  const lost = []; // events this client read too slowly to get
   current.engine = engine;
   try {
-    for await (const event of streamRun(engine, request)) {
+    for await (const event of streamRun(engine, request, undefined, lost)) {
       current.runId = event.run_id;
       const data = event.data ? fromStruct(event.data) : {};
       if (event.done) {
@@ -480,6 +509,15 @@ async function main() {
       console.log('the stream ended without a done event');
       await cancelRun(engine, current.runId);
       return 1;
+    }
+    if (lost.length > 0) {
+      // Deltas may be among the events lost: the run's record has the answer whole.
+      try {
+        const state = await unary(engine, 'GetRun', { run_id: current.runId });
+        answer = [{ iteration: done.iteration, text: state.final_answer }];
+      } catch (error) {
+        console.log(`[the answer may miss text: GetRun failed: ${error.details || error.message}]`);
+      }
     }
   } catch (error) {
     // Leaving before the done event leaves the run (detached) going: cancel it.

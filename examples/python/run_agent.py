@@ -278,15 +278,16 @@ def error_info(error):
     return "", {}
 
 
-def stream_run(engine, agent_engine_pb2, request, timeout=None):
+def stream_run(engine, agent_engine_pb2, request, timeout=None, lost=None):
     """Yields the events of the run `request` starts, each once, in order, up to `done`.
 
     On UNAVAILABLE it resumes with Subscribe(run_id, after_sequence) on the same target,
     or, before the first event, repeats the Execute: its message_id makes it the same run
     (the request sets `detach`, so that the run is not cancelled when its stream breaks).
     OUT_OF_RANGE with reason EVENTS_LAGGED (this client fell further behind than the run's
-    replay log; the run goes on) is resumed the same way, with the run id the error names
-    when no event came yet.
+    replay log; the run goes on) is resumed after the last event lost (its ErrorInfo's
+    `resume_after`), with the run id the error names when no event came yet; the lost
+    events' (first, last) sequence numbers are added to `lost`, when given.
     The streams have no deadline unless `timeout` (seconds) says: a run may wait for an
     answer typed on the terminal, and the server ends every run within its own timeouts.
     """
@@ -315,6 +316,16 @@ def stream_run(engine, agent_engine_pb2, request, timeout=None):
                 if reason != "EVENTS_LAGGED" or not (run_id or metadata.get("run")):
                     raise  # events expired, or a run this client cannot name
                 run_id = run_id or metadata["run"]
+                # The events after `last` up to `resume_after` are gone for good: asking
+                # for them again would be refused again.
+                resume_after = int(metadata.get("resume_after", last))
+                if resume_after > last:
+                    if lost is not None:
+                        lost.append((last + 1, resume_after))
+                    print(f"[events {last + 1} to {resume_after} of run {run_id} were lost: "
+                          f"this client read too slowly]")
+                    last = resume_after
+                    backoff.reset()
             elif error.code() != grpc.StatusCode.UNAVAILABLE:
                 raise
             wait = backoff.next_wait()
@@ -414,8 +425,13 @@ def main() -> int:
                    for name in dict.fromkeys(["calculator", *args.approve_tool])],
             client_tools=client_tool_configs(config_pb2),
         )
-        created = service.CreateAgentEngine(
-            pb["agent_service_pb2"].CreateAgentEngineRequest(config=config), timeout=10)
+        try:
+            created = service.CreateAgentEngine(
+                pb["agent_service_pb2"].CreateAgentEngineRequest(config=config), timeout=10)
+        except grpc.RpcError as error:
+            print(f"error: cannot create the engine: gRPC {error.code().name}: "
+                  f"{error.details()}", file=sys.stderr)
+            return 1
         print(f"engine {created.engine_id} in session {created.session_id}")
 
         # The message id is the turn's idempotency key: an Execute repeated with it (after
@@ -426,9 +442,10 @@ def main() -> int:
             engine_id=created.engine_id, query=args.query, message_id=str(uuid.uuid4()),
             detach=True)
         answer, done = [], None  # answer: (iteration, delta)
+        lost = []  # events this client read too slowly to get
         run_id = None  # from the first event (RUN_STARTED): the run to cancel on quitting
         try:
-            for event in stream_run(engine, pb["agent_engine_pb2"], request):
+            for event in stream_run(engine, pb["agent_engine_pb2"], request, lost=lost):
                 run_id = event.run_id
                 kind = event_type(events_pb2, event.type)
                 data = json_format.MessageToDict(event.data) if event.HasField("data") else {}
@@ -472,6 +489,14 @@ def main() -> int:
             print("the stream ended without a done event")
             cancel_run(engine, pb["agent_engine_pb2"], run_id)
             return 1
+        if lost:
+            # Deltas may be among the events lost: the run's record has the answer whole.
+            try:
+                state = engine.GetRun(
+                    pb["agent_engine_pb2"].GetRunRequest(run_id=run_id), timeout=10)
+                answer = [(done[2], state.final_answer)]
+            except grpc.RpcError as error:
+                print(f"[the answer may miss text: GetRun failed: {error.details()}]")
         return report(answer, done)
 
 

@@ -129,15 +129,15 @@ pub fn already_exists(reason: &str, message: String) -> Status {
     with_details(Code::AlreadyExists, message, details)
 }
 
-/// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason, and in its metadata what is out
-/// of range (`what`: `id`), when given.
-pub fn out_of_range(reason: &str, message: String, of: Option<(&str, &str)>) -> Status {
-    let metadata = of.map(|(what, id)| (what.to_owned(), bounded(id, ID_BYTES).to_string()));
+/// `OUT_OF_RANGE` with an `ErrorInfo` naming the reason, with `metadata` (what is out of
+/// range, and where to go on from: each value bounded).
+pub fn out_of_range(reason: &str, message: String, metadata: &[(&str, &str)]) -> Status {
     let details = ErrorDetails::with_error_info(
         reason,
         ERROR_DOMAIN,
         metadata
-            .into_iter()
+            .iter()
+            .map(|(what, value)| ((*what).to_owned(), bounded(value, ID_BYTES).to_string()))
             .collect::<std::collections::HashMap<_, _>>(),
     );
     with_details(Code::OutOfRange, message, details)

@@ -165,17 +165,23 @@ impl From<Error> for Status {
             Error::RunNotFound(id) | Error::Bus(BusError::UnknownRun(id)) => {
                 status::not_found("RUN_NOT_FOUND", "run", &id)
             }
-            Error::Bus(error @ BusError::Lagged { .. }) => {
-                status::out_of_range("EVENTS_LAGGED", error.to_string(), None)
-            }
-            Error::EventsLagged { ref run_id, .. } => {
-                status::out_of_range("EVENTS_LAGGED", error.to_string(), Some(("run", run_id)))
-            }
+            // `resume_after`: the last event lost, where a `Subscribe` goes on from (one
+            // from the reader's own cursor would be refused again).
+            Error::Bus(error @ BusError::Lagged { to, .. }) => status::out_of_range(
+                "EVENTS_LAGGED",
+                error.to_string(),
+                &[("resume_after", &to.to_string())],
+            ),
+            Error::EventsLagged { ref run_id, to, .. } => status::out_of_range(
+                "EVENTS_LAGGED",
+                error.to_string(),
+                &[("run", run_id), ("resume_after", &to.to_string())],
+            ),
             Error::Bus(error @ BusError::DuplicateRun(_)) => {
                 status::internal("DUPLICATE_RUN", error.to_string())
             }
             Error::EventsExpired(ref run_id) => {
-                status::out_of_range("EVENTS_EXPIRED", error.to_string(), Some(("run", run_id)))
+                status::out_of_range("EVENTS_EXPIRED", error.to_string(), &[("run", run_id)])
             }
             error @ Error::RunNotWaiting { .. } => {
                 status::failed_precondition("RUN_NOT_WAITING", error.to_string())
