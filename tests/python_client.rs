@@ -77,6 +77,26 @@ fn answer(stdout: &str) -> &str {
         .unwrap_or_else(|| panic!("no answer line in:\n{stdout}"))
 }
 
+/// The README's client-tool example, on the stack the README starts: the `demo` model
+/// calls the tool the query names with the order id its schema asks for.
+#[tokio::test]
+async fn the_readmes_client_tool_example_runs_with_the_demo_model() {
+    let stack = Stack::up(SHOP, &[]).await;
+    let stdout = run_example(
+        &stack,
+        &["--query", "Where is order A-17? Use lookup_order."],
+        "",
+    )
+    .await;
+    for line in [
+        "[tool call] lookup_order({'order_id': 'A-17'})",
+        "[action required] 1 tool call(s) wait for an answer",
+        "answer: The answer is order A-17: shipped on 2026-11-20, arriving Friday.",
+    ] {
+        assert!(stdout.contains(line), "{line} missing from:\n{stdout}");
+    }
+}
+
 #[tokio::test]
 async fn the_python_example_runs_its_client_tool_and_asks_for_approval() {
     let stack = Stack::up(SHOP, &[]).await;

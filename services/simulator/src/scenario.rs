@@ -263,6 +263,9 @@ pub struct NamedIn<'a> {
     /// The name.
     #[serde(default, borrow)]
     pub name: Option<Cow<'a, str>>,
+    /// A function's parameters (a JSON Schema), when given; read only by the `demo` model.
+    #[serde(default, borrow)]
+    pub parameters: Option<&'a RawValue>,
 }
 
 /// One message, as far as the scenarios look.
@@ -361,6 +364,8 @@ pub struct Conversation {
     /// Names of the tools offered; with the ReAct text protocol, those the system prompt
     /// lists (`Action: the tool to use, one of [a, b]`).
     pub tools: Vec<String>,
+    /// The parameters of the tools offered that have them (JSON Schema text), by name.
+    pub parameters: HashMap<String, String>,
     /// Whether the request uses the ReAct text protocol (no tools offered, and the
     /// system prompt describes `Action Input:`).
     pub react: bool,
@@ -402,6 +407,15 @@ impl Conversation {
             .iter()
             .filter_map(|t| t.function.as_ref()?.name.as_deref().map(str::to_owned))
             .collect();
+        let parameters = request
+            .tools
+            .iter()
+            .filter_map(|t| {
+                let function = t.function.as_ref()?;
+                let parameters = function.parameters?.get().to_owned();
+                Some((function.name.as_deref()?.to_owned(), parameters))
+            })
+            .collect();
         let system = messages
             .iter()
             .find(|m| role(m) == "system")
@@ -426,6 +440,7 @@ impl Conversation {
             tool_results,
             user_messages,
             tools,
+            parameters,
             react,
             observation,
             null_content,
@@ -485,8 +500,9 @@ fn fill(template: &str, conversation: &Conversation) -> String {
 ///   `{"expression": <the arithmetic>}`;
 /// - else, when the query names an offered tool other than the calculator (its name as a
 ///   whole word, in any case; the first such tool in the order offered): calls that tool
-///   with `{"query": <the query>}`, so that a client tool or one needing approval can be
-///   shown with any tool;
+///   with `{"query": <the query>}`, or with what its parameters ask for (see
+///   [`demo_arguments`]), so that a client tool or one needing approval can be shown with
+///   any tool;
 /// - else answers `You said: <the query>`;
 /// - once the request carries tool results, answers `The answer is <the results, joined by
 ///   ", ">.`
@@ -542,9 +558,61 @@ fn demo_call(conversation: &Conversation) -> Option<ScriptedCall> {
     }
     named_tool(&conversation.query, &conversation.tools).map(|name| ScriptedCall {
         name: name.to_owned(),
-        arguments: serde_json::json!({ "query": conversation.query }),
+        arguments: demo_arguments(
+            conversation
+                .parameters
+                .get(name)
+                .and_then(|p| serde_json::from_str(p).ok())
+                .as_ref(),
+            &conversation.query,
+        ),
         ..ScriptedCall::default()
     })
+}
+
+/// The arguments the `demo` model gives a tool the query names: `{"query": <the query>}`,
+/// unless its parameters have properties and `query` is not one of them; then each of its
+/// required string properties (or, none being required, its first property, when a
+/// string) is the query's first word holding a digit (`A-17` in "Where is order A-17?"),
+/// or the whole query when none does.
+fn demo_arguments(parameters: Option<&Value>, query: &str) -> Value {
+    let whole = || serde_json::json!({ "query": query });
+    let Some(properties) = parameters
+        .and_then(|p| p.get("properties"))
+        .and_then(Value::as_object)
+        .filter(|p| !p.is_empty() && !p.contains_key("query"))
+    else {
+        return whole();
+    };
+    let required: Vec<&str> = parameters
+        .and_then(|p| p.get("required"))
+        .and_then(Value::as_array)
+        .map(|r| r.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let names: Vec<&str> = if required.is_empty() {
+        properties.keys().take(1).map(String::as_str).collect()
+    } else {
+        required
+    };
+    let value = query
+        .split_whitespace()
+        .map(|word| word.trim_matches(|c: char| !c.is_alphanumeric()))
+        .find(|word| word.chars().any(|c| c.is_ascii_digit()))
+        .unwrap_or(query);
+    let arguments: serde_json::Map<String, Value> = names
+        .into_iter()
+        .filter(|name| {
+            properties
+                .get(*name)
+                .is_some_and(|p| p.get("type").is_none_or(|t| t == "string"))
+        })
+        .map(|name| (name.to_owned(), Value::from(value)))
+        .collect();
+    if arguments.is_empty() {
+        whole()
+    } else {
+        Value::Object(arguments)
+    }
 }
 
 fn demo_react(conversation: &Conversation) -> Turn {
@@ -618,11 +686,22 @@ fn react_tools(system: &str) -> Vec<String> {
 fn arithmetic_in(text: &str) -> Option<String> {
     text.split(|c: char| !(c.is_ascii_digit() || " +-*/^%().".contains(c)))
         .map(str::trim)
-        .filter(|run| {
-            run.chars().any(|c| c.is_ascii_digit()) && run.chars().any(|c| "+-*/^%".contains(c))
-        })
+        .filter(|run| binary_operator_in(run))
         .max_by_key(|run| run.len())
         .map(|run| run.trim_end_matches(['.', ' ']).to_owned())
+}
+
+/// Whether `run` applies an operator to a number or a bracket before it (`6 * 7`, not the
+/// sign of `-17`, as in an order id `A-17`).
+fn binary_operator_in(run: &str) -> bool {
+    let mut before = None;
+    for c in run.chars().filter(|c| !c.is_whitespace()) {
+        if "+-*/^%".contains(c) && before.is_some_and(|b: char| b.is_ascii_digit() || b == ')') {
+            return true;
+        }
+        before = Some(c);
+    }
+    false
 }
 
 #[cfg(test)]
@@ -639,6 +718,8 @@ mod tests {
         assert_eq!(arithmetic_in("compute 2^10."), Some("2^10".into()));
         assert_eq!(arithmetic_in("hello there"), None);
         assert_eq!(arithmetic_in("in 2026"), None);
+        assert_eq!(arithmetic_in("Where is order A-17?"), None);
+        assert_eq!(arithmetic_in("What is -3 + 4?"), Some("-3 + 4".into()));
     }
 
     fn conversation(request: &Value) -> Conversation {
@@ -754,6 +835,39 @@ mod tests {
         assert!(last.tool_calls.is_empty());
         assert_eq!(last.reasoning, "The weather tool returned Sunny, 21 °C.");
         assert_eq!(last.content, "The answer is Sunny, 21 °C.");
+    }
+
+    #[test]
+    fn the_demo_gives_a_tool_the_arguments_its_parameters_ask_for() {
+        let tools = json!([
+            {"type": "function", "function": {"name": "lookup_order", "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string"}, "note": {"type": "string"}},
+                "required": ["order_id"], "additionalProperties": false}}},
+            {"type": "function", "function": {"name": "search", "parameters": {
+                "type": "object", "properties": {"query": {"type": "string"}}}}},
+            {"type": "function", "function": {"name": "count", "parameters": {
+                "type": "object", "properties": {"n": {"type": "integer"}},
+                "required": ["n"]}}}]);
+        let ask = |query: &str| {
+            demo(&conversation(
+                &json!({"messages": [{"role": "user", "content": query}], "tools": tools}),
+            ))
+            .tool_calls[0]
+                .arguments
+                .clone()
+        };
+        assert_eq!(
+            ask("Where is order A-17? Use lookup_order."),
+            json!({"order_id": "A-17"})
+        );
+        assert_eq!(
+            ask("lookup_order, please"),
+            json!({"order_id": "lookup_order, please"})
+        );
+        assert_eq!(ask("search for 42"), json!({"query": "search for 42"}));
+        // What it cannot fill, it leaves to the tool to refuse.
+        assert_eq!(ask("count 3"), json!({"query": "count 3"}));
     }
 
     #[test]
