@@ -27,7 +27,7 @@ use axum::{
     Json, Router,
     body::Body,
     extract::{DefaultBodyLimit, State, rejection::BytesRejection},
-    http::{HeaderValue, Method, StatusCode, Uri, header},
+    http::{HeaderName, HeaderValue, Method, StatusCode, Uri, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
@@ -425,6 +425,32 @@ async fn chat_completions(
             None,
         );
     }
+    // Refused as OpenAI refuses them, so that a client's mistake does not pass here.
+    if request.model.is_empty() {
+        return api_error(
+            400,
+            "you must provide a model parameter",
+            Some("model"),
+            None,
+        );
+    }
+    if request
+        .messages
+        .get()
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .eq("[]".chars())
+    {
+        return api_error(400, "[] is too short - 'messages'", Some("messages"), None);
+    }
+    if request.stream_options.is_some() && request.stream != Some(true) {
+        return api_error(
+            400,
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            Some("stream_options"),
+            None,
+        );
+    }
     let model = request.model.clone().into_owned();
     // Shows that callers propagate their trace context (W3C `traceparent`).
     if let Some(traceparent) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
@@ -573,7 +599,8 @@ fn capitalized(role: &str) -> String {
 }
 
 /// An error answered with `status` (a scripted one too), with the code OpenAI gives that
-/// status, and `Retry-After` when given.
+/// status, and, when a wait is given, the headers OpenAI sends with it: `retry-after-ms`,
+/// and `Retry-After` in whole seconds (rounded up: the header has no fractions).
 fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Response {
     let code = match status {
         401 => Some("invalid_api_key"),
@@ -582,10 +609,18 @@ fn error_response(status: u16, message: &str, retry_after: Option<f64>) -> Respo
         _ => None,
     };
     let mut response = api_error(status, message, None, code);
-    if let Some(seconds) = retry_after
-        && let Ok(value) = HeaderValue::from_str(&seconds.to_string())
-    {
-        response.headers_mut().insert(header::RETRY_AFTER, value);
+    if let Some(seconds) = retry_after.filter(|s| s.is_finite() && *s >= 0.0) {
+        let headers = response.headers_mut();
+        // Bounded: a scenario's number is any f64.
+        let millis = (seconds * 1000.0).round().min(1e12);
+        headers.insert(
+            HeaderName::from_static("retry-after-ms"),
+            HeaderValue::from(millis as u64),
+        );
+        headers.insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(seconds.ceil().min(1e9) as u64),
+        );
     }
     response
 }
@@ -1532,6 +1567,8 @@ mod tests {
         // `max_completion_tokens` is read first; the object says the same.
         let mut limits = ask(json!({"max_completion_tokens": 2, "max_tokens": 100}));
         limits["stream"] = json!(false);
+        // Only with `stream`, as OpenAI has it.
+        limits.as_object_mut().unwrap().remove("stream_options");
         let (_, _, body) = answered(addr, "/v1/chat/completions", &limits).await;
         assert_eq!(body["choices"][0]["message"]["content"], "01234567");
         assert_eq!(body["choices"][0]["finish_reason"], "length");
@@ -1597,6 +1634,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn requests_openai_refuses_are_refused() {
+        let (addr, _stop) = started(json!({"scenarios": {}}), false).await;
+        let hi = json!([{"role": "user", "content": "hi"}]);
+        for (request, param) in [
+            (json!({"stream": true, "messages": hi}), "model"),
+            (
+                json!({"model": "demo", "stream": true, "messages": [ ]}),
+                "messages",
+            ),
+            (
+                json!({"model": "demo", "messages": hi, "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+        ] {
+            let (status, _, body) = answered(addr, "/v1/chat/completions", &request).await;
+            assert_eq!(status, 400, "{request}");
+            assert_eq!(body["error"]["param"], param, "{body}");
+            assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        }
+    }
+
+    #[tokio::test]
     async fn errors_are_in_openais_shape() {
         let (addr, _stop) = started(
             json!({"scenarios": {
@@ -1642,7 +1701,7 @@ mod tests {
             assert_eq!((got, body), (status, expected), "{model}");
             assert!(head.contains("content-type: application/json"), "{head}");
             assert_eq!(
-                head.contains("retry-after: 0.5"),
+                head.contains("retry-after: 1\r\n") && head.contains("retry-after-ms: 500\r\n"),
                 model == "limited",
                 "{head}"
             );

@@ -41,6 +41,10 @@ struct Cli {
     /// the tool executor serves beside its built-ins, e.g. `examples/tool-sources.toml`.
     #[arg(long, env = "AGENT_STACK_TOOL_CONFIG", value_name = "FILE")]
     tool_config: Option<PathBuf>,
+    /// A scenarios file (JSON, or TOML when its name ends in `.toml`) the model simulator
+    /// plays beside its `demo` model (see "Scripting the simulator" in the README).
+    #[arg(long, env = "AGENT_STACK_SCENARIOS", value_name = "FILE")]
+    scenarios: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -65,6 +69,12 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {}", cli.simulator_listen))?;
         Some(listener)
     } else {
+        if cli.scenarios.is_some() {
+            anyhow::bail!(
+                "--scenarios scripts the built-in model simulator, which does not start when \
+                 OPENAI_BASE_URL or OPENAI_API_KEY is set: unset them, or leave --scenarios out"
+            );
+        }
         None
     };
     let tools_addr = tools_listener.local_addr()?;
@@ -161,7 +171,10 @@ async fn main() -> anyhow::Result<()> {
         match simulator {
             Some(listener) => {
                 let result = agentrt_simulator::serve(
-                    agentrt_simulator::Settings::default(),
+                    agentrt_simulator::Settings {
+                        scenarios: cli.scenarios.clone(),
+                        ..agentrt_simulator::Settings::default()
+                    },
                     listener,
                     stop.clone().cancelled_owned(),
                 )
