@@ -188,6 +188,23 @@ async fn unknown_tools_and_missing_names_are_told_apart() {
         .map(|v| v.field.clone())
         .collect();
     assert_eq!(fields, ["tool_name", "call_id"]);
+
+    // A missing name and an id past its bound, both at once.
+    let status = client
+        .execute_tool(v1::ExecuteToolRequest {
+            call_id: "c".repeat(300),
+            ..call("", json!({}))
+        })
+        .await
+        .unwrap_err();
+    let fields: Vec<String> = status
+        .get_details_bad_request()
+        .unwrap()
+        .field_violations
+        .iter()
+        .map(|v| v.field.clone())
+        .collect();
+    assert_eq!(fields, ["tool_name", "call_id"], "{status:?}");
 }
 
 /// A client without a timer of its own: tonic's `Channel` also ends a call locally when its

@@ -126,7 +126,7 @@ impl Calculator {
                     "properties": {
                         "expression": {
                             "type": "string",
-                            "description": "The expression to evaluate (at most 10000 characters), e.g. \"2 ^ 10 / 4\".",
+                            "description": "The expression to evaluate (at most 10000 bytes), e.g. \"2 ^ 10 / 4\".",
                             "minLength": 1
                         }
                     },
@@ -204,9 +204,13 @@ impl Tool for CurrentTime {
 
     async fn call(&self, arguments: serde_json::Value, _ctx: &ToolContext) -> ToolOutput {
         let name = arguments["timezone"].as_str().unwrap_or("UTC");
-        let zone = match jiff::tz::TimeZone::get(name) {
-            Ok(zone) => zone,
-            Err(_) => {
+        // The zone database may read a file, or walk its directory for a name it does not
+        // know, under a lock of its own: not on a worker that serves other calls.
+        let owned = name.to_owned();
+        let found = tokio::task::spawn_blocking(move || jiff::tz::TimeZone::get(&owned)).await;
+        let zone = match found {
+            Ok(Ok(zone)) => zone,
+            Ok(Err(_)) | Err(_) => {
                 return ToolOutput::error(format!(
                     "unknown time zone {name:?}: use an IANA name such as \"UTC\" or \
                      \"America/New_York\""

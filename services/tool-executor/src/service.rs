@@ -86,31 +86,32 @@ impl ToolExecutor for ToolExecutorService {
         let deadline =
             limit.and_then(|limit| Some((limit, arrival.checked_add(handler_limit(limit))?)));
         let request = request.into_inner();
-        if request.tool_name.is_empty() {
-            return Err(status::invalid_argument(
-                "invalid tool call",
-                &[Violation::new("tool_name", "required")],
-            ));
-        }
-        // Names and ids go into logs, metrics, errors and the calls' headers: bounded,
-        // and refused before anything runs.
-        let too_long: Vec<Violation> = [
-            ("tool_name", &request.tool_name),
-            ("call_id", &request.call_id),
-            ("run_id", &request.run_id),
-            ("session_id", &request.session_id),
-        ]
-        .into_iter()
-        .filter(|(_, value)| value.len() > MAX_ID_BYTES)
-        .map(|(field, value)| {
-            Violation::new(
-                field,
-                format!("at most {MAX_ID_BYTES} bytes, got {}", value.len()),
+        // Every violation at once. Names and ids go into logs, metrics, errors and the
+        // calls' headers: bounded, and refused before anything runs.
+        let violations: Vec<Violation> = request
+            .tool_name
+            .is_empty()
+            .then(|| Violation::new("tool_name", "required"))
+            .into_iter()
+            .chain(
+                [
+                    ("tool_name", &request.tool_name),
+                    ("call_id", &request.call_id),
+                    ("run_id", &request.run_id),
+                    ("session_id", &request.session_id),
+                ]
+                .into_iter()
+                .filter(|(_, value)| value.len() > MAX_ID_BYTES)
+                .map(|(field, value)| {
+                    Violation::new(
+                        field,
+                        format!("at most {MAX_ID_BYTES} bytes, got {}", value.len()),
+                    )
+                }),
             )
-        })
-        .collect();
-        if !too_long.is_empty() {
-            return Err(status::invalid_argument("invalid tool call", &too_long));
+            .collect();
+        if !violations.is_empty() {
+            return Err(status::invalid_argument("invalid tool call", &violations));
         }
         let arguments = request
             .arguments
