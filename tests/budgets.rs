@@ -11,7 +11,7 @@ use std::time::Duration;
 use agentrt::v1::{
     self, agent_engine_client::AgentEngineClient, agent_service_client::AgentServiceClient,
 };
-use common::{Stack, TempDir, agent, collect, done, text};
+use common::{Stack, TempDir, agent, collect, done, text, when_room};
 use tonic::{Code, Request, Status, transport::Channel};
 
 const SCENARIOS: &str = r#"{"scenarios": {
@@ -70,6 +70,17 @@ fn create(model: &str, prompt: &str, session: &str) -> v1::CreateAgentEngineRequ
         }),
         session_id: session.into(),
     }
+}
+
+/// An agent of the `client` scenario, whose first round calls its client tool.
+fn client_tool_agent() -> v1::AgentConfig {
+    let mut agent = agent("client", &[]);
+    agent.client_tools = vec![v1::ClientTool {
+        name: "lookup_order".into(),
+        description: "Finds an order by its id.".into(),
+        input_schema: None,
+    }];
+    agent
 }
 
 fn execute(engine_id: &str, query: &str) -> v1::ExecuteRequest {
@@ -316,30 +327,6 @@ async fn principals_have_quotas_of_engines_runs_and_streams() {
     assert_eq!(text(&events, v1::EventType::FinalAnswer), "slowly, slowly");
 }
 
-/// Calls `call` until it is not refused for a budget (a run frees its share of the
-/// budgets just after its last event), for at most two seconds.
-async fn when_room<F, Fut>(mut call: F) -> tonic::Streaming<v1::AgentStreamEvent>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<
-            Output = Result<tonic::Response<tonic::Streaming<v1::AgentStreamEvent>>, Status>,
-        >,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-    loop {
-        match call().await {
-            Ok(response) => return response.into_inner(),
-            Err(status)
-                if status.code() == Code::ResourceExhausted
-                    && tokio::time::Instant::now() < deadline =>
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(status) => panic!("{status:?}"),
-        }
-    }
-}
-
 /// Reads the first event of `stream` (the stream stays open, as a stream of its
 /// principal) and returns its run id.
 async fn first_event(mut stream: tonic::Streaming<v1::AgentStreamEvent>) -> String {
@@ -399,12 +386,7 @@ async fn an_answered_run_waits_for_room_in_its_principals_quota() {
     let channel = agentrt_test_support::connect(&stack.agents.url()).await;
     let mut service = AgentServiceClient::new(channel.clone());
     let mut engine = AgentEngineClient::new(channel.clone());
-    let mut waiting_agent = agent("client", &[]);
-    waiting_agent.client_tools = vec![v1::ClientTool {
-        name: "lookup_order".into(),
-        description: "Finds an order by its id.".into(),
-        input_schema: None,
-    }];
+    let waiting_agent = client_tool_agent();
     let waits = service
         .create_agent_engine(with_token(
             v1::CreateAgentEngineRequest {
@@ -491,12 +473,7 @@ async fn a_wait_out_of_time_ends_while_no_room_is_left() {
     let channel = agentrt_test_support::connect(&stack.agents.url()).await;
     let mut service = AgentServiceClient::new(channel.clone());
     let mut engine = AgentEngineClient::new(channel.clone());
-    let mut waiting_agent = agent("client", &[]);
-    waiting_agent.client_tools = vec![v1::ClientTool {
-        name: "lookup_order".into(),
-        description: "Finds an order by its id.".into(),
-        input_schema: None,
-    }];
+    let mut waiting_agent = client_tool_agent();
     waiting_agent.timeouts = Some(v1::Timeouts {
         action: Some(prost_types::Duration {
             seconds: 1,

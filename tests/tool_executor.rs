@@ -180,14 +180,7 @@ async fn unknown_tools_and_missing_names_are_told_apart() {
         .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(status.message().len() < 1024, "{}", status.message());
-    let fields: Vec<String> = status
-        .get_details_bad_request()
-        .unwrap()
-        .field_violations
-        .iter()
-        .map(|v| v.field.clone())
-        .collect();
-    assert_eq!(fields, ["tool_name", "call_id"]);
+    assert_eq!(violated_fields(&status), ["tool_name", "call_id"]);
 
     // A missing name and an id past its bound, both at once.
     let status = client
@@ -197,14 +190,22 @@ async fn unknown_tools_and_missing_names_are_told_apart() {
         })
         .await
         .unwrap_err();
-    let fields: Vec<String> = status
+    assert_eq!(
+        violated_fields(&status),
+        ["tool_name", "call_id"],
+        "{status:?}"
+    );
+}
+
+/// The fields a `BadRequest` in `status` names, in order.
+fn violated_fields(status: &tonic::Status) -> Vec<String> {
+    status
         .get_details_bad_request()
         .unwrap()
         .field_violations
         .iter()
         .map(|v| v.field.clone())
-        .collect();
-    assert_eq!(fields, ["tool_name", "call_id"], "{status:?}");
+        .collect()
 }
 
 /// A client without a timer of its own: tonic's `Channel` also ends a call locally when its

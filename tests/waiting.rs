@@ -1217,13 +1217,14 @@ async fn an_answered_run_whose_principal_has_no_room_is_cancelled_at_once() {
         .into_inner();
     let (before, _) = until_action(&mut waiting).await;
     let run_id = before[0].run_id.clone();
-    // Alice's one run in progress: its model takes 6 s to answer.
-    let mut busy = stack
-        .engine
-        .execute(execute(&engines[1]))
-        .await
-        .unwrap()
-        .into_inner();
+    // Alice's one run in progress: its model takes 6 s to answer. (The waiting run lets
+    // its share of her runs go just after its last event.)
+    let mut busy = common::when_room(|| {
+        let mut engine = stack.engine.clone();
+        let request = execute(&engines[1]);
+        async move { engine.execute(request).await }
+    })
+    .await;
     assert!(!busy.next().await.unwrap().unwrap().done);
     let answered = stack
         .engine

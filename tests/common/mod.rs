@@ -393,3 +393,27 @@ pub async fn run_example_exiting(
         format!("{stdout}{stderr}")
     }
 }
+
+/// Calls `call` until it is not refused for a budget (a run frees its share of the
+/// budgets just after its last event), for at most two seconds.
+pub async fn when_room<F, Fut>(mut call: F) -> tonic::Streaming<v1::AgentStreamEvent>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<
+            Output = Result<tonic::Response<tonic::Streaming<v1::AgentStreamEvent>>, tonic::Status>,
+        >,
+{
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        match call().await {
+            Ok(response) => return response.into_inner(),
+            Err(status)
+                if status.code() == tonic::Code::ResourceExhausted
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+}
