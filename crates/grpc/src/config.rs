@@ -129,6 +129,10 @@ pub struct ServerSettings {
     pub max_connections: usize,
     /// Most connections still handshaking at once.
     pub max_handshaking_connections: usize,
+    /// Most connections open at once from one IP address (at most `max_connections`
+    /// count); past it, a new one from that address is closed at once. Zero: no bound
+    /// of its own.
+    pub max_connections_per_ip: usize,
     /// A connection older than this is asked to go (HTTP/2 GOAWAY): calls in flight on it
     /// finish, new ones go to a new connection, which a load balancer may send to another
     /// replica. Zero (the default) keeps connections as long as their client does.
@@ -241,6 +245,7 @@ impl Default for ServerSettings {
             handshake_timeout: Duration::from_secs(10),
             max_connections: 10_000,
             max_handshaking_connections: 512,
+            max_connections_per_ip: 1000,
             max_connection_age: Duration::ZERO,
             metrics_listen: None,
             health_listen: None,
@@ -305,6 +310,9 @@ pub struct ServerArgs {
     /// Most connections still handshaking at once.
     #[arg(long, value_name = "N")]
     pub max_handshaking_connections: Option<usize>,
+    /// Most connections open at once from one IP address; 0: no bound of its own.
+    #[arg(long, value_name = "N")]
+    pub max_connections_per_ip: Option<usize>,
     /// Ask connections older than this to go (GOAWAY), e.g. `5m`; `0s`: never.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub max_connection_age: Option<Duration>,
@@ -353,6 +361,10 @@ impl ServerArgs {
         override_with(
             &mut settings.max_handshaking_connections,
             self.max_handshaking_connections,
+        );
+        override_with(
+            &mut settings.max_connections_per_ip,
+            self.max_connections_per_ip,
         );
         override_with(&mut settings.max_connection_age, self.max_connection_age);
         if self.metrics_listen.is_some() {

@@ -194,6 +194,7 @@ impl GrpcServer {
             handshake_timeout: self.settings.handshake_timeout,
             max_connections,
             max_handshaking: max_connections / 4,
+            max_per_ip: max_connections,
             preface: true,
         };
         if let Some(health_addr) = self.settings.health_listen {
@@ -309,6 +310,10 @@ impl GrpcServer {
             handshake_timeout: self.settings.handshake_timeout,
             max_connections: self.settings.max_connections,
             max_handshaking: self.settings.max_handshaking_connections,
+            max_per_ip: match self.settings.max_connections_per_ip {
+                0 => usize::MAX,
+                most => most,
+            },
             preface: true,
         }
         .within_descriptor_limit("grpc", listener::RESERVED_DESCRIPTORS);
@@ -316,6 +321,7 @@ impl GrpcServer {
             service = self.name,
             max_connections = limits.max_connections,
             max_handshaking = limits.max_handshaking,
+            max_connections_per_ip = limits.max_per_ip.min(limits.max_connections),
             handshake_timeout = ?limits.handshake_timeout,
             "connection limits"
         );

@@ -7,13 +7,16 @@
 //! wait in the kernel's backlog instead of costing the process a descriptor. The limit is
 //! clamped below the process's descriptor limit, leaving room for everything else the
 //! process opens (the health and metrics ports, the shared store, outgoing calls), so
-//! that a flood on the gRPC port cannot starve them.
+//! that a flood on the gRPC port cannot starve them. One address takes at most its share
+//! of the connections (`server.max_connections_per_ip`).
 
 use std::{
+    collections::HashMap,
     future::Future,
     io,
+    net::IpAddr,
     pin::Pin,
-    sync::Arc,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
     task::{Context, Poll},
     time::{Duration, Instant},
 };
@@ -68,6 +71,9 @@ pub(crate) struct Limits {
     pub max_connections: usize,
     /// Connections still handshaking at once.
     pub max_handshaking: usize,
+    /// Connections open at once from one IP address (with the others, at most
+    /// `max_connections`); past it, a new one from that address is closed at once.
+    pub max_per_ip: usize,
     /// Whether the handshake waits for the HTTP/2 client preface (gRPC ports).
     pub preface: bool,
 }
@@ -127,6 +133,10 @@ pub(crate) trait Listen: Send + 'static {
     type Conn: Send + 'static;
     /// Accepts the next connection.
     fn accept(&mut self) -> impl Future<Output = io::Result<Self::Conn>> + Send;
+    /// The address a connection comes from, when known.
+    fn peer(_conn: &Self::Conn) -> Option<IpAddr> {
+        None
+    }
 }
 
 impl Listen for TcpListener {
@@ -137,7 +147,52 @@ impl Listen for TcpListener {
         stream.set_nodelay(true)?;
         Ok(stream)
     }
+
+    fn peer(conn: &TcpStream) -> Option<IpAddr> {
+        conn.peer_addr().ok().map(|addr| addr.ip())
+    }
 }
+
+/// The connections open from each address, as [`admit`] counts them.
+#[derive(Debug, Default)]
+struct PerIp(Mutex<HashMap<IpAddr, usize>>);
+
+impl PerIp {
+    fn lock(&self) -> MutexGuard<'_, HashMap<IpAddr, usize>> {
+        // Each critical section leaves the map consistent before anything can panic.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A connection from `ip`, unless `most` are open from it already.
+    fn take(self: &Arc<Self>, ip: IpAddr, most: usize) -> Option<IpSlot> {
+        let mut open = self.lock();
+        let count = open.entry(ip).or_insert(0);
+        if *count >= most {
+            return None;
+        }
+        *count += 1;
+        Some(IpSlot(self.clone(), ip))
+    }
+}
+
+/// One connection counted against its address until dropped.
+#[derive(Debug)]
+pub(crate) struct IpSlot(Arc<PerIp>, IpAddr);
+
+impl Drop for IpSlot {
+    fn drop(&mut self) {
+        let mut open = self.0.lock();
+        if let Some(count) = open.get_mut(&self.1) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// How often, at most, connections refused for their address are logged.
+const REFUSED_WARNING_EVERY: Duration = Duration::from_secs(10);
 
 /// Accepts connections from `listener` within `limits` until `stop` is cancelled (the
 /// listener is then closed), running `handshake` (TLS, or nothing) on each and then
@@ -160,9 +215,11 @@ where
     let (admitted, incoming) = mpsc::channel(64);
     let connections = Arc::new(Semaphore::new(limits.max_connections));
     let handshaking = Arc::new(Semaphore::new(limits.max_handshaking));
+    let per_ip = Arc::new(PerIp::default());
     let handshake = Arc::new(handshake);
     tokio::spawn(async move {
         let mut backoff = Backoff::new(port);
+        let (mut refused, mut warned) = (0_u64, None::<Instant>);
         loop {
             let slots = async {
                 let connection = connections.clone().acquire_owned().await.ok()?;
@@ -195,6 +252,31 @@ where
                     }
                 },
             };
+            // One address may not take every slot: past its share, a new connection from
+            // it is closed at once (its client sees the connection fail, and retries).
+            let ip_slot = match L::peer(&conn) {
+                Some(ip) if limits.max_per_ip < limits.max_connections => {
+                    match per_ip.take(ip, limits.max_per_ip) {
+                        Some(ip_slot) => Some(ip_slot),
+                        None => {
+                            drop(conn);
+                            refused += 1;
+                            if warned.is_none_or(|at| at.elapsed() >= REFUSED_WARNING_EVERY) {
+                                warn!(
+                                    port,
+                                    %ip,
+                                    refused,
+                                    max_connections_per_ip = limits.max_per_ip,
+                                    "connections refused: their address has its most open"
+                                );
+                                (refused, warned) = (0, Some(Instant::now()));
+                            }
+                            continue;
+                        }
+                    }
+                }
+                _ => None,
+            };
             let handshake = handshake.clone();
             let admitted = admitted.clone();
             tokio::spawn(async move {
@@ -217,6 +299,7 @@ where
                                 preface,
                                 replayed: 0,
                                 _slot: slot,
+                                _ip_slot: ip_slot,
                             }))
                             .await;
                     }
@@ -306,6 +389,7 @@ pub(crate) struct Admitted<IO> {
     preface: Vec<u8>,
     replayed: usize,
     _slot: OwnedSemaphorePermit,
+    _ip_slot: Option<IpSlot>,
 }
 
 impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Admitted<IO> {
@@ -395,16 +479,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_preface_without_its_settings_frame_is_closed_at_the_handshake_timeout() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        let _incoming = admit(
-            "test",
-            listener,
-            limits(true),
-            |conn: TcpStream| async move { Ok(conn) },
-            stop.clone(),
-        );
+        let (addr, _incoming, stop) = accepting(limits(true)).await;
         // The 24 bytes alone, and the 24 bytes with a frame that is not SETTINGS.
         for sent in [
             &PREFACE[..PREFACE_LEN],
@@ -421,13 +496,68 @@ mod tests {
         stop.cancel();
     }
 
+    /// A TCP port on localhost accepting within `limits`: its address, what it admits, and
+    /// what stops it.
+    async fn accepting(
+        limits: Limits,
+    ) -> (
+        std::net::SocketAddr,
+        ReceiverStream<io::Result<Admitted<TcpStream>>>,
+        CancellationToken,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let incoming = admit(
+            "test",
+            listener,
+            limits,
+            |conn: TcpStream| async move { Ok(conn) },
+            stop.clone(),
+        );
+        (addr, incoming, stop)
+    }
+
     fn limits(preface: bool) -> Limits {
         Limits {
             handshake_timeout: Duration::from_millis(300),
             max_connections: 4,
             max_handshaking: 2,
+            max_per_ip: 4,
             preface,
         }
+    }
+
+    #[tokio::test]
+    async fn one_address_takes_at_most_its_share_of_the_connections() {
+        let (addr, mut incoming, stop) = accepting(Limits {
+            max_per_ip: 2,
+            ..limits(true)
+        })
+        .await;
+        let connect = || async {
+            let mut client = TcpStream::connect(addr).await.unwrap();
+            client.write_all(PREFACE).await.unwrap();
+            client
+        };
+        let _clients = (connect().await, connect().await);
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(incoming.next().await.unwrap().unwrap());
+        }
+        // A third from the same address is closed at once, though slots are free.
+        let mut third = connect().await;
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), third.read(&mut byte))
+            .await
+            .expect("the server closes a connection past its address's share");
+        assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        // One closed, the address may open another.
+        held.pop();
+        let _fourth = connect().await;
+        let admitted = tokio::time::timeout(Duration::from_secs(5), incoming.next()).await;
+        assert!(matches!(admitted, Ok(Some(Ok(_)))));
+        stop.cancel();
     }
 
     #[tokio::test]
@@ -450,16 +580,7 @@ mod tests {
 
     #[tokio::test]
     async fn connections_past_the_limits_wait_and_silent_ones_are_closed() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let stop = CancellationToken::new();
-        let mut incoming = admit(
-            "test",
-            listener,
-            limits(true),
-            |conn: TcpStream| async move { Ok(conn) },
-            stop.clone(),
-        );
+        let (addr, mut incoming, stop) = accepting(limits(true)).await;
 
         // Two silent connections fill the handshaking slots: a third that sends its
         // preface at once is not admitted until the silent ones time out.
