@@ -353,7 +353,7 @@ pub async fn serve(
 /// OpenAI's shape; `created` is 0, as in the answers, for they are the same at every start.
 async fn models(State(sim): State<Arc<Simulator>>) -> Json<Value> {
     let mut names: BTreeSet<&str> = sim.scenarios.scenarios.keys().map(String::as_str).collect();
-    names.insert("demo");
+    names.insert(scenario::DEMO);
     let data: Vec<Value> = names
         .iter()
         .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "simulator"}))
@@ -470,7 +470,7 @@ async fn chat_completions(
     }
     let turn = match scenario {
         Some(scenario) => scenario.turn(&conversation),
-        None if model == "demo" => scenario::demo(&conversation),
+        None if model == scenario::DEMO => scenario::demo(&conversation),
         None => {
             return error_response(
                 404,

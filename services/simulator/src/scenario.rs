@@ -364,7 +364,8 @@ pub struct Conversation {
     /// Names of the tools offered; with the ReAct text protocol, those the system prompt
     /// lists (`Action: the tool to use, one of [a, b]`).
     pub tools: Vec<String>,
-    /// The parameters of the tools offered that have them (JSON Schema text), by name.
+    /// The parameters of the tools offered that have them (JSON Schema text), by name;
+    /// read for the [`DEMO`] model only.
     pub parameters: HashMap<String, String>,
     /// Whether the request uses the ReAct text protocol (no tools offered, and the
     /// system prompt describes `Action Input:`).
@@ -407,15 +408,21 @@ impl Conversation {
             .iter()
             .filter_map(|t| t.function.as_ref()?.name.as_deref().map(str::to_owned))
             .collect();
-        let parameters = request
-            .tools
-            .iter()
-            .filter_map(|t| {
-                let function = t.function.as_ref()?;
-                let parameters = function.parameters?.get().to_owned();
-                Some((function.name.as_deref()?.to_owned(), parameters))
-            })
-            .collect();
+        // Only the `demo` model reads them: a scripted one is not made to copy every
+        // tool's schema (the benchmarks send one with each request).
+        let parameters = if request.model == DEMO {
+            request
+                .tools
+                .iter()
+                .filter_map(|t| {
+                    let function = t.function.as_ref()?;
+                    let parameters = function.parameters?.get().to_owned();
+                    Some((function.name.as_deref()?.to_owned(), parameters))
+                })
+                .collect()
+        } else {
+            HashMap::new()
+        };
         let system = messages
             .iter()
             .find(|m| role(m) == "system")
@@ -545,6 +552,9 @@ pub fn demo(conversation: &Conversation) -> Turn {
         },
     }
 }
+
+/// The name of the built-in model [`demo`] plays.
+pub const DEMO: &str = "demo";
 
 /// The call the `demo` model makes for the query, if any (see [`demo`]).
 fn demo_call(conversation: &Conversation) -> Option<ScriptedCall> {
@@ -850,9 +860,8 @@ mod tests {
                 "type": "object", "properties": {"n": {"type": "integer"}},
                 "required": ["n"]}}}]);
         let ask = |query: &str| {
-            demo(&conversation(
-                &json!({"messages": [{"role": "user", "content": query}], "tools": tools}),
-            ))
+            demo(&conversation(&json!({"model": "demo",
+                "messages": [{"role": "user", "content": query}], "tools": tools})))
             .tool_calls[0]
                 .arguments
                 .clone()
