@@ -588,11 +588,12 @@ return -1
 
 /// Reads an engine and extends its life, in the sets too: `KEYS[1]` the engine, `KEYS[2]`
 /// the set of all; `ARGV`: id, time to live (ms), prefix of principals' sets, `1` when only
-/// an engine of principal `ARGV[5]` is wanted (another's is neither read nor extended).
+/// an engine of principal `ARGV[5]` is wanted (another's is neither read nor extended, and
+/// answered as `''`). Nothing when there is none.
 const ENGINE_GET: &str = r"
 local json = redis.call('GET', KEYS[1])
 if not json then return false end
-if ARGV[4] == '1' and principal_of(json) ~= ARGV[5] then return false end
+if ARGV[4] == '1' and principal_of(json) ~= ARGV[5] then return '' end
 local ttl = tonumber(ARGV[2])
 local expires = now_ms() + ttl
 redis.call('PEXPIRE', KEYS[1], ttl)
@@ -670,12 +671,13 @@ impl EngineStore for RedisEngines {
             .await
             .map_err(|e| shared.unavailable(&e))?;
         let Some(json) = json else {
-            // Gone, or another principal's (which stays parsed for its owner).
-            if owner.is_none() {
-                self.parsed().remove(id);
-            }
+            self.parsed().remove(id);
             return Ok(None);
         };
+        // Another principal's: it stays parsed for its owner.
+        if json.is_empty() {
+            return Ok(None);
+        }
         let mut engine = self.parse(id, json)?;
         engine.expire_time = SystemTime::now() + ttl;
         Ok(Some(engine))
