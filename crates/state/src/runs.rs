@@ -463,6 +463,10 @@ struct Inner {
     ended: HashMap<String, Ended>,
     /// What the records of `ended` weigh, all together.
     ended_bytes: usize,
+    /// When the first of `ended` ended (the earliest of the principals' first): until the
+    /// retention has passed since, and within the budget, nothing is to be forgotten, and
+    /// the principals are not looked at.
+    first_end: Option<Instant>,
     /// The leases of running and waiting runs.
     leases: Leases,
     /// What continuing each running run needs.
@@ -907,6 +911,12 @@ impl Inner {
     /// keys, and a retry would run its turn again).
     fn expire(&mut self, retention: RunRetention) {
         let now = Instant::now();
+        let out_of_time = self
+            .first_end
+            .is_some_and(|first| now.duration_since(first) >= retention.ended);
+        if !out_of_time && self.ended_bytes <= retention.max_bytes {
+            return;
+        }
         let mut gone = Vec::new();
         for ended in self.ended.values_mut() {
             while let Some((at, _, _)) = ended.runs.front()
@@ -930,10 +940,12 @@ impl Inner {
             self.ended_bytes = self.ended_bytes.saturating_sub(bytes);
             gone.push(run_id);
         }
-        if gone.is_empty() {
-            return;
-        }
         self.ended.retain(|_, ended| !ended.runs.is_empty());
+        self.first_end = self
+            .ended
+            .values()
+            .filter_map(|ended| ended.runs.front().map(|(at, _, _)| *at))
+            .min();
         for run_id in gone {
             if let Some(record) = self.records.remove(&run_id) {
                 self.waits.remove(&run_id);
@@ -1181,9 +1193,9 @@ impl RunStore for MemoryRunStore {
                     .entry(crate::principal_of(&record.session_id).to_owned())
                     .or_default();
                 ended.bytes += bytes;
-                ended
-                    .runs
-                    .push_back((Instant::now(), record.run_id.clone(), bytes));
+                let now = Instant::now();
+                ended.runs.push_back((now, record.run_id.clone(), bytes));
+                inner.first_end = inner.first_end.or(Some(now));
                 inner.expire(self.retention);
             }
             Ok(())
