@@ -532,7 +532,6 @@ impl AgentEngine for AgentEngineImpl {
             .get(&request.engine_id, tenancy::owner_filter(&caller))
             .await
             .map_err(Error::from)?
-            .filter(|engine| tenancy::may_act(&caller, &engine.session_id))
             .ok_or_else(unknown)?;
         let session = tenancy::client_session(&engine.session_id);
         if !request.session_id.is_empty() && request.session_id != session {

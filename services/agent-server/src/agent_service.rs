@@ -105,14 +105,11 @@ impl AgentServiceImpl {
                 "required",
             )]));
         }
-        let unknown = || Error::EngineNotFound(engine_id.to_owned());
-        let engine = self
-            .engines
+        // The store finds only an engine the caller may see.
+        self.engines
             .get(engine_id, tenancy::owner_filter(caller))
             .await?
-            .ok_or_else(unknown)?;
-        let key = engine.session_id.clone();
-        tenancy::visible(caller, &key, engine, unknown)
+            .ok_or_else(|| Error::EngineNotFound(engine_id.to_owned()))
     }
 }
 
