@@ -41,14 +41,19 @@ fn bound_references(references: &mut Vec<Reference>, max_output_bytes: usize) {
 pub(crate) fn to_output(result: CallToolResult, tool: &str, max_output_bytes: usize) -> ToolOutput {
     let mut text = String::new();
     let mut references = Vec::new();
+    // Past `max_output_bytes`, text is no longer kept; the references of later blocks
+    // still are (they have a budget of their own).
     let push = |line: &str, text: &mut String| {
+        if text.len() > max_output_bytes {
+            return;
+        }
         if !text.is_empty() {
             text.push('\n');
         }
         text.push_str(line);
     };
     for block in result.content {
-        if text.len() > max_output_bytes {
+        if text.len() > max_output_bytes && references.len() >= MAX_REFERENCES {
             break;
         }
         match block {
@@ -219,6 +224,28 @@ mod tests {
             assert_eq!(reference.title.len(), MAX_LABEL_BYTES);
             assert_eq!(reference.url.len(), MAX_LABEL_BYTES);
         }
+    }
+
+    #[test]
+    fn links_after_text_past_the_bound_are_still_references() {
+        let out = to_output(
+            result(json!({
+                "content": [
+                    {"type": "text", "text": "A".repeat(2000)},
+                    {"type": "resource_link", "uri": "https://example.com/x", "name": "x"},
+                    {"type": "resource", "resource": {"uri": "file:///y", "text": "why"}},
+                ],
+            })),
+            "t",
+            1024,
+        );
+        assert!(
+            out.text.ends_with("A\n[output truncated at 1024 bytes]"),
+            "{}",
+            out.text
+        );
+        let urls: Vec<&str> = out.references.iter().map(|r| r.url.as_str()).collect();
+        assert_eq!(urls, ["https://example.com/x", "file:///y"]);
     }
 
     #[test]

@@ -537,6 +537,8 @@ impl Toolset for McpToolset {
             }
         };
         in_flight.finished();
+        // Counted no more when the probe asks what else is in flight.
+        drop(in_flight);
         let offered = offered_name(shared.name(), tool);
         match outcome {
             Err(_) => {
@@ -902,7 +904,7 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
         .peer()
         .set_response_cache_config(ClientCacheConfig::disabled())
         .await;
-    let tools = list_tools(shared, service.peer()).await?;
+    let tools = list_tools(shared, service.peer(), false).await?;
     install(shared, service.peer().clone(), tools);
     Ok(Connection { service, child })
 }
@@ -927,6 +929,7 @@ impl From<Unlisted> for String {
 async fn list_tools(
     shared: &Shared,
     peer: &Peer<RoleClient>,
+    again: bool,
 ) -> std::result::Result<Vec<ListedTool>, Unlisted> {
     let name = shared.name();
     let mut tools = Vec::new();
@@ -951,8 +954,17 @@ async fn list_tools(
         let params = PaginatedRequestParams::default().with_cursor(cursor);
         let page = match peer.list_tools(Some(params)).await {
             Ok(page) => page,
-            // A later page the server refuses (its cursor expired, an error of its own)
-            // leaves the tools of the pages before it listed, not none of the server's.
+            // On a list asked for again, a later page the server refuses (its cursor
+            // unknown to a server restarted since the first page, an error of its own)
+            // keeps the list it had: tools of later pages do not go missing for a while.
+            Err(ServiceError::McpError(error)) if pages > 1 && again => {
+                return Err(Unlisted {
+                    reason: format!("`tools/list` refused page {pages}: {}", error.message),
+                    answered: true,
+                });
+            }
+            // The first list of a connection: a later page the server refuses leaves the
+            // tools of the pages before it listed, not none of the server's.
             Err(ServiceError::McpError(error)) if pages > 1 => {
                 warn!(
                     page = pages,
@@ -1128,6 +1140,8 @@ struct InFlight<'a> {
 /// as a call that timed out has: a server that stopped answering is otherwise never
 /// found out, its every call ending at its caller's deadline.
 const PROBE_AFTER: Duration = Duration::from_secs(1);
+/// How often a probe put off while other calls are in flight looks again.
+const PROBE_PUT_OFF: Duration = Duration::from_millis(200);
 
 impl<'a> InFlight<'a> {
     fn new(calls: &'a AtomicUsize, probe: &'a Notify) -> Self {
@@ -1242,6 +1256,9 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
     let mut relist_again: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
     // When the tools were last listed again.
     let mut relisted: Option<Instant> = None;
+    // A probe asked for (since that time) and put off while other calls are in flight,
+    // looked at again at this time.
+    let mut probe_put_off: Option<(Instant, std::pin::Pin<Box<tokio::time::Sleep>>)> = None;
     let reason = loop {
         tokio::select! {
             () = stop.cancelled() => {
@@ -1276,7 +1293,7 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     continue;
                 }
                 let limit = shared.config.connect_timeout;
-                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
+                match tokio::time::timeout(limit, list_tools(shared, &peer, true)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
                     // It answered (an HTTP 429, a JSON-RPC error): it is there, and its
                     // session goes on; its list is asked for again at the next check.
@@ -1287,9 +1304,31 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                     Err(_) => break format!("the server did not answer `tools/list` within {limit:?}"),
                 }
             }
-            () = shared.probe.notified() => {
+            asked = async {
+                match probe_put_off.as_mut() {
+                    Some((asked, at)) => {
+                        at.await;
+                        *asked
+                    }
+                    None => {
+                        shared.probe.notified().await;
+                        Instant::now()
+                    }
+                }
+            } => {
+                probe_put_off = None;
+                // A server that serves a call at a time answers nothing else while it
+                // works on a long call: the probe waits for the calls in flight to end,
+                // at most for as long as one may take (the source's `timeout`), after
+                // which a server still silent is taken for a hung one.
+                if shared.calls.load(Ordering::Acquire) > 0
+                    && asked.elapsed() < shared.config.timeout
+                {
+                    probe_put_off = Some((asked, Box::pin(tokio::time::sleep(PROBE_PUT_OFF))));
+                    continue;
+                }
                 let limit = shared.config.connect_timeout;
-                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
+                match tokio::time::timeout(limit, list_tools(shared, &peer, true)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
                     Ok(Err(Unlisted { answered: true, .. })) => {}
                     Ok(Err(Unlisted { reason, .. })) => break format!("the server stopped answering: {reason}"),
@@ -1321,7 +1360,7 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
                 }
                 relisted = Some(Instant::now());
                 let limit = shared.config.connect_timeout;
-                match tokio::time::timeout(limit, list_tools(shared, &peer)).await {
+                match tokio::time::timeout(limit, list_tools(shared, &peer, true)).await {
                     Ok(Ok(tools)) => install(shared, peer.clone(), tools),
                     // Asked again until it answers: the list changed, and the catalogue
                     // would otherwise keep the old one until the next change.
@@ -1347,16 +1386,28 @@ async fn serve(shared: &Arc<Shared>, connection: Connection, stop: &Cancellation
     reason
 }
 
-/// Gives a child process [`EXIT_GRACE`] to exit after its stdin closed, then kills it;
-/// then kills what it left running.
+/// Stops a child process as MCP's stdio transport has it: its stdin closed, then (after
+/// [`EXIT_GRACE`]) SIGTERM to its group, then (after as long again) SIGKILL; then kills
+/// what it left running. A server that cleans up on SIGTERM (`docker run` stopping its
+/// container, say) gets to.
 async fn stop_child(process: &mut ServerProcess) {
-    let child = &mut process.child;
-    drop(child.stdin.take());
-    if tokio::time::timeout(EXIT_GRACE, child.wait())
+    drop(process.child.stdin.take());
+    if tokio::time::timeout(EXIT_GRACE, process.child.wait())
+        .await
+        .is_ok()
+    {
+        process.kill_group();
+        return;
+    }
+    if let Some(group) = process.group {
+        // Fails (ESRCH) when no process is left.
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::TERM);
+    }
+    if tokio::time::timeout(EXIT_GRACE, process.child.wait())
         .await
         .is_err()
     {
-        let _ = child.kill().await;
+        let _ = process.child.kill().await;
     }
     process.kill_group();
 }

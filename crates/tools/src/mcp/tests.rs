@@ -26,6 +26,14 @@ if mode == "helper":
         f.write(str(helper.pid))
     os.replace(os.path.join(state, "helper.tmp"), os.path.join(state, "helper"))
 
+if mode == "stubborn":
+    # Does not exit when its stdin closes; cleans up on SIGTERM.
+    import signal
+    def on_term(*_):
+        open(os.path.join(state, "terminated"), "w").close()
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+
 def send(msg):
     sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
@@ -92,7 +100,8 @@ for line in sys.stdin:
             cursor = 2 if mode == "unreadable" else "page-2"
             send({"jsonrpc": "2.0", "id": mid, "result": dict({
                 "tools": [tool("echo"), tool("slow")], "nextCursor": cursor}, **ttl)})
-        elif mode == "page-refused":
+        elif mode == "page-refused" or (mode == "page-refused-later" and extra):
+            open(os.path.join(state, "refused"), "w").close()
             send({"jsonrpc": "2.0", "id": mid, "error": {"code": -32602, "message": "Invalid cursor"}})
         else:
             tools = [tool("crash"), tool("change"), tool("fail"), tool("odd.name"), tool("meta")]
@@ -147,6 +156,13 @@ for line in sys.stdin:
                 "structuredContent": {"frames": 3}}})
         elif name == "slow":
             pass
+        elif name == "nap":
+            # Works for a while, answering nothing else meanwhile (as a server that
+            # serves a call at a time does).
+            import time
+            time.sleep(args["seconds"])
+            send({"jsonrpc": "2.0", "id": mid, "result": {
+                "content": [{"type": "text", "text": "done"}]}})
         elif name == "hang":
             # Stops answering anything at all.
             import time
@@ -164,6 +180,10 @@ for line in sys.stdin:
             f.write(json.dumps(params) + "\n")
     elif method == "ping" and mid is not None:
         send({"jsonrpc": "2.0", "id": mid, "result": {}})
+if mode == "stubborn":
+    import time
+    while True:
+        time.sleep(1)
 "#;
 
 struct Fake {
@@ -344,6 +364,27 @@ async fn unreadable_tools_and_refused_pages_leave_out_only_themselves() {
         .await
         .unwrap();
     assert_eq!(names(&toolset).await, ["fake__echo", "fake__slow"]);
+}
+
+#[tokio::test]
+async fn a_page_refused_on_a_later_list_keeps_the_list_before() {
+    let fake = Fake::new("page-refused-later");
+    let toolset = McpToolset::start(fake.config("page-refused-later"), Changes::new())
+        .await
+        .unwrap();
+    assert_eq!(names(&toolset).await, GOOD_TOOLS);
+    // Announces a change; its second page is refused from then on.
+    let out = toolset
+        .call("change", json!({}), &ToolContext::default())
+        .await
+        .unwrap();
+    assert!(!out.is_error, "{}", out.text);
+    eventually("the second page refused", || {
+        fake.dir.join("refused").exists()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(names(&toolset).await, GOOD_TOOLS);
 }
 
 #[tokio::test]
@@ -579,6 +620,18 @@ async fn what_a_server_started_stops_with_it() {
     assert!(alive(second));
     toolset.shutdown().await;
     eventually("the helper to stop with the toolset", || !alive(second)).await;
+}
+
+#[tokio::test]
+async fn a_server_that_outlives_its_stdin_is_sent_sigterm_before_it_is_killed() {
+    let fake = Fake::new("stubborn");
+    let toolset = McpToolset::start(fake.config("stubborn"), Changes::new())
+        .await
+        .unwrap();
+    let pid = fake.pid();
+    toolset.shutdown().await;
+    assert!(fake.dir.join("terminated").exists(), "no SIGTERM");
+    assert!(!alive(pid));
 }
 
 #[tokio::test]
@@ -1168,6 +1221,43 @@ fn a_chattering_server_is_logged_within_a_budget_that_says_what_it_left_out() {
     assert_eq!(budget.take(later), Some(10_000 - u64::from(STDERR_BURST)));
     let more = (0..100).filter(|_| budget.take(later).is_some()).count();
     assert_eq!(more, STDERR_PER_SECOND as usize - 1);
+}
+
+/// A server that serves a call at a time is not taken for a hung one while it works on a
+/// long call.
+#[tokio::test]
+async fn a_call_given_up_on_does_not_cut_a_long_one_on_a_server_that_serves_one_at_a_time() {
+    let fake = Fake::new("stdio-serial");
+    let mut config = fake.config("good");
+    config.timeout = Duration::from_secs(30);
+    config.connect_timeout = Duration::from_secs(1);
+    let toolset = McpToolset::start(config, Changes::new()).await.unwrap();
+    let first = fake.pid();
+    let connection = toolset.shared.state.read().unwrap().connection;
+    let context = ToolContext::default();
+    // Works for 4 s; meanwhile another call is given up on (its caller's deadline) past
+    // the time that has the server probed, and the probe would wait behind the long call
+    // for longer than `connect_timeout`.
+    let long = toolset.call("nap", json!({"seconds": 4}), &context);
+    let given_up = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let dropped = tokio::time::timeout(
+            PROBE_AFTER + Duration::from_millis(300),
+            toolset.call("slow", json!({}), &context),
+        )
+        .await;
+        assert!(dropped.is_err(), "{dropped:?}");
+    };
+    let (out, ()) = tokio::join!(long, given_up);
+    let out = out.unwrap();
+    assert!(!out.is_error, "{}", out.text);
+    assert_eq!(out.text, "done");
+    // Probed once the long call ended: answered, nothing started again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(toolset.is_connected());
+    assert_eq!(toolset.shared.state.read().unwrap().connection, connection);
+    assert_eq!(fake.pid(), first);
+    toolset.shutdown().await;
 }
 
 /// A stdio server that stops answering altogether (not merely slow on one call) is found
