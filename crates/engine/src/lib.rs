@@ -1358,11 +1358,13 @@ impl Engine {
                     ));
                 }
                 let cut_short = finish == FinishReason::Length;
-                if cut_short
-                    && let Some(call) = calls
-                        .iter()
-                        .find(|call| parse_arguments(&call.arguments).is_err())
-                {
+                // The last call cut right after its name has no arguments yet (a call
+                // that takes none is sent with `{}`).
+                let cut_call = |(index, call): &(usize, &ModelToolCall)| {
+                    parse_arguments(&call.arguments).is_err()
+                        || (index + 1 == calls.len() && call.arguments.trim().is_empty())
+                };
+                if cut_short && let Some((_, call)) = calls.iter().enumerate().find(cut_call) {
                     // Cut off inside a call's arguments: not the model's mistake to show it,
                     // and the next round would be cut the same way.
                     return Err(Outcome::Failed(

@@ -1712,6 +1712,25 @@ async fn a_reply_cut_at_max_tokens_inside_a_calls_arguments_ends_the_run_so() {
         record.steps.iter().all(|s| s.tool_calls.is_empty()),
         "nothing ran"
     );
+    // Cut right after the last call's name: no arguments yet, not `{}`.
+    let (data, record) = failed_round(vec![
+        call("c1", "list", "{}"),
+        call("c2", "write", ""),
+        ChatDelta::Finish {
+            reason: FinishReason::Length,
+            usage: None,
+        },
+    ])
+    .await;
+    assert_eq!(data["code"], "MODEL_MAX_TOKENS", "{data}");
+    assert!(
+        data["message"].as_str().unwrap().contains("\"write\""),
+        "{data}"
+    );
+    assert!(
+        record.steps.iter().all(|s| s.tool_calls.is_empty()),
+        "nothing ran"
+    );
 }
 
 #[tokio::test]

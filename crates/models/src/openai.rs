@@ -455,6 +455,13 @@ impl OpenAiChat {
         match content_type {
             Some(kind) if !is_event_stream(kind) => {
                 let (text, _) = read_bounded(body, self.limits.max_error_body_bytes).await;
+                // A gateway's error sent with a 200 (`{"error": {...}}`) is that error: a
+                // rate limit or an overloaded server is then tried again as its status is.
+                if let Ok(value) = serde_json::from_str::<Value>(text.trim())
+                    && value["error"].is_object()
+                {
+                    return Err(in_stream_error(&value["error"]));
+                }
                 let shown: String = text.trim().chars().take(300).collect();
                 Err(ModelError::InvalidResponse(format!(
                     "{} answered POST {} with {status} and content-type {kind:?}, not an \
@@ -1770,7 +1777,12 @@ struct Assembler {
 /// The HTTP status an error object sent in the stream stands for, when it says one: its
 /// `code` as a status, or a code or type that names a rate limit or an overloaded server.
 fn in_stream_status(error: &Value) -> Option<u16> {
-    if let Some(code) = error["code"].as_u64().and_then(|c| u16::try_from(c).ok())
+    // A number, or a number written as a string (as LiteLLM writes it: `"429"`).
+    let code = error["code"]
+        .as_u64()
+        .and_then(|c| u16::try_from(c).ok())
+        .or_else(|| error["code"].as_str()?.trim().parse().ok());
+    if let Some(code) = code
         && (400..600).contains(&code)
     {
         return Some(code);
@@ -1963,7 +1975,9 @@ impl Assembler {
             }
         }
         if let Some(reason) = choice.finish_reason.filter(|r| !r.is_empty()) {
-            self.finish = Some(match reason.as_ref() {
+            // Read whatever the case: gateways pass Gemini's own (`MAX_TOKENS`, `SAFETY`)
+            // through.
+            self.finish = Some(match reason.to_ascii_lowercase().as_str() {
                 // With the words other servers use for the same (TGI, Anthropic-style
                 // proxies, vLLM).
                 "stop" | "eos" | "eos_token" | "end_turn" | "stop_sequence" => FinishReason::Stop,
@@ -2633,6 +2647,10 @@ mod tests {
             ("abort", None),
             ("eos_token", Some(FinishReason::Stop)),
             ("max_tokens", Some(FinishReason::Length)),
+            // Gemini's own, as gateways pass them through.
+            ("MAX_TOKENS", Some(FinishReason::Length)),
+            ("SAFETY", Some(FinishReason::ContentFilter)),
+            ("STOP", Some(FinishReason::Stop)),
             ("tool_use", Some(FinishReason::ToolCalls)),
             ("something_new", Some(FinishReason::Unknown)),
         ] {
@@ -3061,6 +3079,8 @@ mod tests {
                 503,
             ),
             (r#"{"message": "oops", "code": 502}"#, 502),
+            // As LiteLLM writes its codes.
+            (r#"{"message": "slow down", "code": "429"}"#, 429),
         ] {
             let deltas = run(&format!("data: {{\"error\": {error}}}\n\n")).await;
             assert!(

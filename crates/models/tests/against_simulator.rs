@@ -722,6 +722,7 @@ async fn dishonest_answers_are_errors_and_honest_ones_pass() {
             "torn": {"turns": [{"content": "ok", "unterminated_last_line": true, "omit_usage": true}]},
             "torn-after-usage": {"turns": [{"content": "ok", "unterminated_last_line": true}]},
             "json": {"turns": [{"plain_body": "{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}"}]},
+            "json-error": {"turns": [{"plain_body": "{\"error\": {\"message\": \"no such model\", \"code\": 404}}"}]},
             "html": {"turns": [{"plain_body": "<html>gateway</html>", "plain_content_type": "text/html"}]},
             "capped": {"turns": [{"content": "cut sho", "finish_reason": "length"}]},
             "no-usage": {"turns": [{"content": "ok", "omit_usage": true}]},
@@ -748,6 +749,12 @@ async fn dishonest_answers_are_errors_and_honest_ones_pass() {
             );
             assert!(!err.is_retryable());
         }
+        // A gateway's error sent with a 200 is that error.
+        let err = collect(&model, request("json-error")).await.unwrap_err();
+        assert!(
+            matches!(&err, ModelError::Http { status: 404, message, .. } if message.contains("no such model")),
+            "{err:?}"
+        );
         let deltas = collect(&model, request("capped")).await.unwrap();
         assert!(
             matches!(
