@@ -487,6 +487,13 @@ impl RunManager {
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
+        // Taken as this replica began to hand its runs over (after it looked for them):
+        // let go at once, for the others, not left to lapse.
+        if self.draining.is_cancelled() {
+            drop(resuming);
+            self.let_go_now(Lease { run_id, token }).await;
+            return Ok(false);
+        }
         let charge = Charge {
             principal: agentrt_state::principal_of(&taken.record.session_id).to_owned(),
             bytes: taken.record.query.len(),
@@ -626,6 +633,17 @@ impl RunManager {
                 took = ?started.elapsed(),
                 "runs handed over to the other replicas"
             );
+        }
+    }
+
+    /// Lets `lease` go at once, for another replica to take its run over.
+    async fn let_go_now(&self, lease: Lease) {
+        let run_id = lease.run_id.clone();
+        match self.store.release(&[lease]).await {
+            Ok(()) => Metrics::global().runs_handed_over(1),
+            Err(error) => {
+                warn!(%run_id, %error, "cannot hand a run over: it is taken over when its lease lapses");
+            }
         }
     }
 
@@ -828,6 +846,8 @@ impl RunManager {
         // Said when the task ends, or is dropped (the runtime shutting down).
         let done = EndOnDrop(ended.clone());
         let task_control = control.clone();
+        // Empty (nothing held) unless runs are taken over.
+        let task_token = token.clone();
         self.lock().insert(
             run_id.to_owned(),
             LocalRun {
@@ -861,6 +881,20 @@ impl RunManager {
                 if outcome.is_err() {
                     error!(run_id = %task_run_id, "the run panicked");
                     manager.record_panic(&task_run_id).await;
+                }
+                // Let go as this replica hands its runs over, maybe after the hand-over
+                // last looked (spawned as it began): its lease goes now, not when it
+                // lapses. (Let go twice, the second time does nothing.)
+                if !waits
+                    && task_control.is_let_go()
+                    && manager.draining.is_cancelled()
+                    && manager.limits.takeover_after.is_some()
+                {
+                    let lease = Lease {
+                        run_id: task_run_id.clone(),
+                        token: task_token,
+                    };
+                    manager.let_go_now(lease).await;
                 }
                 manager.run_ended(&task_run_id, &task_control, waits);
                 manager.release(&charge);
@@ -1501,6 +1535,8 @@ mod tests {
         inner: Arc<MemoryRunStore>,
         stall: Duration,
         lapsed_after_take_over: Mutex<Option<Vec<String>>>,
+        /// When given, a take-over answers only once a permit is added.
+        gate: Option<tokio::sync::Semaphore>,
     }
 
     #[async_trait::async_trait]
@@ -1552,6 +1588,9 @@ mod tests {
             token: &str,
         ) -> agentrt_state::StateResult<Option<Resumable>> {
             let taken = self.inner.take_over(run_id, token).await;
+            if let Some(gate) = &self.gate {
+                let _ = gate.acquire().await;
+            }
             std::thread::sleep(self.stall);
             let lapsed = self.inner.lapsed(10).await?;
             *self
@@ -1690,6 +1729,7 @@ mod tests {
             inner: inner.clone(),
             stall: lease * 4,
             lapsed_after_take_over: Mutex::new(None),
+            gate: None,
         });
         let engine = Engine::new(
             agentrt_models::ChatModels::default(),
@@ -1728,6 +1768,58 @@ mod tests {
             lapsed,
             Vec::<String>::new(),
             "the lease of the run taken over was renewed while the runtime could not read the take-over's answer"
+        );
+        drop(manager);
+    }
+
+    /// A run whose take-over ends after this replica began to hand its runs over (and
+    /// found none) is let go at once, not left to lapse.
+    #[tokio::test]
+    async fn a_run_taken_over_as_the_hand_over_began_is_let_go_at_once() {
+        let lease = Duration::from_secs(1);
+        let inner = store(lease);
+        owned_run(&inner, "r1", "gone.1").await;
+        tokio::time::sleep(lease + Duration::from_millis(100)).await;
+        assert_eq!(inner.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
+
+        let store = Arc::new(SlowTakeOver {
+            inner: inner.clone(),
+            stall: Duration::ZERO,
+            lapsed_after_take_over: Mutex::new(None),
+            gate: Some(tokio::sync::Semaphore::new(0)),
+        });
+        let engine = Engine::new(
+            agentrt_models::ChatModels::default(),
+            Arc::new(NoTools),
+            Arc::new(InMemorySessionStore::new(
+                agentrt_context::SessionLimits::default(),
+            )),
+        );
+        let manager = RunManager::new(
+            engine,
+            Arc::new(InMemoryBus::new(agentrt_events::BusLimits::default())),
+            store.clone(),
+            RunLimits {
+                max_active: 10,
+                takeover_after: Some(lease),
+                lease,
+                max_active_per_principal: 10,
+                max_active_bytes: 1 << 20,
+            },
+        )
+        .await
+        .unwrap();
+        // Taken (its lease this replica's), its take-over not answered yet.
+        while !inner.lapsed(10).await.unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        manager.hand_over_all().await;
+        store.gate.as_ref().unwrap().add_permits(1);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            inner.lapsed(10).await.unwrap(),
+            vec!["r1".to_owned()],
+            "let go at once, well before its lease of 1 s lapses"
         );
         drop(manager);
     }
