@@ -160,13 +160,20 @@ const ANSWER_PATIENCE: Duration = Duration::from_secs(1);
 /// it to end.
 const STOP_ASKED_AGAIN: Duration = Duration::from_millis(250);
 
-/// A run taken over that resumes here: its lease is among those renewed until this goes.
-struct Resuming<'a>(&'a RunManager, &'a str);
+/// A run taken over that resumes here (its run id and lease token): its lease is among
+/// those renewed until this goes.
+struct Resuming<'a>(&'a RunManager, &'a str, &'a str);
 
 impl Drop for Resuming<'_> {
     fn drop(&mut self) {
-        self.0.resuming().remove(self.1);
-        self.0.held.early_stops().remove(self.1);
+        // Another take-over of the run here (an answer's, beside the look for lapsed
+        // runs) may have put its own token there since: that one stays.
+        let mut resuming = self.0.resuming();
+        if resuming.get(self.1).is_some_and(|token| token == self.2) {
+            resuming.remove(self.1);
+            drop(resuming);
+            self.0.held.early_stops().remove(self.1);
+        }
     }
 }
 
@@ -318,10 +325,15 @@ impl Held {
         leases
     }
 
-    /// Stops here, without ending it, a run whose lease another replica took (this one
-    /// was paused past it).
-    fn lost(&self, run_id: &str) {
-        let control = self.local().get(run_id).map(|r| r.control.clone());
+    /// Stops here, without ending it, a run whose lease (`token`) another replica took
+    /// (this one was paused past it). A run here under another lease (taken over again
+    /// since the renewal was sent) is left alone.
+    fn lost(&self, run_id: &str, token: &str) {
+        let control = self
+            .local()
+            .get(run_id)
+            .filter(|r| r.token == token)
+            .map(|r| r.control.clone());
         if let Some(control) = control {
             Metrics::global().lease_lost();
             warn!(
@@ -483,7 +495,7 @@ impl RunManager {
         // it, however late this runtime reads the answer (a renewal before that is refused,
         // and does nothing).
         self.resuming().insert(run_id.clone(), token.clone());
-        let resuming = Resuming(self, &run_id);
+        let resuming = Resuming(self, &run_id, &token);
         let Some(taken) = self.store.take_over(&run_id, &token).await? else {
             return Ok(false);
         };
@@ -567,7 +579,7 @@ impl RunManager {
                     Metrics::global().run_taken_over(handover);
                     info!(%run_id, previous_owner = %previous, handover, "run taken over");
                 }
-                self.spawn(started, &run_id, control, token, slot);
+                self.spawn(started, &run_id, control, token.clone(), slot);
                 // A stop requested while it was being taken over.
                 let early = self.held.early_stops().remove(&run_id);
                 if let Some(reason) = early
@@ -1427,9 +1439,17 @@ async fn renew_leases(
             renewed = renewer.renew(&leases) => renewed,
         };
         match renewed {
+            Ok(lost) if lost.is_empty() => {}
             Ok(lost) => {
+                // Each with the token it was renewed with.
+                let tokens: HashMap<&str, &str> = leases
+                    .iter()
+                    .map(|lease| (lease.run_id.as_str(), lease.token.as_str()))
+                    .collect();
                 for run_id in lost {
-                    held.lost(&run_id);
+                    if let Some(token) = tokens.get(run_id.as_str()) {
+                        held.lost(&run_id, token);
+                    }
                 }
             }
             Err(error) => {
@@ -1588,8 +1608,10 @@ mod tests {
             token: &str,
         ) -> agentrt_state::StateResult<Option<Resumable>> {
             let taken = self.inner.take_over(run_id, token).await;
-            if let Some(gate) = &self.gate {
-                let _ = gate.acquire().await;
+            if let Some(gate) = &self.gate
+                && let Ok(permit) = gate.acquire().await
+            {
+                permit.forget();
             }
             std::thread::sleep(self.stall);
             let lapsed = self.inner.lapsed(10).await?;
@@ -1822,5 +1844,74 @@ mod tests {
             "let go at once, well before its lease of 1 s lapses"
         );
         drop(manager);
+    }
+
+    /// A renewer that renews nothing: every lease it is sent is lost, and it answers once
+    /// told to.
+    struct LosesAll {
+        sent: tokio::sync::Notify,
+        answer: tokio::sync::Semaphore,
+    }
+
+    #[async_trait::async_trait]
+    impl LeaseRenewer for LosesAll {
+        async fn renew(&self, leases: &[Lease]) -> agentrt_state::StateResult<Vec<String>> {
+            self.sent.notify_one();
+            if let Ok(permit) = self.answer.acquire().await {
+                permit.forget();
+            }
+            Ok(leases.iter().map(|lease| lease.run_id.clone()).collect())
+        }
+    }
+
+    fn local_run(token: &str) -> (LocalRun, Arc<RunControl>) {
+        let control = Arc::new(RunControl::default());
+        let run = LocalRun {
+            control: control.clone(),
+            ended: Arc::default(),
+            token: token.into(),
+            clients: 0,
+            kept: false,
+        };
+        (run, control)
+    }
+
+    /// A lease lost as the renewal answers it stops the run that held that lease, not the
+    /// run taken over here again since under another.
+    #[tokio::test]
+    async fn a_lost_lease_stops_only_the_run_that_held_it() {
+        let held = Held::default();
+        let (old, old_control) = local_run("t1");
+        held.local().insert("r".into(), old);
+        let renewer = LosesAll {
+            sent: tokio::sync::Notify::new(),
+            answer: tokio::sync::Semaphore::new(0),
+        };
+        let stop = CancellationToken::new();
+        let renewals = renew_leases(&held, &renewer, Duration::from_millis(30), &stop);
+        let swap = async {
+            renewer.sent.notified().await;
+            // Taken over again here meanwhile, under a new lease.
+            let (new, new_control) = local_run("t2");
+            held.local().insert("r".into(), new);
+            renewer.answer.add_permits(1);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stop.cancel();
+            new_control
+        };
+        let ((), new_control) = tokio::join!(renewals, swap);
+        assert!(!new_control.is_let_go(), "the new lease's run goes on");
+        assert!(!old_control.is_let_go(), "gone from here already");
+
+        // The lease it holds lost: stopped.
+        let stop = CancellationToken::new();
+        renewer.answer.add_permits(1000);
+        let renewals = renew_leases(&held, &renewer, Duration::from_millis(30), &stop);
+        let stopping = async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stop.cancel();
+        };
+        tokio::join!(renewals, stopping);
+        assert!(new_control.is_let_go());
     }
 }
