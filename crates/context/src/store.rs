@@ -4,7 +4,7 @@ use std::{
     time::Duration,
 };
 
-use agentrt_core::StateResult;
+use agentrt_core::{StateResult, principal_of};
 use tokio::time::Instant;
 
 use crate::{ChatMessage, Exchange};
@@ -37,13 +37,14 @@ pub trait SessionStore: Send + Sync {
 pub struct SessionLimits {
     /// A session unused for this long is dropped.
     pub ttl: Duration,
-    /// Most sessions kept; beyond, the least recently used is dropped.
+    /// Most sessions kept; beyond, the least recently used of the principal holding the
+    /// most sessions is dropped.
     pub max_sessions: usize,
     /// Most exchanges kept per session; older ones are dropped first.
     pub max_exchanges: usize,
     /// Most bytes of message text kept, all sessions together; beyond, the least recently
-    /// used sessions are dropped first (and a session alone past it keeps its newest
-    /// exchanges that fit, at least the last one).
+    /// used sessions of the principal holding the most bytes are dropped first (and a
+    /// session alone past it keeps its newest exchanges that fit, at least the last one).
     pub max_bytes: usize,
     /// Most bytes of one session's exchanges; beyond, its oldest are dropped (the newest
     /// stays).
@@ -100,6 +101,15 @@ struct Inner {
     sessions: HashMap<String, Session>,
     by_expiry: BTreeSet<(Instant, String)>,
     /// Bytes of all sessions' exchanges.
+    bytes: usize,
+    /// What each principal holding sessions holds (the anonymous one under "").
+    principals: HashMap<String, Share>,
+}
+
+/// The sessions a principal holds, and their bytes.
+#[derive(Default, Clone, Copy)]
+struct Share {
+    sessions: usize,
     bytes: usize,
 }
 
@@ -160,11 +170,49 @@ impl Inner {
         self.by_expiry.insert((until, id.to_owned()));
     }
 
-    /// Drops session `id` from the map and the total (not from `by_expiry`).
+    /// Drops session `id` from the map and the totals (not from `by_expiry`).
     fn forget(&mut self, id: &str) {
         if let Some(session) = self.sessions.remove(id) {
             self.bytes = self.bytes.saturating_sub(session.bytes);
+            let principal = principal_of(id);
+            if let Some(share) = self.principals.get_mut(principal) {
+                share.sessions = share.sessions.saturating_sub(1);
+                share.bytes = share.bytes.saturating_sub(session.bytes);
+                if share.sessions == 0 {
+                    self.principals.remove(principal);
+                }
+            }
         }
+    }
+
+    fn share(&self, principal: &str) -> Share {
+        self.principals.get(principal).copied().unwrap_or_default()
+    }
+
+    /// The session a full store drops for `caller`'s session `keep`: the least recently
+    /// used one (other than `keep`) of the principal holding the most (sessions, or bytes
+    /// when `by_bytes`), the caller on a tie. One principal never drops the history of
+    /// another that holds less; `None` when only the caller's `keep` is left to give.
+    fn victim(&self, caller: &str, keep: &str, by_bytes: bool) -> Option<(Instant, String)> {
+        let measure = |share: Share| {
+            if by_bytes {
+                share.bytes
+            } else {
+                share.sessions
+            }
+        };
+        let mut giver = caller;
+        let mut most = measure(self.share(caller));
+        for (principal, share) in &self.principals {
+            if measure(*share) > most {
+                most = measure(*share);
+                giver = principal;
+            }
+        }
+        self.by_expiry
+            .iter()
+            .find(|(_, id)| id != keep && principal_of(id) == giver)
+            .cloned()
     }
 }
 
@@ -198,46 +246,50 @@ impl SessionStore for InMemorySessionStore {
         let previous = inner.sessions.get(session_id).map(|s| s.expires_at);
         // Never shorter than it was kept for (a run of it may wait).
         let expires_at = previous.map_or(expires_at, |previous| previous.max(expires_at));
+        let caller = principal_of(session_id);
         if let Some(previous) = previous {
             inner.by_expiry.remove(&(previous, session_id.to_owned()));
         } else {
+            // Room for one more session: the least recently used goes, but never another
+            // principal's for a principal holding as many as it or more.
             while inner.sessions.len() >= self.limits.max_sessions.max(1) {
-                let Some((_, oldest)) = inner.by_expiry.pop_first() else {
+                let Some(victim) = inner.victim(caller, session_id, false) else {
                     break;
                 };
-                inner.forget(&oldest);
+                inner.by_expiry.remove(&victim);
+                inner.forget(&victim.1);
             }
         }
         let bytes = weight(&exchange);
-        // Room in bytes: the least recently used other sessions go first.
+        // Room in bytes: the least recently used other sessions go first, as above by
+        // bytes; then this session's own oldest exchanges (below).
         while inner.bytes.saturating_add(bytes) > self.limits.max_bytes {
-            let Some(oldest) = inner
-                .by_expiry
-                .iter()
-                .find(|(_, id)| id != session_id)
-                .cloned()
-            else {
+            let Some(victim) = inner.victim(caller, session_id, true) else {
                 break;
             };
-            inner.by_expiry.remove(&oldest);
-            inner.forget(&oldest.1);
+            inner.by_expiry.remove(&victim);
+            inner.forget(&victim.1);
         }
         inner.by_expiry.insert((expires_at, session_id.to_owned()));
         let Inner {
             sessions,
             bytes: total,
+            principals,
             ..
         } = &mut *inner;
-        let session = sessions
-            .entry(session_id.to_owned())
-            .or_insert_with(|| Session {
+        let share = principals.entry(caller.to_owned()).or_default();
+        let session = sessions.entry(session_id.to_owned()).or_insert_with(|| {
+            share.sessions += 1;
+            Session {
                 exchanges: VecDeque::new(),
                 bytes: 0,
                 expires_at,
-            });
+            }
+        });
         session.expires_at = expires_at;
         session.exchanges.push_back((exchange, bytes));
         session.bytes += bytes;
+        share.bytes += bytes;
         *total += bytes;
         // Then its own oldest exchanges, beyond the count or the bytes, its own or all
         // sessions' (the newest stays).
@@ -248,6 +300,7 @@ impl SessionStore for InMemorySessionStore {
             if let Some((_, dropped)) = session.exchanges.pop_front() {
                 *total = total.saturating_sub(dropped);
                 session.bytes = session.bytes.saturating_sub(dropped);
+                share.bytes = share.bytes.saturating_sub(dropped);
             }
         }
         Ok(())
@@ -354,5 +407,45 @@ mod tests {
             1,
             "the newest stays"
         );
+    }
+
+    /// A principal filling the store drops its own sessions, not another's that holds
+    /// less: in sessions, and in bytes.
+    #[tokio::test(start_paused = true)]
+    async fn one_principal_does_not_push_out_anothers_sessions() {
+        let text = "x".repeat(1000);
+        let one = weight(&said(&text));
+        let store = InMemorySessionStore::new(SessionLimits {
+            max_sessions: 3,
+            max_bytes: one * 4,
+            ..SessionLimits::default()
+        });
+        store
+            .append("alice/chat", said(&text).into())
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for n in 0..6 {
+            store
+                .append(&format!("bob/s{n}"), said(&text).into())
+                .await
+                .unwrap();
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        assert_eq!(store.history("alice/chat").await.unwrap().len(), 1);
+        assert_eq!(store.sessions(), 3);
+        assert_eq!(store.history("bob/s5").await.unwrap().len(), 1);
+        assert!(store.history("bob/s0").await.unwrap().is_empty());
+        // In bytes: bob's one long session gives its own oldest exchanges.
+        for _ in 0..6 {
+            store.append("bob/s5", said(&text).into()).await.unwrap();
+        }
+        assert_eq!(store.history("alice/chat").await.unwrap().len(), 1);
+        assert!(store.history("bob/s5").await.unwrap().len() <= 3);
+        // A new principal makes room at the cost of the one holding the most.
+        store.append("carol/c", said(&text).into()).await.unwrap();
+        assert_eq!(store.history("carol/c").await.unwrap().len(), 1);
+        assert_eq!(store.history("alice/chat").await.unwrap().len(), 1);
+        assert!(store.history("bob/s5").await.unwrap().is_empty());
     }
 }

@@ -17,7 +17,7 @@ pub use config::{
     limits,
 };
 pub use secret::{Secret, mask_url_credentials, push_masked_query};
-pub use state::{StateError, StateResult};
+pub use state::{StateError, StateResult, principal_of};
 pub use tool::{
     MAX_JSON_DEPTH, Reference, SharedJson, ToolCatalog, ToolInvocation, ToolResult, ToolRunner,
     ToolServiceError, ToolSource, ToolSpec, json_depth,

@@ -1,4 +1,11 @@
-//! Errors of the stores that hold state which may outlive one process.
+//! Errors of the stores that hold state which may outlive one process, and how they
+//! tell whose a session is.
+
+/// The principal that owns a session kept under `session_key`: the part before its `/`
+/// (`PRINCIPAL/SESSION`); empty, the anonymous principal, for a key without one.
+pub fn principal_of(session_key: &str) -> &str {
+    session_key.split_once('/').map_or("", |(owner, _)| owner)
+}
 
 /// Why shared state could not be read or written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

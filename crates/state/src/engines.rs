@@ -88,11 +88,7 @@ struct Entry {
     bytes: usize,
 }
 
-/// The principal that owns a session kept under `session_key`: the part before its `/`
-/// (`PRINCIPAL/SESSION`); empty, the anonymous principal, for a key without one.
-pub fn principal_of(session_key: &str) -> &str {
-    session_key.split_once('/').map_or("", |(owner, _)| owner)
-}
+pub use agentrt_core::principal_of;
 
 /// What an engine weighs: the bytes of its config and tool specs as stored.
 fn weight(engine: &StoredEngine) -> usize {
