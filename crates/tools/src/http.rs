@@ -5,12 +5,17 @@ use std::{error::Error as StdError, time::Duration};
 /// How long opening a connection may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The `User-Agent` of requests to tool sources that set none themselves: some APIs
+/// (GitHub's, Wikimedia's) refuse requests without one.
+pub(crate) const USER_AGENT: &str = concat!("agentrt-tool-executor/", env!("CARGO_PKG_VERSION"));
+
 /// A client that follows no redirects: a tool source's requests go to the host its
 /// config names and nowhere else, whatever the server answers.
 pub(crate) fn client() -> Result<reqwest::Client, String> {
     // TLS uses ring; installing it twice is harmless, so ignore "already installed".
     let _ = rustls::crypto::ring::default_provider().install_default();
     reqwest::Client::builder()
+        .user_agent(USER_AGENT)
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(90))

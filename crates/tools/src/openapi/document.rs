@@ -220,6 +220,8 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
     let first_server = doc["servers"].get(0).and_then(server_url);
     let mut operations = Vec::new();
     let mut skipped = Vec::new();
+    // Operations without an operationId: not tools, named together below.
+    let mut unnamed: Vec<String> = Vec::new();
     let mut loose = Vec::new();
     let Some(paths) = doc["paths"].as_object() else {
         return Ok(Document {
@@ -242,6 +244,7 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
         for method in METHODS {
             let Some(op) = item.get(method) else { continue };
             let Some(id) = op["operationId"].as_str() else {
+                unnamed.push(format!("{} {path}", method.to_ascii_uppercase()));
                 continue;
             };
             let place = format!("{} {path}", method.to_ascii_uppercase());
@@ -274,6 +277,20 @@ pub(crate) fn parse(text: &str) -> Result<Document, String> {
                 Err(why) => skipped.push(format!("{id}: {why}")),
             }
         }
+    }
+    if !unnamed.is_empty() {
+        const NAMED: usize = 5;
+        let more = unnamed.len().saturating_sub(NAMED);
+        skipped.push(format!(
+            "{} without an operationId (only an operation with one is a tool){}{}",
+            unnamed[..unnamed.len().min(NAMED)].join(", "),
+            if more > 0 { ", and " } else { "" },
+            if more > 0 {
+                format!("{more} more")
+            } else {
+                String::new()
+            },
+        ));
     }
     Ok(Document {
         operations,
@@ -1089,8 +1106,13 @@ components:
         );
         let ids: Vec<_> = doc.operations.iter().map(|o| o.id.as_str()).collect();
         assert_eq!(ids, ["createPet", "showPetById"]);
-        assert_eq!(doc.skipped.len(), 1, "{:?}", doc.skipped);
+        assert_eq!(doc.skipped.len(), 2, "{:?}", doc.skipped);
         assert!(doc.skipped[0].starts_with("upload:"));
+        // Not a tool, and said so.
+        assert_eq!(
+            doc.skipped[1],
+            "PUT /pets without an operationId (only an operation with one is a tool)"
+        );
 
         let show = &doc.operations[1];
         assert_eq!(show.method, reqwest::Method::GET);

@@ -139,8 +139,9 @@ pub struct OpenApiToolset {
     /// The source's query parameters, form-encoded once (`name=value&...`); empty when
     /// there are none.
     query: Secret,
-    /// Their names, which no query parameter a call writes may have: the server might read
-    /// the model's value rather than the source's.
+    /// Their names, and those of the base URL's query, which no query parameter a call
+    /// writes may have (letter case aside): the server might read the model's value rather
+    /// than the source's.
     query_names: Vec<String>,
     timeout: Duration,
     max_response_bytes: usize,
@@ -362,6 +363,16 @@ impl OpenApiToolset {
             warn!(source = %config.name, operation = %what, "operation offered with a part of its input unchecked");
         }
         let base = match (&config.base_url, doc.first_server) {
+            // A relative server (`/api/v3`, as the petstore's and FastAPI's behind a root
+            // path are) is resolved against a `base_url` that gives only the origin.
+            (Some(base_url), Some(server))
+                if server.starts_with('/')
+                    && check_base_url(base_url).is_ok_and(|url| url.path() == "/") =>
+            {
+                let mut url = check_base_url(base_url).map_err(fail)?;
+                url.set_path(&server);
+                url
+            }
             (Some(base_url), _) => check_base_url(base_url)
                 .map_err(|e| fail(format!("`base_url` {:?}: {e}", crate::shown_url(base_url))))?,
             (None, Some(server)) => check_base_url(&server).map_err(|e| {
@@ -399,6 +410,14 @@ impl OpenApiToolset {
             query.push('=');
             form_encode(&mut query, value.expose());
         }
+        // The query parameters the source sets: its `query`, and those of its base URL
+        // (a key written into it).
+        let query_names: Vec<String> = config
+            .query
+            .keys()
+            .cloned()
+            .chain(base.query_pairs().map(|(name, _)| name.into_owned()))
+            .collect();
         let base_path = base.path().trim_end_matches('/');
         let sends_cookies = headers
             .iter()
@@ -424,7 +443,9 @@ impl OpenApiToolset {
             .map(|mut op| {
                 // What the source sets is not the model's to see or set.
                 op.drop_parameters(|param| match param.location {
-                    Location::Query => config.query.contains_key(&param.name),
+                    Location::Query => query_names
+                        .iter()
+                        .any(|name| name.eq_ignore_ascii_case(&param.name)),
                     Location::Header => headers
                         .iter()
                         .any(|(name, _)| name.as_str().eq_ignore_ascii_case(&param.name)),
@@ -463,7 +484,7 @@ impl OpenApiToolset {
             routes,
             headers,
             query: Secret::new(query),
-            query_names: config.query.keys().cloned().collect(),
+            query_names,
             timeout: config.timeout,
             max_response_bytes: config.max_response_bytes,
             transport,
@@ -609,10 +630,12 @@ impl OpenApiToolset {
             let to = target[end..].find('/').map_or(target.len(), |at| end + at);
             &target[from..to]
         };
+        // Nor is a segment of its own left empty (an empty object or array writes
+        // nothing): `a//b` is another route once a proxy merges the slashes.
         if let Some(segment) = filled
             .iter()
             .map(|range| segment_of(*range))
-            .find(|segment| is_dot_segment(segment))
+            .find(|segment| segment.is_empty() || is_dot_segment(segment))
         {
             return Err(format!(
                 "path parameters cannot make a {segment:?} segment: give each a value of \

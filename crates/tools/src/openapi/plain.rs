@@ -84,13 +84,14 @@ impl Pool {
 
     /// The bytes of `request` on the wire: request line, headers and body.
     ///
-    /// `Host` is the base URL's, `Accept` is `*/*` unless the request sets it, and the
+    /// `Host` is the base URL's, `Accept` is `*/*` and `User-Agent` the tool executor's
+    /// unless the request sets them, and the
     /// body's `Content-Length` is counted here. Headers of the request with these framing
     /// names (`Host`, `Content-Length`, `Transfer-Encoding`) are left out: the framing is
     /// the client's, and a model-given `Content-Length` could otherwise desynchronize the
     /// connection.
     pub(super) fn encode(&self, request: &Outgoing) -> Vec<u8> {
-        use reqwest::header::{ACCEPT, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+        use reqwest::header::{ACCEPT, CONTENT_LENGTH, HOST, TRANSFER_ENCODING, USER_AGENT};
         let body = request.body.as_deref().unwrap_or_default();
         let headers_len: usize = request
             .headers
@@ -121,6 +122,11 @@ impl Pool {
         }
         if !request.headers.contains_key(ACCEPT) {
             out.extend_from_slice(b"accept: */*\r\n");
+        }
+        if !request.headers.contains_key(USER_AGENT) {
+            out.extend_from_slice(b"user-agent: ");
+            out.extend_from_slice(crate::http::USER_AGENT.as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         if !body.is_empty() {
             // Writing to a Vec cannot fail.
@@ -831,7 +837,8 @@ mod tests {
             String::from_utf8(reply.body).unwrap(),
             format!(
                 "POST /echo HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nx-mode: fast\r\n\
-                 accept: */*\r\ncontent-length: 7\r\n\r\n{{\"n\":1}}"
+                 accept: */*\r\nuser-agent: {}\r\ncontent-length: 7\r\n\r\n{{\"n\":1}}",
+                crate::http::USER_AGENT
             )
         );
         assert_eq!(connections(), 1, "one connection for all of these");

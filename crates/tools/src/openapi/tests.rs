@@ -73,16 +73,20 @@ async fn arguments_fill_path_query_headers_and_body() {
     };
     assert_eq!(
         String::from_utf8(pool.encode(&request)).unwrap(),
-        "POST /v1/items/a%2Fb%20c%3F?tag=x&tag=y+z&body=3&api_key=k3y HTTP/1.1\r\n\
-         host: api.example.test\r\n\
-         x-mode: fast\r\n\
-         authorization: Bearer k3y\r\n\
-         idempotency-key: call_1\r\n\
-         content-type: application/json\r\n\
-         accept: */*\r\n\
-         content-length: 7\r\n\
-         \r\n\
-         {\"n\":1}"
+        format!(
+            "POST /v1/items/a%2Fb%20c%3F?tag=x&tag=y+z&body=3&api_key=k3y HTTP/1.1\r\n\
+             host: api.example.test\r\n\
+             x-mode: fast\r\n\
+             authorization: Bearer k3y\r\n\
+             idempotency-key: call_1\r\n\
+             content-type: application/json\r\n\
+             accept: */*\r\n\
+             user-agent: {}\r\n\
+             content-length: 7\r\n\
+             \r\n\
+             {{\"n\":1}}",
+            crate::http::USER_AGENT
+        )
     );
 
     // A call id that cannot be a header value as it is goes escaped, not left out.
@@ -681,7 +685,9 @@ fn path_values_stay_in_their_segment() {
         "/{p}/admin": {"get": {"operationId": "dots",
           "parameters": [
             {"name": "p", "in": "path", "required": true, "style": "label", "explode": true,
-             "schema": {"type": ["array", "object", "null"]}}]}}}}"#;
+             "schema": {"type": ["array", "object", "null"]}}]}},
+        "/users/{id}/keys": {"get": {"operationId": "keys",
+          "parameters": [{"name": "id", "in": "path", "required": true, "schema": {}}]}}}}"#;
     let toolset = toolset_of(&dir, doc);
     let route = &toolset.routes["dots"];
     for (p, error) in [
@@ -699,6 +705,18 @@ fn path_values_stay_in_their_segment() {
         .request(route, &json!({"p": ["a", "b"]}), "c")
         .unwrap();
     assert_eq!(sent.target.split('?').next(), Some("/v1/.a.b/admin"));
+    // A value that writes nothing (an empty object or array) leaves no empty segment.
+    let route = &toolset.routes["keys"];
+    for (id, error) in [
+        (json!({}), "cannot make a \"\" segment"),
+        (json!([]), "cannot be \"\""),
+    ] {
+        let refused = toolset.request(route, &json!({ "id": id }), "c").err();
+        assert!(
+            refused.as_deref().is_some_and(|e| e.contains(error)),
+            "{id}: {refused:?}"
+        );
+    }
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -1188,4 +1206,99 @@ fn query_names_the_source_sets_cannot_come_from_the_arguments() {
             )
         );
     }
+
+    // A key written into the base URL's query is the source's as well, and a parameter
+    // the document declares under another letter case is not offered either.
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-own2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
+          "paths": {"/search": {"get": {"operationId": "search", "parameters": [
+            {"name": "filter", "in": "query", "schema": {"type": "object"}},
+            {"name": "key", "in": "query", "required": true, "schema": {"type": "string"}},
+            {"name": "TOKEN", "in": "query", "required": true, "schema": {"type": "string"}}]}}}}"#,
+    )
+    .unwrap();
+    std::fs::write(dir.join("key"), "k3y\n").unwrap();
+    let mut config: OpenApiConfig = serde_json::from_value(json!({
+        "name": "api",
+        "spec": "api.json",
+        "base_url": "http://maps.example.test/api?key=K",
+        "query": {"token": {"file": "key"}},
+    }))
+    .unwrap();
+    config.resolve_paths(&dir);
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let route = &toolset.routes["search"];
+    let offered: Vec<&str> = route
+        .op
+        .parameters
+        .iter()
+        .map(|p| p.name.as_str())
+        .collect();
+    assert_eq!(offered, ["filter"]);
+    assert_eq!(
+        toolset
+            .request(route, &json!({"filter": {"q": "x"}}), "")
+            .unwrap()
+            .target,
+        "/api/search?key=K&q=x&token=k3y"
+    );
+    let err = toolset
+        .request(route, &json!({"filter": {"key": "x"}}), "")
+        .unwrap_err();
+    assert!(
+        err.contains("\"key\", which this source sets itself"),
+        "{err}"
+    );
+}
+
+/// A relative server (`/api/v3`) is resolved against a `base_url` giving only the origin;
+/// a `base_url` with a path of its own replaces it.
+#[tokio::test]
+async fn a_relative_server_is_resolved_against_an_origin_base_url() {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-rel-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("api.json"),
+        r#"{"openapi": "3.0.3", "servers": [{"url": "/api/v3"}],
+          "paths": {"/pet/{id}": {"get": {"operationId": "get_pet",
+            "parameters": [{"name": "id", "in": "path", "required": true,
+                            "schema": {"type": "integer"}}]}}}}"#,
+    )
+    .unwrap();
+    for (base_url, expected) in [
+        (
+            "http://pets.example.test",
+            "http://pets.example.test/api/v3/pet/7",
+        ),
+        (
+            "http://pets.example.test/",
+            "http://pets.example.test/api/v3/pet/7",
+        ),
+        (
+            "http://pets.example.test/other",
+            "http://pets.example.test/other/pet/7",
+        ),
+    ] {
+        let mut config: OpenApiConfig = serde_json::from_value(json!({
+            "name": "pets",
+            "spec": "api.json",
+            "base_url": base_url,
+        }))
+        .unwrap();
+        config.resolve_paths(&dir);
+        let toolset = OpenApiToolset::load(&config).unwrap();
+        let request = toolset
+            .request(&toolset.routes["get_pet"], &json!({"id": 7}), "c")
+            .unwrap();
+        assert_eq!(
+            toolset.url(&request.target).as_str(),
+            expected,
+            "{base_url}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }
