@@ -474,16 +474,15 @@ async fn a_client_that_lags_behind_the_replay_log_does_not_cancel_its_run() {
     assert!(events.last().is_some_and(|e| e.done), "read on to the end");
 }
 
-/// The `ErrorInfo` metadata `resume_after` of an `EVENTS_LAGGED` status.
+/// The `ErrorInfo` metadata `resume_after` of an `EVENTS_LAGGED` status, which its
+/// `after_sequence` (as every status a stream resumes from has it) repeats.
 fn resume_after_of(status: &tonic::Status) -> u64 {
     assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
     let info = tonic_types::StatusExt::get_details_error_info(status).expect("an ErrorInfo");
     assert_eq!(info.reason, "EVENTS_LAGGED");
-    info.metadata
-        .get("resume_after")
-        .expect("where to resume")
-        .parse()
-        .unwrap()
+    let resume_after = info.metadata.get("resume_after").expect("where to resume");
+    assert_eq!(info.metadata.get("after_sequence"), Some(resume_after));
+    resume_after.parse().unwrap()
 }
 
 #[tokio::test]

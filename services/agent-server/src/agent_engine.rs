@@ -146,7 +146,7 @@ impl AgentEngineImpl {
                 // The run is known, so it ended and its log was dropped early to keep the
                 // ended runs' events within `runs.retained_events`.
                 BusError::UnknownRun(_) => Error::EventsExpired(run_id.to_owned()).into(),
-                error => lagged_of(run_id, error).into(),
+                error => stream_error(run_id, error, after_sequence).into(),
             })
     }
 
@@ -317,10 +317,12 @@ fn stream_events(
         tenancy::client_session(&run.session_id).to_owned(),
         run.message_id,
     ));
+    // The last event sent: where a client resumes from.
+    let mut sent = after;
     let events = events.map(move |event| {
         // The stream counts as its principal's while it is open.
         let _open = &ticket;
-        stream_event(event, &mut guard, &ids)
+        stream_event(event, &mut guard, &ids, &mut sent)
     });
     let Some(draining) = draining else {
         return Box::pin(events);
@@ -355,6 +357,7 @@ fn stream_event(
     event: Result<Arc<agentrt_events::RunEvent>, BusError>,
     guard: &mut Option<CancelOnDisconnect>,
     ids: &(String, String, String),
+    sent: &mut u64,
 ) -> Result<v1::AgentStreamEvent, Status> {
     match event {
         Ok(event) => {
@@ -363,24 +366,34 @@ fn stream_event(
             {
                 guard.armed = false;
             }
+            *sent = event.sequence;
             Ok(convert::event_to_wire(&event, &ids.0, &ids.1, &ids.2))
         }
         Err(error) => {
             if let Some(guard) = guard.as_mut() {
                 guard.armed = false;
             }
-            Err(lagged_of(&ids.0, error).into())
+            Err(stream_error(&ids.0, error, *sent).into())
         }
     }
 }
 
-/// `error`, naming run `run_id` when a reader lost events of it.
-fn lagged_of(run_id: &str, error: BusError) -> Error {
+/// `error` of a stream of run `run_id` that sent events up to `sent`, naming where the
+/// client resumes when it can.
+fn stream_error(run_id: &str, error: BusError, sent: u64) -> Error {
     match error {
         BusError::Lagged { from, to } => Error::EventsLagged {
             run_id: run_id.to_owned(),
             from,
             to,
+        },
+        BusError::Moved { after } => Error::RunMoved {
+            run_id: run_id.to_owned(),
+            after,
+        },
+        BusError::Fenced(_) => Error::RunMoved {
+            run_id: run_id.to_owned(),
+            after: sent,
         },
         error => Error::Bus(error),
     }
@@ -698,6 +711,23 @@ impl AgentEngine for AgentEngineImpl {
 
 #[cfg(test)]
 mod tests {
+    /// Every status a stream ends with that a client resumes from names the run and
+    /// the sequence to resume after.
+    #[test]
+    fn a_stream_that_ends_to_resume_says_where() {
+        for (error, reason, after) in [
+            (BusError::Moved { after: 7 }, "RUN_MOVED", "7"),
+            (BusError::Fenced("r".into()), "RUN_MOVED", "5"),
+            (BusError::Lagged { from: 3, to: 9 }, "EVENTS_LAGGED", "9"),
+        ] {
+            let status: Status = stream_error("r", error, 5).into();
+            let info = tonic_types::StatusExt::get_details_error_info(&status).unwrap();
+            assert_eq!(info.reason, reason);
+            assert_eq!(info.metadata["run"], "r");
+            assert_eq!(info.metadata["after_sequence"], after, "{reason}");
+        }
+    }
+
     use super::*;
 
     /// Small limits for the requests the tests check.

@@ -60,6 +60,17 @@ pub enum Error {
         /// Last event lost.
         to: u64,
     },
+    /// A stream's run went on on another replica while the stream read this one's copy
+    /// of its events.
+    #[error(
+        "run {run_id:?} is now executed by another replica; resume with Subscribe after sequence {after}"
+    )]
+    RunMoved {
+        /// The run streamed.
+        run_id: String,
+        /// The last event the client was sent.
+        after: u64,
+    },
     /// A run could not start.
     #[error(transparent)]
     RunStart(#[from] crate::runs::RunStartError),
@@ -170,12 +181,27 @@ impl From<Error> for Status {
             Error::Bus(error @ BusError::Lagged { to, .. }) => status::out_of_range(
                 "EVENTS_LAGGED",
                 error.to_string(),
-                &[("resume_after", &to.to_string())],
+                &[
+                    ("resume_after", &to.to_string()),
+                    ("after_sequence", &to.to_string()),
+                ],
             ),
+            // `after_sequence` as every status a stream resumes from has it; `resume_after`
+            // too, as the first clients read it.
             Error::EventsLagged { ref run_id, to, .. } => status::out_of_range(
                 "EVENTS_LAGGED",
                 error.to_string(),
-                &[("run", run_id), ("resume_after", &to.to_string())],
+                &[
+                    ("run", run_id),
+                    ("resume_after", &to.to_string()),
+                    ("after_sequence", &to.to_string()),
+                ],
+            ),
+            Error::RunMoved { ref run_id, after } => status::unavailable_about(
+                "RUN_MOVED",
+                error.to_string(),
+                Duration::from_millis(100),
+                &[("run", run_id), ("after_sequence", &after.to_string())],
             ),
             Error::Bus(error @ BusError::DuplicateRun(_)) => {
                 status::internal("DUPLICATE_RUN", error.to_string())
