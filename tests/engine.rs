@@ -167,7 +167,7 @@ async fn max_iterations_ends_with_an_answer_without_tools() {
     config.max_iterations = 2;
     let events = s.run(config, "loop").await;
     assert_eq!(of_kind(&events, v1::EventType::ToolCall).len(), 2);
-    // The last call offers no tools but shows the last round's results.
+    // The last call allows no tool call but shows the last round's results.
     assert_eq!(text(&events, v1::EventType::FinalAnswer), "gave up after 4");
     assert_eq!(done(&events)["stop_reason"], "max_iterations");
     assert_eq!(

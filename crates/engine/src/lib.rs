@@ -1085,13 +1085,17 @@ impl Engine {
                         let tokens = counter.message(&message);
                         (message, tokens)
                     });
+                    // The final round offers the tools too, with no call allowed: its
+                    // prompt is the rounds' before (a provider's cache of it holds), and
+                    // providers that refuse tool calls in a conversation without tools
+                    // (Anthropic's and Bedrock's, behind LiteLLM) accept it.
                     let mut fitted = fit(
                         &pinned,
                         &history,
                         &state.messages,
                         final_request
                             .as_ref()
-                            .map_or(reserved, |(_, tokens)| *tokens),
+                            .map_or(reserved, |(_, tokens)| reserved + *tokens),
                         config.context.max_prompt_tokens,
                         counter,
                     );
@@ -1107,12 +1111,9 @@ impl Engine {
                             "prompt fitted to the token budget"
                         );
                     }
-                    let tools = if with_tools {
-                        definitions.clone()
-                    } else {
-                        Arc::default()
-                    };
-                    let request = self.request(config, fitted.messages, tools, strategy);
+                    let mut request =
+                        self.request(config, fitted.messages, definitions.clone(), strategy);
+                    request.no_calls = !with_tools;
                     let reply = self
                         .model_round(&round_setup, request, fitted.tokens, em, iteration)
                         .await?;
@@ -1220,6 +1221,7 @@ impl Engine {
             model: config.model.name.clone(),
             messages,
             parallel_tool_calls: config.parallel_tool_calls && !tools.is_empty(),
+            no_calls: false,
             tools,
             temperature: config.model.temperature,
             max_tokens: config.model.max_tokens,

@@ -70,7 +70,7 @@ pub enum Phase {
         #[serde(default)]
         approved: Vec<String>,
     },
-    /// Out of rounds (or stuck): the model is asked next for an answer without tools.
+    /// Out of rounds (or stuck): the model is asked next for an answer, with no tool call allowed.
     AskFinal,
     /// The run has its outcome.
     Ended(Ending),
@@ -324,7 +324,7 @@ impl RunState {
                     cut_short,
                 },
             ) => {
-                // Offered no tools, it called some anyway: none runs. Text it wrote beside
+                // Allowed no call, it called some anyway: none runs. Text it wrote beside
                 // them still answers, when the strategy streams it as an answer.
                 match strategy.answer_beside_calls(content) {
                     Some(answer) => {
@@ -502,7 +502,8 @@ impl RunState {
             StopReason::ModelError,
             RunError {
                 code: "MODEL_NO_ANSWER".into(),
-                message: "asked for a final answer without tools, the model wrote none".into(),
+                message: "asked for a final answer with no tool call allowed, the model wrote none"
+                    .into(),
                 category: "model",
                 retryable: true,
             },

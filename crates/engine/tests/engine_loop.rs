@@ -509,10 +509,12 @@ async fn max_iterations_ends_with_a_tool_less_answer() {
     assert_eq!(record.final_answer, "best effort");
     let requests = h.model.requests.lock().unwrap();
     assert_eq!(requests.len(), 5);
-    assert!(
-        requests[4].tools.is_empty(),
-        "the last call offers no tools"
-    );
+    // The last call offers the tools as the others did (a provider refusing calls in a
+    // conversation without tools accepts it), and no call.
+    assert_eq!(requests[4].tools, requests[3].tools);
+    assert!(!requests[4].tools.is_empty());
+    assert!(requests[4].no_calls, "the last call allows no call");
+    assert!(requests[..4].iter().all(|r| !r.no_calls));
 }
 
 #[tokio::test]
@@ -944,7 +946,7 @@ async fn the_final_request_is_sent_whole_in_a_turn_over_its_budget() {
     assert_eq!(record.stop_reason, Some(StopReason::MaxIterations));
     let requests = h.model.requests.lock().unwrap();
     let last = requests.last().unwrap();
-    assert!(last.tools.is_empty(), "the last round offers no tools");
+    assert!(last.no_calls, "the last round allows no call");
     let Some(ChatMessage::User(asked)) = last.messages.last() else {
         panic!("{:#?}", last.messages)
     };

@@ -62,6 +62,10 @@ pub struct ChatRequest {
     /// Whether the model may ask for several tools in one round. Only `false` is sent (with
     /// tools): `true` is what providers do when it is left out.
     pub parallel_tool_calls: bool,
+    /// The tools are offered, but the model may call none (`tool_choice: "none"`): a
+    /// round that must be answered in words keeps the prompt the rounds before had (and
+    /// providers that refuse a conversation with tool calls but no tools accept it).
+    pub no_calls: bool,
     /// Sampling temperature; `None` leaves the provider's default.
     pub temperature: Option<f32>,
     /// Generation cap; `None` leaves the provider's default.

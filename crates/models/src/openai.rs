@@ -789,8 +789,11 @@ pub(crate) fn request_body(request: &ChatRequest, completion_tokens: bool) -> Ve
         tools: request.tools.iter().map(WireTool::new).collect(),
         // Only `false`, and only with tools: `true` is the API's default, and OpenAI's
         // reasoning models (o1, o3, o4-mini) refuse the parameter whatever its value.
-        parallel_tool_calls: (!request.tools.is_empty() && !request.parallel_tool_calls)
+        parallel_tool_calls: (!request.tools.is_empty()
+            && !request.parallel_tool_calls
+            && !request.no_calls)
             .then_some(false),
+        tool_choice: (!request.tools.is_empty() && request.no_calls).then_some("none"),
         temperature: request.temperature,
         max_tokens: request.max_tokens.filter(|_| !completion_tokens),
         max_completion_tokens: request.max_tokens.filter(|_| completion_tokens),
@@ -810,6 +813,8 @@ struct Body<'a> {
     tools: Vec<WireTool<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     parallel_tool_calls: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_choice: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     temperature: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -3124,6 +3129,7 @@ mod tests {
                 }]
                 .into(),
                 parallel_tool_calls: true,
+                no_calls: false,
                 temperature: Some(0.5),
                 max_tokens: Some(10),
                 stop: vec!["Observation:".into()],
@@ -3159,6 +3165,7 @@ mod tests {
         );
         // `true` is the API's default, left out (OpenAI's reasoning models refuse it).
         assert!(body.get("parallel_tool_calls").is_none());
+        assert!(body.get("tool_choice").is_none());
         assert_eq!(body["temperature"], 0.5);
         assert_eq!(body["stop"][0], "Observation:");
         assert_eq!(body["max_tokens"], 10);
@@ -3182,6 +3189,23 @@ mod tests {
             json!({"model": "m", "messages": [{"role": "assistant", "content": "a"}],
                 "stream": true, "stream_options": {"include_usage": true}})
         );
+
+        // A round that must be answered in words offers the tools, calls refused.
+        let answer_now = ChatRequest {
+            model: "m".into(),
+            tools: [ToolDefinition {
+                name: "t".into(),
+                description: "d".into(),
+                parameters: json!({"type": "object"}).into(),
+            }]
+            .into(),
+            no_calls: true,
+            ..ChatRequest::default()
+        };
+        let body: Value = serde_json::from_slice(&request_body(&answer_now, false)).unwrap();
+        assert_eq!(body["tool_choice"], "none");
+        assert_eq!(body["tools"][0]["function"]["name"], "t");
+        assert!(body.get("parallel_tool_calls").is_none());
 
         // OpenAI's and Azure's API take the bound under its newer name (their reasoning
         // models refuse the other).
