@@ -60,6 +60,11 @@ const SCENARIOS: &str = r#"{"scenarios": {
       {"id": "k1", "name": "lookup_order", "arguments": {"order_id": "A-17"}},
       {"id": "k2", "name": "lookup_order", "arguments": {"order_id": "B-2"}}]},
     {"content": "results: {tool_results}"}]},
+  "bad_approval": {"turns": [
+    {"tool_calls": [
+      {"id": "b1", "name": "sleep", "arguments": {"seconds": "soon"}},
+      {"id": "b2", "name": "sleep", "arguments": {"seconds": 0}}]},
+    {"content": "results: {tool_results}"}]},
   "plain": {"turns": [{"content": "an answer"}]},
   "busy": {"turns": [{"content": "done at last", "latency_ms": 6000}]},
   "client_late": {"turns": [
@@ -304,6 +309,32 @@ async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
         .unwrap_err();
     assert_eq!(late.code(), Code::FailedPrecondition, "{late:?}");
     assert_eq!(status_reason(&late), "TOOL_CALL_ANSWERED");
+}
+
+/// A person is asked only about calls that can run: a call its tool's schema refuses goes
+/// back to the model at once, as a client tool's does.
+#[tokio::test]
+async fn a_call_whose_arguments_its_tool_refuses_is_not_put_to_a_person() {
+    let mut stack = Stack::up(SCENARIOS, &[]).await;
+    let (stream, before, action, run_id) =
+        waiting_run(&mut stack, waiting_agent("bad_approval", false)).await;
+    assert_eq!(
+        pending(&action),
+        [("b2".to_owned(), "sleep".to_owned(), "approve".to_owned())]
+    );
+    let results = of_kind(&before, v1::EventType::ToolResult);
+    assert_eq!(results.len(), 1, "{results:?}");
+    assert_eq!(results[0]["id"], "b1");
+    assert_eq!(results[0]["is_error"], true);
+    let error = results[0]["output"].as_str().unwrap();
+    assert!(error.contains("input schema"), "{error}");
+    assert!(error.contains("seconds"), "{error}");
+    approve(&mut stack.engine, &run_id, &[("b2", true, "")])
+        .await
+        .unwrap();
+    let events: Vec<Event> = before.into_iter().chain(rest(stream).await).collect();
+    assert_well_formed(&events);
+    assert_eq!(done(&events)["stop_reason"], "final_answer");
 }
 
 #[tokio::test]

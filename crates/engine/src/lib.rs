@@ -1861,7 +1861,23 @@ impl Engine {
             )));
         }
         if config.needs_approval(&call.name) {
-            return Prepared::Wait(Action::Approve, arguments);
+            // A person is asked only about calls that can run: arguments the tool's
+            // schema refuses go back to the model at once, as the tool executor would
+            // send them back after the approval. (A schema this validator cannot use is
+            // left to the tool executor.)
+            let refused = spec
+                .tools
+                .iter()
+                .find(|tool| tool.name == call.name)
+                .and_then(|tool| jsonschema::validator_for(&tool.input_schema).ok())
+                .and_then(|validator| violations(&validator, &arguments));
+            return match refused {
+                None => Prepared::Wait(Action::Approve, arguments),
+                Some(violations) => Prepared::Done(ToolResult::error(format!(
+                    "the arguments do not match the input schema of tool {:?}: {violations}",
+                    call.name
+                ))),
+            };
         }
         Prepared::Run(invocation(spec, call, arguments))
     }
@@ -1969,10 +1985,15 @@ fn outside_reference(schema: &serde_json::Value) -> Option<&str> {
 /// Where `arguments` break `schema` (a JSON Schema that validation accepted), said for
 /// the model; `None` when they match.
 fn schema_violations(schema: &serde_json::Value, arguments: &serde_json::Value) -> Option<String> {
-    let validator = match jsonschema::validator_for(schema) {
-        Ok(validator) => validator,
-        Err(error) => return Some(format!("the schema cannot be used: {error}")),
-    };
+    match jsonschema::validator_for(schema) {
+        Ok(validator) => violations(&validator, arguments),
+        Err(error) => Some(format!("the schema cannot be used: {error}")),
+    }
+}
+
+/// Where `arguments` break what `validator` checks, said for the model; `None` when they
+/// match.
+fn violations(validator: &jsonschema::Validator, arguments: &serde_json::Value) -> Option<String> {
     let violations: Vec<String> = validator
         .iter_errors(arguments)
         .take(10)
