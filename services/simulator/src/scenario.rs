@@ -582,9 +582,11 @@ fn demo_call(conversation: &Conversation) -> Option<ScriptedCall> {
 
 /// The arguments the `demo` model gives a tool the query names: `{"query": <the query>}`,
 /// unless its parameters have properties and `query` is not one of them; then each of its
-/// required string properties (or, none being required, its first property, when a
-/// string) is the query's first word holding a digit (`A-17` in "Where is order A-17?"),
-/// or the whole query when none does.
+/// required properties (or, none being required, its first property) is: when a string,
+/// the query's first word holding a digit (`A-17` in "Where is order A-17?"), or the
+/// whole query when none does; when a number or an integer, the query's first word that
+/// is one (`10` in "Sleep for 10 seconds"), left out when none is. With no property set,
+/// `{"query": <the query>}`.
 fn demo_arguments(parameters: Option<&Value>, query: &str) -> Value {
     let whole = || serde_json::json!({ "query": query });
     let Some(properties) = parameters
@@ -604,19 +606,33 @@ fn demo_arguments(parameters: Option<&Value>, query: &str) -> Value {
     } else {
         required
     };
-    let value = query
-        .split_whitespace()
+    let words = || {
+        query
+            .split_whitespace()
+            .map(|word| word.trim_matches(|c: char| !c.is_alphanumeric() && c != '.' && c != '-'))
+    };
+    let value = words()
         .map(|word| word.trim_matches(|c: char| !c.is_alphanumeric()))
         .find(|word| word.chars().any(|c| c.is_ascii_digit()))
         .unwrap_or(query);
+    let integer = words().find_map(|word| word.parse::<i64>().ok());
+    let number = words().find_map(|word| {
+        word.parse::<f64>()
+            .ok()
+            .and_then(serde_json::Number::from_f64)
+    });
     let arguments: serde_json::Map<String, Value> = names
         .into_iter()
-        .filter(|name| {
-            properties
-                .get(*name)
-                .is_some_and(|p| p.get("type").is_none_or(|t| t == "string"))
+        .filter_map(|name| {
+            let given = match properties.get(name)?.get("type") {
+                None => Value::from(value),
+                Some(Value::String(kind)) if kind == "string" => Value::from(value),
+                Some(Value::String(kind)) if kind == "integer" => Value::from(integer?),
+                Some(Value::String(kind)) if kind == "number" => Value::Number(number.clone()?),
+                Some(_) => return None,
+            };
+            Some((name.to_owned(), given))
         })
-        .map(|name| (name.to_owned(), Value::from(value)))
         .collect();
     if arguments.is_empty() {
         whole()
@@ -875,8 +891,11 @@ mod tests {
             json!({"order_id": "lookup_order, please"})
         );
         assert_eq!(ask("search for 42"), json!({"query": "search for 42"}));
+        // Numbers from the query's first word that is one.
+        assert_eq!(ask("count 3"), json!({"n": 3}));
+        assert_eq!(ask("count to 2.5, then 3"), json!({"n": 3}));
         // What it cannot fill, it leaves to the tool to refuse.
-        assert_eq!(ask("count 3"), json!({"query": "count 3"}));
+        assert_eq!(ask("count them"), json!({"query": "count them"}));
     }
 
     #[test]
