@@ -270,6 +270,15 @@ async fn an_approved_call_runs_and_the_run_goes_on_in_the_same_stream() {
         ("c1", "calculator", "approve")
     );
     assert!(!call.answered);
+    // Its record has no output and no duration yet: it has not run.
+    let record = state
+        .steps
+        .iter()
+        .flat_map(|step| &step.tool_calls)
+        .find(|c| c.id == "c1")
+        .expect("the call's record");
+    assert_eq!(record.output, "");
+    assert_eq!(record.duration, None);
 
     let answered = approve(&mut stack.engine, &run_id, &[("c1", true, "")])
         .await
@@ -679,6 +688,13 @@ async fn answers_to_unknown_runs_runs_not_waiting_and_malformed_requests() {
         .unwrap_err();
     assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
     assert_eq!(status_reason(&refused), "RUN_NOT_WAITING");
+    // How it ended, as its `done` event says.
+    assert!(
+        refused
+            .message()
+            .ends_with("(it is succeeded, ended with stop reason final_answer)"),
+        "{refused:?}"
+    );
 }
 
 /// A wait longer than `timeouts.action` ends the run with STOP_REASON_ACTION_TIMEOUT; the

@@ -94,10 +94,21 @@ pub fn invalid_argument(summary: &str, violations: &[Violation]) -> Status {
 
 /// `NOT_FOUND` with an `ErrorInfo` naming the kind of thing and its id.
 pub fn not_found(reason: &str, what: &str, id: &str) -> Status {
+    not_found_because(reason, what, id, "")
+}
+
+/// [`not_found`], its message going on with `hint` (what may have become of it, what to
+/// do) unless that is empty.
+pub fn not_found_because(reason: &str, what: &str, id: &str, hint: &str) -> Status {
     let id = bounded(id, ID_BYTES);
     let details =
         ErrorDetails::with_error_info(reason, ERROR_DOMAIN, [(what.to_owned(), id.to_string())]);
-    Status::with_error_details(Code::NotFound, format!("{what} {id:?} not found"), details)
+    let message = if hint.is_empty() {
+        format!("{what} {id:?} not found")
+    } else {
+        format!("{what} {id:?} not found: {hint}")
+    };
+    Status::with_error_details(Code::NotFound, message, details)
 }
 
 /// A status with `details` and `message`, bounded: messages often quote what a client

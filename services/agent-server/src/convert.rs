@@ -386,7 +386,12 @@ fn whole_record_to_wire(record: &RunRecord) -> v1::AgentState {
                         },
                         output: call.output.clone(),
                         is_error: call.is_error,
-                        duration: duration_to_wire(call.duration),
+                        // None while the call runs or waits for its answer: it took no
+                        // time yet that a client could read as its own.
+                        duration: call
+                            .finished
+                            .then(|| duration_to_wire(call.duration))
+                            .flatten(),
                         references: call
                             .references
                             .iter()

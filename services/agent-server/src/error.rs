@@ -79,8 +79,8 @@ pub enum Error {
     RunNotWaiting {
         /// The run.
         run_id: String,
-        /// What it is doing instead.
-        status: &'static str,
+        /// What it is doing instead, or how it ended.
+        status: String,
     },
     /// The run waits, but not for this call.
     #[error("run {run_id:?} is not waiting for tool call {call_id:?} (it waits for: {waiting})")]
@@ -142,7 +142,13 @@ impl From<Error> for Status {
             Error::InvalidRequest(violations) => {
                 status::invalid_argument("invalid request", &violations)
             }
-            Error::EngineNotFound(id) => status::not_found("ENGINE_NOT_FOUND", "engine", &id),
+            Error::EngineNotFound(id) => status::not_found_because(
+                "ENGINE_NOT_FOUND",
+                "engine",
+                &id,
+                "an engine is kept for engines.ttl after its last use, and with state in \
+                 memory a restart of the server loses it; create it again",
+            ),
             Error::ToolService(e @ ToolServiceError::Unavailable { .. }) => status::unavailable(
                 "TOOL_EXECUTOR_UNAVAILABLE",
                 format!("cannot check the config's tools: {e}"),

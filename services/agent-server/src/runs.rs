@@ -1151,9 +1151,17 @@ impl RunManager {
                 // Its record, read before, may still say it waits: its wait ended since
                 // (all answered, cancelled, or out of time) or is ending.
                 status: if record.waiting() {
-                    "done waiting: answered, cancelled or out of time (timeouts.action)"
+                    "done waiting: answered, cancelled or out of time (timeouts.action)".into()
                 } else {
-                    status_name(record.status)
+                    match record.stop_reason {
+                        // Why it ended, as its `done` event says it.
+                        Some(reason) if record.ended() => format!(
+                            "{}, ended with stop reason {}",
+                            status_name(record.status),
+                            reason.as_str()
+                        ),
+                        _ => status_name(record.status).into(),
+                    }
                 },
             }),
             Answered::NotPending(call_id) => Err(Error::CallNotPending {
