@@ -733,14 +733,16 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
                     return;
                 }
                 warn!(%reason, "MCP server disconnected; reconnecting");
-                shared.set_down(format!("{reason}; reconnecting"));
+                shared.set_down(format!("{reason}; the tool executor connects again"));
                 if started.elapsed() > STABLE {
                     backoff = FIRST_BACKOFF;
                 }
             }
             Ok(Err(reason)) => {
                 warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
-                shared.set_down(format!("{reason}; retrying"));
+                shared.set_down(format!(
+                    "{reason}; the tool executor tries again, waiting {backoff:?}"
+                ));
             }
             Err(_) => {
                 let reason = format!(
@@ -748,7 +750,9 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
                     shared.config.connect_timeout
                 );
                 warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
-                shared.set_down(format!("{reason}; retrying"));
+                shared.set_down(format!(
+                    "{reason}; the tool executor tries again, waiting {backoff:?}"
+                ));
             }
         }
         if let Some(first) = first.take() {
@@ -856,9 +860,10 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
                 return Err("the child process has no stdin or stdout".into());
             };
-            if let Some(stderr) = child.stderr.take() {
-                tokio::spawn(log_stderr(stderr).in_current_span());
-            }
+            let mut stderr = child
+                .stderr
+                .take()
+                .map(|stderr| tokio::spawn(log_stderr(stderr).in_current_span()));
             // The bound is enforced (and an oversized answer answered for) before the
             // SDK reads a line; its own bound only backs that up.
             let max = shared.config.max_message_bytes;
@@ -868,10 +873,29 @@ async fn connect(shared: &Arc<Shared>) -> std::result::Result<Connection, String
             );
             let transport =
                 AsyncRwTransport::new(stdout, stdin).with_max_line_length(max.saturating_add(1));
-            let service = handler
-                .serve(lenient::Lenient(transport))
-                .await
-                .map_err(|e| describe::init_error(&e))?;
+            let service = match handler.serve(lenient::Lenient(transport)).await {
+                Ok(service) => service,
+                // A process that exits before it answers (a script that is not there, a
+                // package not installed) said why on stderr: the reason says it too.
+                Err(error) => {
+                    let mut why = describe::init_error(&error);
+                    if let Ok(Ok(status)) =
+                        tokio::time::timeout(EXIT_NOTICE, process.child.wait()).await
+                    {
+                        why = format!("{why}: the process exited ({status})");
+                        if let Some(task) = stderr.take()
+                            && let Ok(Ok(Some(last))) =
+                                tokio::time::timeout(EXIT_NOTICE, task).await
+                        {
+                            why = format!(
+                                "{why}; the last line it wrote to stderr: {}",
+                                crate::http::quoted(&last)
+                            );
+                        }
+                    }
+                    return Err(why);
+                }
+            };
             (service, Some(process))
         }
         Transport::Http { url, client } => {
@@ -1208,7 +1232,7 @@ fn request_failed(
             shared.reconnect.notify_one();
             Err(CallError::Unavailable {
                 source_name: name.to_owned(),
-                reason: format!("MCP server {name:?} cannot be reached: {why}; reconnecting"),
+                reason: format!("MCP server {name:?}: {why}; the tool executor connects again"),
                 retry_after: RETRY_WHILE_CONNECTING,
                 sent: false,
             })
@@ -1450,16 +1474,30 @@ impl StderrBudget {
     }
 }
 
+/// How long a child that failed to answer `initialize` is given to exit, and its stderr to
+/// be read to its end, for the reason to say why.
+const EXIT_NOTICE: Duration = Duration::from_millis(500);
+
+/// Most bytes kept of a child's last stderr line, for a reason that quotes it.
+const LAST_LINE_BYTES: usize = 300;
+
 /// Logs what a child process writes to stderr, a chunk at a time (so a line without end
-/// never piles up), within a [`StderrBudget`], until it closes.
-async fn log_stderr(mut stderr: tokio::process::ChildStderr) {
+/// never piles up), within a [`StderrBudget`], until it closes; answers the last line
+/// it wrote (cut at [`LAST_LINE_BYTES`]).
+async fn log_stderr(mut stderr: tokio::process::ChildStderr) -> Option<String> {
     let mut buf = vec![0u8; 8192];
     let mut budget = StderrBudget::new();
+    let mut last: Option<String> = None;
     loop {
         match stderr.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 let text = String::from_utf8_lossy(&buf[..n]);
+                if let Some(line) = text.lines().rev().find(|l| !l.trim().is_empty()) {
+                    let mut line = line.trim().to_owned();
+                    crate::cut_at(&mut line, LAST_LINE_BYTES);
+                    last = Some(line);
+                }
                 for line in text.lines().filter(|l| !l.trim().is_empty()) {
                     match budget.take(Instant::now()) {
                         Some(0) => info!(stderr = %line, "mcp server says"),
@@ -1478,6 +1516,7 @@ async fn log_stderr(mut stderr: tokio::process::ChildStderr) {
             "mcp server's last stderr lines were left out of the log"
         );
     }
+    last
 }
 
 #[cfg(test)]

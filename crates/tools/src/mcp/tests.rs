@@ -26,6 +26,12 @@ if mode == "helper":
         f.write(str(helper.pid))
     os.replace(os.path.join(state, "helper.tmp"), os.path.join(state, "helper"))
 
+if mode == "dies":
+    # As node does for a script that is not there.
+    sys.stderr.write("node:internal/modules/cjs/loader:1228\n  throw err;\n")
+    sys.stderr.write("Error: Cannot find module '/nowhere/index.js'\n")
+    sys.stderr.flush()
+    sys.exit(1)
 if mode == "stubborn":
     # Does not exit when its stdin closes; cleans up on SIGTERM.
     import signal
@@ -535,6 +541,29 @@ async fn abandoned_and_timed_out_calls_are_cancelled_at_the_server() {
         .await
         .unwrap();
     assert_eq!(out.text, "still here");
+    toolset.shutdown().await;
+}
+
+/// A server that exits before it answers `initialize` is down for a reason that says
+/// how it exited and what it wrote last on stderr.
+#[tokio::test]
+async fn a_server_that_exits_at_start_says_why() {
+    let fake = Fake::new("dies");
+    let toolset = McpToolset::start(fake.config("dies"), Changes::new())
+        .await
+        .unwrap();
+    let err = toolset
+        .call("echo", json!({}), &ToolContext::default())
+        .await
+        .unwrap_err();
+    let CallError::Unavailable { reason, .. } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(reason.contains("exited (exit status: 1)"), "{reason}");
+    assert!(
+        reason.contains("stderr: Error: Cannot find module '/nowhere/index.js'"),
+        "{reason}"
+    );
     toolset.shutdown().await;
 }
 
