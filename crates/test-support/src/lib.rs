@@ -28,8 +28,11 @@ const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// The path of a binary of this workspace, built once per test process if needed.
 ///
 /// Test executables live in `target/<profile>/deps`; the binaries sit one level up. The
-/// build runs `cargo build --bins` with the same profile, which is a no-op when they are
-/// fresh, so that `cargo test` alone is enough.
+/// build runs `cargo build --tests --bins` with the same profile, which is a no-op when
+/// they are fresh, so that `cargo test` alone is enough. `--tests` makes cargo resolve
+/// features as `cargo test` did (the dev-dependencies' features included: tokio's
+/// `test-util`), so the binaries link the libraries the tests were built with instead of
+/// building every library again with other features.
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let dir = BUILT
@@ -40,7 +43,7 @@ pub fn binary(name: &str) -> PathBuf {
             let release = profile_dir.file_name().is_some_and(|n| n == "release");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut build = std::process::Command::new(cargo);
-            build.args(["build", "--quiet", "--bins", "--workspace"]);
+            build.args(["build", "--quiet", "--workspace", "--tests", "--bins"]);
             if release {
                 build.arg("--release");
             }
@@ -48,7 +51,7 @@ pub fn binary(name: &str) -> PathBuf {
                 .status()
                 .map_err(|e| format!("cannot run cargo: {e}"))?;
             if !status.success() {
-                return Err(format!("cargo build --bins failed: {status}"));
+                return Err(format!("cargo build --tests --bins failed: {status}"));
             }
             Ok(profile_dir)
         })
