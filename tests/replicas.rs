@@ -285,6 +285,11 @@ async fn redis_stopped_and_started_again() {
         .unwrap_err();
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("Redis"), "{refused:?}");
+    // Its address is the operator's, not every client's.
+    assert!(
+        !refused.message().contains(&port.to_string()),
+        "{refused:?}"
+    );
     readiness_becomes(&agents, NOT_SERVING, "NOT_SERVING while Redis is down").await;
 
     let _redis = OwnRedis::start(port).await;

@@ -160,9 +160,18 @@ impl From<Error> for Status {
                     format!("cannot check the config's tools: {e}"),
                 )
             }
+            // Said without the store's address and the system's error, which are the
+            // operator's (and logged), not every client's.
             Error::State(StateError::Unavailable(message))
             | Error::Bus(BusError::Unavailable(message)) => {
-                status::unavailable("STATE_UNAVAILABLE", message, Duration::from_secs(1))
+                tracing::debug!(%message, "a call failed: the shared state is unavailable");
+                status::unavailable(
+                    "STATE_UNAVAILABLE",
+                    "Redis, where this server keeps its state, cannot be reached; retry \
+                     shortly (the server's log says why)"
+                        .into(),
+                    Duration::from_secs(1),
+                )
             }
             Error::State(error @ StateError::Corrupt { .. }) => {
                 status::internal("STATE_CORRUPT", error.to_string())
