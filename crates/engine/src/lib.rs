@@ -1754,7 +1754,10 @@ impl Engine {
             // A name the model made up (a refused call) is no series of its own: a query
             // can steer the model, and the label's names are bounded.
             let name = calls[index].name.as_str();
-            let label = if spec.tools.iter().any(|tool| tool.name == name) {
+            // Nor is a client tool's (each caller names its own): they count together.
+            let label = if config.client_tool(name).is_some() {
+                "client"
+            } else if spec.tools.iter().any(|tool| tool.name == name) {
                 name
             } else {
                 "unknown"

@@ -1861,3 +1861,26 @@ async fn a_run_whose_continuation_cannot_be_read_ends_failed_once() {
         "{record:?}"
     );
 }
+
+/// A client tool's calls count under one `tool` label, `client`: each caller names its
+/// own tools, and the label's values are bounded for every caller together.
+#[tokio::test]
+async fn client_tool_calls_count_as_client_in_the_metrics() {
+    let name = "lookup_order_for_metrics_test";
+    let h = harness(calls_then_done(vec![call("c1", name, r#"{"order": 17}"#)]));
+    let mut config = config(Strategy::FunctionCall, &[name]);
+    config.client_tools = vec![agentrt_core::ClientTool {
+        name: name.into(),
+        description: "finds an order".into(),
+        input_schema: json!({"type": "object", "properties": {"order_id": {"type": "string"}},
+            "required": ["order_id"], "additionalProperties": false}),
+    }];
+    let (events, _) = h.run("r1", config, Arc::default()).await;
+    assert_well_formed(&events);
+    let text = agentrt_metrics::Metrics::global().encode();
+    assert!(
+        text.contains(r#"agentrt_tool_calls_total{tool="client",outcome="error"}"#),
+        "{text}"
+    );
+    assert!(!text.contains(name), "{text}");
+}
