@@ -9,6 +9,7 @@ pub mod duration;
 pub mod packed;
 mod secret;
 mod state;
+pub mod throttle;
 mod tool;
 mod violation;
 

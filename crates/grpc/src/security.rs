@@ -688,11 +688,18 @@ fn admit_client<B>(names: &ClientNames, request: &Request<B>) -> Result<(), Stat
     if admitted {
         return Ok(());
     }
-    tracing::warn!(
-        peer = ?info.and_then(|i| i.get_ref().remote_addr()),
-        allowed = %names.describe(),
-        "a client certificate without an allowed name was refused"
-    );
+    // Once every 10 s at most: a client can be refused on every call.
+    static WARNINGS: agentrt_core::throttle::Throttle =
+        agentrt_core::throttle::Throttle::new(std::time::Duration::from_secs(10));
+    if let Some(left_out) = WARNINGS.take() {
+        tracing::warn!(
+            peer = ?info.and_then(|i| i.get_ref().remote_addr()),
+            allowed = %names.describe(),
+            left_out,
+            "a client certificate without an allowed name was refused (left_out: those \
+             refused since the last such warning)"
+        );
+    }
     Err(Status::permission_denied(
         "this client's certificate does not carry a name the server allows \
          (server.tls.allowed_client_names)",

@@ -722,7 +722,13 @@ where
         ));
     }
     if status == 404 {
-        warn!(url = %site.url, status, "model provider answered 404");
+        // Once every 10 s at most: a client's config names the model, and may name one
+        // the provider does not have on every call.
+        static WARNINGS: agentrt_core::throttle::Throttle =
+            agentrt_core::throttle::Throttle::new(std::time::Duration::from_secs(10));
+        if let Some(left_out) = WARNINGS.take() {
+            warn!(url = %site.url, status, left_out, "model provider answered 404 (left_out: those since the last such warning)");
+        }
         message = format!(
             "{} answered POST {} with 404 ({message}); check the model name and the \
              provider's base_url",
