@@ -1749,11 +1749,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_run_taken_over_keeps_its_lease_while_the_answer_is_read_late() {
         let lease = Duration::from_millis(300);
-        let inner = store(lease);
-        // A run of another replica, which died: its lease lapses.
-        owned_run(&inner, "r1", "gone.1").await;
-        tokio::time::sleep(lease + Duration::from_millis(100)).await;
-        assert_eq!(inner.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
+        let inner = lapsed_run(lease).await;
 
         let store = Arc::new(SlowTakeOver {
             inner: inner.clone(),
@@ -1761,28 +1757,8 @@ mod tests {
             lapsed_after_take_over: Mutex::new(None),
             gate: None,
         });
-        let engine = Engine::new(
-            agentrt_models::ChatModels::default(),
-            Arc::new(NoTools),
-            Arc::new(InMemorySessionStore::new(
-                agentrt_context::SessionLimits::default(),
-            )),
-        );
         // This replica looks for lapsed runs at once, and takes r1 over.
-        let manager = RunManager::new(
-            engine,
-            Arc::new(InMemoryBus::new(agentrt_events::BusLimits::default())),
-            store.clone(),
-            RunLimits {
-                max_active: 10,
-                takeover_after: Some(lease),
-                lease,
-                max_active_per_principal: 10,
-                max_active_bytes: 1 << 20,
-            },
-        )
-        .await
-        .unwrap();
+        let manager = taking_over(store.clone(), lease).await;
         let lapsed = loop {
             let noted = store
                 .lapsed_after_take_over
@@ -1802,22 +1778,18 @@ mod tests {
         drop(manager);
     }
 
-    /// A run whose take-over ends after this replica began to hand its runs over (and
-    /// found none) is let go at once, not left to lapse.
-    #[tokio::test]
-    async fn a_run_taken_over_as_the_hand_over_began_is_let_go_at_once() {
-        let lease = Duration::from_secs(1);
+    /// A store with leases of `lease` holding run `r1` of another replica, which died:
+    /// its lease lapsed.
+    async fn lapsed_run(lease: Duration) -> Arc<MemoryRunStore> {
         let inner = store(lease);
         owned_run(&inner, "r1", "gone.1").await;
         tokio::time::sleep(lease + Duration::from_millis(100)).await;
         assert_eq!(inner.lapsed(10).await.unwrap(), vec!["r1".to_owned()]);
+        inner
+    }
 
-        let store = Arc::new(SlowTakeOver {
-            inner: inner.clone(),
-            stall: Duration::ZERO,
-            lapsed_after_take_over: Mutex::new(None),
-            gate: Some(tokio::sync::Semaphore::new(0)),
-        });
+    /// A run manager on `store` that takes lapsed runs over, with leases of `lease`.
+    async fn taking_over(store: Arc<SlowTakeOver>, lease: Duration) -> Arc<RunManager> {
         let engine = Engine::new(
             agentrt_models::ChatModels::default(),
             Arc::new(NoTools),
@@ -1825,10 +1797,10 @@ mod tests {
                 agentrt_context::SessionLimits::default(),
             )),
         );
-        let manager = RunManager::new(
+        RunManager::new(
             engine,
             Arc::new(InMemoryBus::new(agentrt_events::BusLimits::default())),
-            store.clone(),
+            store,
             RunLimits {
                 max_active: 10,
                 takeover_after: Some(lease),
@@ -1838,7 +1810,23 @@ mod tests {
             },
         )
         .await
-        .unwrap();
+        .unwrap()
+    }
+
+    /// A run whose take-over ends after this replica began to hand its runs over (and
+    /// found none) is let go at once, not left to lapse.
+    #[tokio::test]
+    async fn a_run_taken_over_as_the_hand_over_began_is_let_go_at_once() {
+        let lease = Duration::from_secs(1);
+        let inner = lapsed_run(lease).await;
+
+        let store = Arc::new(SlowTakeOver {
+            inner: inner.clone(),
+            stall: Duration::ZERO,
+            lapsed_after_take_over: Mutex::new(None),
+            gate: Some(tokio::sync::Semaphore::new(0)),
+        });
+        let manager = taking_over(store.clone(), lease).await;
         // Taken (its lease this replica's), its take-over not answered yet.
         while !inner.lapsed(10).await.unwrap().is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;

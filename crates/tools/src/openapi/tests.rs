@@ -1146,33 +1146,39 @@ fn answers_that_are_not_2xx_are_errors_naming_the_status() {
     }
 }
 
+/// Source `config` (its `spec` `api.json`, holding `doc`; a secret in the file `key`),
+/// loaded from a directory of its own named after `tag`.
+fn loaded(tag: &str, doc: &str, config: serde_json::Value) -> OpenApiToolset {
+    let dir = std::env::temp_dir().join(format!("agentrt-openapi-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("api.json"), doc).unwrap();
+    std::fs::write(dir.join("key"), "k3y\n").unwrap();
+    let mut config: OpenApiConfig = serde_json::from_value(config).unwrap();
+    config.resolve_paths(&dir);
+    let toolset = OpenApiToolset::load(&config).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    toolset
+}
+
 /// The source's own query parameter (an API key) goes last; a server that reads the first
 /// of two would read the model's instead, so no argument may write that name: not as an
 /// exploded object's property, not as a deep object's pair, in whatever letter case.
 #[test]
 fn query_names_the_source_sets_cannot_come_from_the_arguments() {
-    let dir = std::env::temp_dir().join(format!("agentrt-openapi-own-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("api.json"),
+    let toolset = loaded(
+        "own",
         r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
           "paths": {"/search": {"get": {"operationId": "search", "parameters": [
             {"name": "filter", "in": "query", "schema": {"type": "object"}},
             {"name": "page", "in": "query", "style": "deepObject", "schema": {"type": "object"}},
             {"name": "tags", "in": "query", "schema": {"type": "array"}},
             {"name": "api_key", "in": "query", "schema": {"type": "string"}}]}}}}"#,
-    )
-    .unwrap();
-    std::fs::write(dir.join("key"), "k3y\n").unwrap();
-    let mut config: OpenApiConfig = serde_json::from_value(json!({
-        "name": "api",
-        "spec": "api.json",
-        "query": {"api_key": {"file": "key"}, "page[token]": {"file": "key"}},
-    }))
-    .unwrap();
-    config.resolve_paths(&dir);
-    let toolset = OpenApiToolset::load(&config).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+        json!({
+            "name": "api",
+            "spec": "api.json",
+            "query": {"api_key": {"file": "key"}, "page[token]": {"file": "key"}},
+        }),
+    );
     let route = &toolset.routes["search"];
     // The parameter the document declares with the source's name is not offered.
     assert!(route.op.parameters.iter().all(|p| p.name != "api_key"));
@@ -1209,28 +1215,20 @@ fn query_names_the_source_sets_cannot_come_from_the_arguments() {
 
     // A key written into the base URL's query is the source's as well, and a parameter
     // the document declares under another letter case is not offered either.
-    let dir = std::env::temp_dir().join(format!("agentrt-openapi-own2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("api.json"),
+    let toolset = loaded(
+        "own2",
         r#"{"openapi": "3.1.0", "servers": [{"url": "http://api.example.test"}],
           "paths": {"/search": {"get": {"operationId": "search", "parameters": [
             {"name": "filter", "in": "query", "schema": {"type": "object"}},
             {"name": "key", "in": "query", "required": true, "schema": {"type": "string"}},
             {"name": "TOKEN", "in": "query", "required": true, "schema": {"type": "string"}}]}}}}"#,
-    )
-    .unwrap();
-    std::fs::write(dir.join("key"), "k3y\n").unwrap();
-    let mut config: OpenApiConfig = serde_json::from_value(json!({
-        "name": "api",
-        "spec": "api.json",
-        "base_url": "http://maps.example.test/api?key=K",
-        "query": {"token": {"file": "key"}},
-    }))
-    .unwrap();
-    config.resolve_paths(&dir);
-    let toolset = OpenApiToolset::load(&config).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+        json!({
+            "name": "api",
+            "spec": "api.json",
+            "base_url": "http://maps.example.test/api?key=K",
+            "query": {"token": {"file": "key"}},
+        }),
+    );
     let route = &toolset.routes["search"];
     let offered: Vec<&str> = route
         .op
@@ -1259,16 +1257,10 @@ fn query_names_the_source_sets_cannot_come_from_the_arguments() {
 /// a `base_url` with a path of its own replaces it.
 #[tokio::test]
 async fn a_relative_server_is_resolved_against_an_origin_base_url() {
-    let dir = std::env::temp_dir().join(format!("agentrt-openapi-rel-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("api.json"),
-        r#"{"openapi": "3.0.3", "servers": [{"url": "/api/v3"}],
+    let doc = r#"{"openapi": "3.0.3", "servers": [{"url": "/api/v3"}],
           "paths": {"/pet/{id}": {"get": {"operationId": "get_pet",
             "parameters": [{"name": "id", "in": "path", "required": true,
-                            "schema": {"type": "integer"}}]}}}}"#,
-    )
-    .unwrap();
+                            "schema": {"type": "integer"}}]}}}}"#;
     for (base_url, expected) in [
         (
             "http://pets.example.test",
@@ -1283,14 +1275,11 @@ async fn a_relative_server_is_resolved_against_an_origin_base_url() {
             "http://pets.example.test/other/pet/7",
         ),
     ] {
-        let mut config: OpenApiConfig = serde_json::from_value(json!({
-            "name": "pets",
-            "spec": "api.json",
-            "base_url": base_url,
-        }))
-        .unwrap();
-        config.resolve_paths(&dir);
-        let toolset = OpenApiToolset::load(&config).unwrap();
+        let toolset = loaded(
+            "rel",
+            doc,
+            json!({"name": "pets", "spec": "api.json", "base_url": base_url}),
+        );
         let request = toolset
             .request(&toolset.routes["get_pet"], &json!({"id": 7}), "c")
             .unwrap();
@@ -1300,5 +1289,4 @@ async fn a_relative_server_is_resolved_against_an_origin_base_url() {
             "{base_url}"
         );
     }
-    std::fs::remove_dir_all(dir).unwrap();
 }
