@@ -340,28 +340,32 @@ pub struct OwnRedis {
 }
 
 impl OwnRedis {
-    /// Starts it and waits until it accepts connections.
+    /// Starts it and waits until it answers `PING`; panics, saying why, when it exits
+    /// first (the port taken meanwhile by another test's server, say) or does not answer
+    /// within 10 s, rather than let a test go on against another server.
     pub async fn start(port: u16) -> Self {
-        let child = Command::new("redis-server")
+        let mut child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
             .args(["--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .kill_on_drop(true)
             .spawn()
             .expect("this test needs redis-server on PATH (scripts/test installs it)");
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                break;
+        for _ in 0..200 {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "redis-server on port {port} exited at start ({status}): was the port taken?"
+                );
+            }
+            if answers_ping(port).await {
+                return Self {
+                    port,
+                    child: Some(child),
+                };
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Self {
-            port,
-            child: Some(child),
-        }
+        panic!("redis-server on port {port} did not answer PING within 10 s");
     }
 
     /// Its URL (database 0).
@@ -375,6 +379,22 @@ impl OwnRedis {
             child.kill().await.unwrap();
         }
     }
+}
+
+/// Whether a Redis on `port` answers `PING` (not merely something accepting there).
+async fn answers_ping(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut conn) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    if conn.write_all(b"PING\r\n").await.is_err() {
+        return false;
+    }
+    let mut answer = [0u8; 7];
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), conn.read_exact(&mut answer)).await,
+        Ok(Ok(_)) if &answer == b"+PONG\r\n"
+    )
 }
 
 /// A gRPC channel to `url`, connected now.
