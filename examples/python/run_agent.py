@@ -33,8 +33,10 @@ category are printed) or on a client error; 130 on Ctrl-C.
 """
 
 import argparse
+import atexit
 import importlib
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -49,6 +51,8 @@ def load_stubs(proto_dir: pathlib.Path):
     import grpc_tools
 
     out = pathlib.Path(tempfile.mkdtemp(prefix="agentrt-py-"))
+    # Imported once at start; removed when the client exits.
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(str(p) for p in (proto_dir / "agent" / "v1").glob("*.proto"))
     status = protoc.main([

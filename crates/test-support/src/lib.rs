@@ -274,14 +274,16 @@ pub async fn agent_server_with_model(
 pub async fn simulator(scenarios_json: &str, extra_args: &[&str]) -> Server {
     static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("agentrt-scenarios-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("create a temporary directory");
-    let file = dir.join(format!("scenarios-{n}.json"));
-    std::fs::write(&file, scenarios_json).expect("write the scenarios");
-    let file = file.to_string_lossy().into_owned();
+    let path =
+        std::env::temp_dir().join(format!("agentrt-scenarios-{}-{n}.json", std::process::id()));
+    std::fs::write(&path, scenarios_json).expect("write the scenarios");
+    let file = path.to_string_lossy().into_owned();
     let mut args = vec!["--listen", "127.0.0.1:0", "--scenarios", file.as_str()];
     args.extend_from_slice(extra_args);
-    Server::start("model-simulator", &args, &[]).await
+    let server = Server::start("model-simulator", &args, &[]).await;
+    // Read at start: the listening simulator needs it no more.
+    let _ = std::fs::remove_file(&path);
+    server
 }
 
 /// Starts a simulator, a tool executor and an agent server, runs an example client
