@@ -397,11 +397,11 @@ impl GrpcServer {
 /// so that probes are answered at once however busy the server's runtime is: under a load
 /// that keeps every worker thread busy, a probe waiting its turn there took hundreds of
 /// milliseconds, and a kubelet with a one-second timeout would restart a healthy pod.
-/// How long a connection to the health-only port lasts (then it is closed, its calls
-/// given a grace to end; a `Watch` is made again by its client).
+/// How long a connection to the health-only port lasts, with [`HEALTH_CONNECTION_GRACE`]
+/// after it: tonic, given both, drops the connection once both have passed (with any call
+/// open on it: a `Watch` is made again by its client), sending no GOAWAY first.
 const HEALTH_CONNECTION_AGE: Duration = Duration::from_secs(60);
-/// How long the calls of a health connection past its age have to end (a `Watch` is
-/// ended, and made again by its client on a new connection).
+/// See [`HEALTH_CONNECTION_AGE`].
 const HEALTH_CONNECTION_GRACE: Duration = Duration::from_secs(5);
 /// Streams at once on one health connection (a probe makes one call).
 const HEALTH_STREAMS: u32 = 16;
