@@ -219,7 +219,7 @@ where
     let handshake = Arc::new(handshake);
     tokio::spawn(async move {
         let mut backoff = Backoff::new(port);
-        let (mut refused, mut warned) = (0_u64, None::<Instant>);
+        let refusals = agentrt_core::throttle::Throttle::new(REFUSED_WARNING_EVERY);
         loop {
             let slots = async {
                 let connection = connections.clone().acquire_owned().await.ok()?;
@@ -260,16 +260,14 @@ where
                         Some(ip_slot) => Some(ip_slot),
                         None => {
                             drop(conn);
-                            refused += 1;
-                            if warned.is_none_or(|at| at.elapsed() >= REFUSED_WARNING_EVERY) {
+                            if let Some(left_out) = refusals.take() {
                                 warn!(
                                     port,
                                     %ip,
-                                    refused,
+                                    refused = left_out + 1,
                                     max_connections_per_ip = limits.max_per_ip,
                                     "connections refused: their address has its most open"
                                 );
-                                (refused, warned) = (0, Some(Instant::now()));
                             }
                             continue;
                         }
