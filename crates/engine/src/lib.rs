@@ -1840,10 +1840,7 @@ impl Engine {
             // the others.
             return match schema_violations(&tool.input_schema, &arguments) {
                 None => Prepared::Wait(Action::ClientExecute, arguments),
-                Some(violations) => Prepared::Done(ToolResult::error(format!(
-                    "the arguments do not match the input schema of tool {:?}: {violations}",
-                    call.name
-                ))),
+                Some(violations) => Prepared::Done(arguments_refused(&call.name, &violations)),
             };
         }
         if !config.tools.iter().any(|t| t == &call.name) {
@@ -1876,10 +1873,7 @@ impl Engine {
                 .and_then(|validator| violations(&validator, &arguments));
             return match refused {
                 None => Prepared::Wait(Action::Approve, arguments),
-                Some(violations) => Prepared::Done(ToolResult::error(format!(
-                    "the arguments do not match the input schema of tool {:?}: {violations}",
-                    call.name
-                ))),
+                Some(violations) => Prepared::Done(arguments_refused(&call.name, &violations)),
             };
         }
         Prepared::Run(invocation(spec, call, arguments))
@@ -1983,6 +1977,14 @@ fn outside_reference(schema: &serde_json::Value) -> Option<&str> {
         serde_json::Value::Array(items) => items.iter().find_map(outside_reference),
         _ => None,
     }
+}
+
+/// The result of a call of `tool` whose arguments break its input schema (`violations`):
+/// it does not run, and the model reads why.
+fn arguments_refused(tool: &str, violations: &str) -> ToolResult {
+    ToolResult::error(format!(
+        "the arguments do not match the input schema of tool {tool:?}: {violations}"
+    ))
 }
 
 /// Where `arguments` break `schema` (a JSON Schema that validation accepted), said for
