@@ -738,17 +738,14 @@ async fn supervise(shared: Arc<Shared>, stop: CancellationToken, first: oneshot:
                     backoff = FIRST_BACKOFF;
                 }
             }
-            Ok(Err(reason)) => {
-                warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
-                shared.set_down(format!(
-                    "{reason}; the tool executor tries again, waiting {backoff:?}"
-                ));
-            }
-            Err(_) => {
-                let reason = format!(
-                    "it did not start and answer `initialize` and `tools/list` within {:?}",
-                    shared.config.connect_timeout
-                );
+            failed => {
+                let reason = match failed {
+                    Ok(Err(reason)) => reason,
+                    _ => format!(
+                        "it did not start and answer `initialize` and `tools/list` within {:?}",
+                        shared.config.connect_timeout
+                    ),
+                };
                 warn!(%reason, retry_in = ?backoff, "cannot connect to the MCP server");
                 shared.set_down(format!(
                     "{reason}; the tool executor tries again, waiting {backoff:?}"
